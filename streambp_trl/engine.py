@@ -29,7 +29,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from . import attention
 from .logits import STAT_OUTPUTS, chunked_logprobs
-from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
+from .stream_layer import KV_MODES, StreamSettings, check_no_dropout, stream_checkpoint
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -86,6 +86,7 @@ def _validate(model: PreTrainedModel, layers: list[nn.Module]) -> None:
         if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
             _refuse(model, f"config.{name}={value}: dropout cannot be replayed chunk by chunk; set it to 0")
     for layer in layers:
+        check_no_dropout(layer)
         for module in layer.modules():
             if getattr(module, "is_causal", True) is False:
                 _refuse(model, f"{type(module).__name__} is not causal")

@@ -84,7 +84,7 @@ class _ChunkCache(Cache):
         return torch.cat([self.prefix_k, key_states], dim=-2), torch.cat([self.prefix_v, value_states], dim=-2)
 
 
-def _check_no_dropout(layer: nn.Module) -> None:
+def check_no_dropout(layer: nn.Module) -> None:
     for module in layer.modules():
         p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else getattr(module, "attention_dropout", 0)
         if isinstance(p, (int, float)) and p > 0:
@@ -189,6 +189,9 @@ class _LayerCall:
             if e < self.seq_len:  # later chunks attended to this chunk's keys and values
                 outputs += [cache.chunk_k, cache.chunk_v]
                 grad_outputs += [dk[:, :, s:e], dv[:, :, s:e]]
+            # keys/values computed only from frozen weights and a gradient-free input carry no gradient
+            keep = [i for i, out in enumerate(outputs) if out.requires_grad]
+            outputs, grad_outputs = [outputs[i] for i in keep], [grad_outputs[i] for i in keep]
             inputs = [xc] if need_dx else []
             inputs += [kp, vp] if s > p else []
             grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
@@ -285,7 +288,7 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
     (x,) = args
     layer = forward.args[0]
     seq_len = x.shape[1]
-    _check_no_dropout(layer)
+    check_no_dropout(layer)
     kwargs = dict(forward.keywords)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):  # a user-given 4D mask: sliced per chunk

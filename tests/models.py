@@ -1,0 +1,101 @@
+"""Tiny decoder-only models of each supported family, built from configs (no weights from the Hub)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+VOCAB = 101
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    attn_implementation="sdpa",
+)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {}),  # q/k/v biases
+    "qwen3": (transformers.Qwen3Config, {}),  # q/k norms
+    "mistral": (transformers.MistralConfig, {"sliding_window": 5}),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "final_logit_softcapping": 3.0,
+            "query_pre_attn_scalar": 8,
+        },
+    ),
+    "phi3": (transformers.Phi3Config, {}),  # fused qkv projection
+    "olmo2": (transformers.Olmo2Config, {}),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1, "experts_implementation": "eager"},
+    ),
+}
+
+# Gemma3RMSNorm computes in float32 even inside a float64 model, so a float64 Gemma3 agrees with plain
+# autograd only to float32 rounding of the norm (the stream decoder feeds it chunks, which can round
+# differently); with a float64 norm the agreement is ~1e-15.
+FLOAT64_TOLERANCE = {"gemma3": 1e-5}
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**{**_COMMON, **extra, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.train()
+    return model
+
+
+def batch(batch_size: int = 2, seq_len: int = 23, padding: str = "right", prompt: int = 6, seed: int = 1):
+    """input_ids, attention_mask and labels with -100 on padding and on a prompt prefix."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch_size, seq_len), generator=g)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if padding == "right":
+        mask[-1, seq_len - 7 :] = 0
+    elif padding == "left":
+        mask[-1, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    if padding == "left":
+        labels[-1, : 7 + prompt] = -100
+        labels[:-1, :prompt] = -100
+    else:
+        labels[:, :prompt] = -100
+    return ids, mask, labels
+
+
+def reference_loss(model, ids, mask, labels):
+    """Plain autograd, loss in the model's own dtype (HF's loss_function upcasts only to float32)."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap is not None and model.config.model_type != "gemma3_text":
+        raise AssertionError("softcapping expected only for gemma3 here")
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+def max_rel_grad_error(reference, candidate) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    cand = dict(candidate.named_parameters())
+    for name, p in reference.named_parameters():
+        if p.grad is None:
+            continue
+        q = cand[name].grad
+        assert q is not None, f"{name} got no gradient"
+        err = ((p.grad - q).norm() / p.grad.norm().clamp_min(1e-300)).item()
+        if err > worst:
+            worst, where = err, name
+    return worst, where

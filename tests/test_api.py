@@ -1,0 +1,141 @@
+"""enable/disable, eval-mode behaviour, checkpoints, and clear refusals of what cannot be streamed exactly."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+from models import batch, tiny_model
+
+from streambp_trl import disable_streambp, enable_streambp
+
+
+def test_eval_and_no_grad_behave_as_before():
+    reference = tiny_model("mistral")
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
+    ids, mask, labels = batch(padding="left")
+    for m in (reference, model):
+        m.eval()
+    with torch.no_grad():
+        ref = reference(input_ids=ids, attention_mask=mask, labels=labels)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is not None and torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    gen_ref = reference.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids[:1], max_new_tokens=4, do_sample=False), gen_ref)
+
+
+def test_training_no_grad_pass_streams_and_matches():
+    """Reference-model style passes (train mode, no grad) run chunked and give the same log-probs."""
+    reference = tiny_model("qwen3")
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=3)
+    ids, mask, labels = batch(padding="left")
+    with torch.no_grad():
+        logits = reference(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(out.log_probs, ref.masked_fill(labels[:, 1:] == -100, 0), rtol=1e-12, atol=1e-12)
+
+
+def test_disable_restores_the_model():
+    model = tiny_model("llama")
+    before = type(model).forward, model.config._attn_implementation
+    enable_streambp(model, stream_chunk_size=4)
+    assert model.config._attn_implementation == "streambp"
+    disable_streambp(model)
+    assert "forward" not in vars(model) and model.config._attn_implementation == before[1]
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    ids, mask, labels = batch()
+    assert model(input_ids=ids, attention_mask=mask, labels=labels).logits is not None
+
+
+def test_enable_twice_replaces_settings():
+    model = tiny_model("llama")
+    enable_streambp(model, stream_chunk_size=4)
+    enable_streambp(model, stream_chunk_size=6)
+    assert model._streambp.settings.chunk_size == 6
+    disable_streambp(model)
+    assert "forward" not in vars(model)
+
+
+def test_checkpoint_loads_with_plain_transformers(tmp_path):
+    model = enable_streambp(tiny_model("qwen3", dtype=torch.float32), stream_chunk_size=4)
+    ids, mask, labels = batch()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    model.save_pretrained(tmp_path)
+    assert "streambp" not in (tmp_path / "config.json").read_text()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert torch.equal(p, q), name
+    loaded.generate(ids[:1], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "8", True])
+def test_bad_chunk_size(value):
+    with pytest.raises(ValueError, match="stream_chunk_size must be a positive integer"):
+        enable_streambp(tiny_model("llama"), stream_chunk_size=value)
+    with pytest.raises(ValueError, match="logits_chunk_size must be a positive integer"):
+        enable_streambp(tiny_model("llama"), stream_chunk_size=4, logits_chunk_size=value or -1)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="kv_mode"):
+        enable_streambp(tiny_model("llama"), stream_chunk_size=4, kv_mode="offload")
+    with pytest.raises(ValueError, match="fused_outputs"):
+        enable_streambp(tiny_model("llama"), stream_chunk_size=4, fused_outputs=("logits",))
+
+
+def test_all_labels_ignored_is_an_error():
+    model = enable_streambp(tiny_model("llama"), stream_chunk_size=4)
+    ids, mask, _ = batch()
+    with pytest.raises(ValueError, match="Every label is -100"):
+        model(input_ids=ids, attention_mask=mask, labels=torch.full_like(ids, -100))
+    # TRL's fused call keeps an all-masked micro-batch as a differentiable zero, as TRL's own head does
+    out = model(input_ids=ids, attention_mask=mask, labels=torch.full_like(ids, -100), fused_lm_head=True)
+    out.loss.backward()
+    assert out.loss.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    "family, overrides, match",
+    [
+        ("llama", {"attention_dropout": 0.1}, "LlamaForCausalLM .*attention_dropout=0.1"),
+        ("qwen3_moe", {"output_router_logits": True}, "Qwen3MoeForCausalLM .*load-balancing"),
+        ("qwen3", {"is_causal": False}, "Qwen3ForCausalLM .*bidirectional"),
+    ],
+)
+def test_refused_settings(family, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        enable_streambp(tiny_model(family, **overrides), stream_chunk_size=4)
+
+
+def test_refuses_attention_softcapping():
+    config = transformers.Gemma2Config(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, attn_logit_softcapping=50.0,
+    )
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM .*softcapping"):
+        enable_streambp(transformers.AutoModelForCausalLM.from_config(config), stream_chunk_size=4)
+
+
+def test_refuses_encoder_decoder():
+    config = transformers.T5Config(vocab_size=50, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+    with pytest.raises(ValueError, match="T5ForConditionalGeneration .*encoder-decoder"):
+        enable_streambp(transformers.T5ForConditionalGeneration(config), stream_chunk_size=4)
+
+
+def test_refuses_non_transformers_model():
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        enable_streambp(torch.nn.Linear(2, 2), stream_chunk_size=4)
+
+
+def test_refuses_lora_dropout():
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=2, lora_dropout=0.1, target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="LlamaDecoderLayer .*lora_dropout"):
+        enable_streambp(peft.get_peft_model(tiny_model("llama"), lora), stream_chunk_size=4)
+    # dropout added after enabling is refused at the first training step
+    model = enable_streambp(tiny_model("llama"), stream_chunk_size=4)
+    model = peft.get_peft_model(model, lora)
+    ids, mask, labels = batch()
+    with pytest.raises(ValueError, match="dropout"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)

@@ -1,0 +1,123 @@
+"""The chunked logit kernel against plain log_softmax (float64) and against TRL's fused LM head (float32)."""
+
+import copy
+
+import pytest
+import torch
+from models import batch, tiny_model
+from trl.trainer.utils import add_fused_lm_head
+
+from streambp_trl import chunked_logprobs, enable_streambp
+from streambp_trl.logits import STAT_OUTPUTS
+
+
+def _plain(h, w, b, t, temperature, softcap, scale):
+    y = (h @ w.t() + (0 if b is None else b)) * scale
+    if softcap is not None:
+        y = softcap * torch.tanh(y / softcap)
+    z = y / temperature
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp()
+    first_max = z.argmax(-1)
+    return {
+        "log_probs": logp.gather(1, t[:, None])[:, 0],
+        "entropy": -(p * logp).sum(-1),
+        "log_sum_sq_probs": torch.log((p * p).sum(-1)),
+        "mean_logits": z.mean(-1),
+        "is_top1": first_max == t,
+    }
+
+
+@pytest.mark.parametrize("softcap", [None, 2.5])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tiles", [(3, 7), (64, 1000), (1, 1)])
+def test_kernel_matches_log_softmax_float64(tiles, bias, softcap):
+    g = torch.Generator().manual_seed(0)
+    n, hdim, vocab = 19, 12, 37
+    h = torch.randn(n, hdim, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hdim, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(vocab, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g)
+    t[3] = int(torch.argmax(h[3].detach() @ w.detach().t()))  # at least one top-1 hit
+    kw = dict(temperature=0.7, softcap=softcap, scale=1.3)
+    ref = _plain(h, w, b, t, **kw)
+    ours = chunked_logprobs(
+        h, w, b, t, temperature=0.7, softcap=softcap, logit_scale=1.3,
+        token_chunk=tiles[0], vocab_chunk=tiles[1], outputs=STAT_OUTPUTS,
+    )
+    for name in STAT_OUTPUTS:
+        if name == "is_top1":
+            assert torch.equal(ours[name], ref[name]) and ours[name].any()
+        else:
+            torch.testing.assert_close(ours[name], ref[name], rtol=1e-12, atol=1e-12)
+    # a loss with both differentiable outputs, weighted per token
+    wts = torch.randn(n, dtype=torch.float64, generator=g)
+    params = [h, w] + ([b] if bias else [])
+    ref_grads = torch.autograd.grad((ref["log_probs"] * wts).sum() + 0.3 * ref["entropy"].sum(), params)
+    our_grads = torch.autograd.grad((ours["log_probs"] * wts).sum() + 0.3 * ours["entropy"].sum(), params)
+    for r, o in zip(ref_grads, our_grads):
+        assert ((r - o).norm() / r.norm()).item() < 1e-12
+
+
+def test_kernel_without_entropy_gradient():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(9, 4, dtype=torch.float64, generator=g)
+    t = torch.randint(0, 9, (5,), generator=g)
+    out = chunked_logprobs(h, w, None, t, outputs=("log_probs", "entropy"), token_chunk=2, vocab_chunk=4)
+    (grad,) = torch.autograd.grad(out["log_probs"].sum(), [h])
+    (ref,) = torch.autograd.grad(torch.log_softmax(h @ w.t(), -1).gather(1, t[:, None]).sum(), [h])
+    torch.testing.assert_close(grad, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_kernel_rejects_bad_arguments():
+    h, w, t = torch.randn(2, 3), torch.randn(4, 3), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="Unknown outputs"):
+        chunked_logprobs(h, w, None, t, outputs=("logits",))
+    with pytest.raises(ValueError, match="positive"):
+        chunked_logprobs(h, w, None, t, token_chunk=0)
+
+
+FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+@pytest.mark.parametrize("trl_first", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: final-logit softcapping
+def test_fused_lm_head_matches_trl(family, trl_first):
+    """Same FusedCausalLMOutput as TRL 1.16's fused head (whose statistics are float32), with temperature."""
+    trl_model = tiny_model(family, dtype=torch.float32)
+    ours = copy.deepcopy(trl_model)
+    add_fused_lm_head(trl_model, temperature=0.8, outputs=FIELDS)
+    if trl_first:
+        add_fused_lm_head(ours, temperature=0.8, outputs=FIELDS)
+    enable_streambp(ours, stream_chunk_size=5, logits_chunk_size=4, temperature=0.8, fused_outputs=FIELDS)
+    ids, mask, labels = batch(padding="left")
+    ref = trl_model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+    out = ours(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert torch.equal(out.label_mask, ref.label_mask)
+    for name in FIELDS:
+        if name == "is_top1":
+            assert torch.equal(out.is_top1, ref.is_top1)
+        else:
+            torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-5)
+    (ref.loss + 0.1 * ref.entropy.sum()).backward()
+    (out.loss + 0.1 * out.entropy.sum()).backward()
+    theirs = dict(trl_model.named_parameters())
+    for name, p in ours.named_parameters():
+        q = theirs[name].grad
+        assert ((p.grad - q).norm() / q.norm()).item() < 1e-5, name
+
+
+def test_fused_path_is_ours_in_float64():
+    """TRL's kernel keeps float32 statistics; ours keeps float64, so the float64 log-probs are exact."""
+    model = tiny_model("llama")
+    add_fused_lm_head(model)
+    enable_streambp(model, stream_chunk_size=4)
+    ids, mask, labels = batch()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    ref = ref.masked_fill(labels[:, 1:] == -100, 0)
+    torch.testing.assert_close(out.log_probs.detach(), ref, rtol=1e-13, atol=1e-13)
