@@ -1,4 +1,9 @@
-"""The ``streambp-trl`` command: one subcommand per objective, each parsed by TRL's ``TrlParser``."""
+"""The ``streambp-trl`` command: one subcommand per objective, each parsed by TRL's ``TrlParser``.
+
+``streambp-trl sft --config configs/sft_tiny.yaml [--any_config_field value ...]`` reads TRL's script, model and
+dataset arguments and a :class:`~streambp_trl.StreamSFTConfig`, as ``trl sft`` does, and trains with
+:class:`~streambp_trl.StreamSFTTrainer`. Unknown fields in the YAML file or on the command line are errors.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +11,86 @@ import argparse
 import sys
 from collections.abc import Callable
 
+
+def _sft(argv: list[str]) -> None:
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+    from .sft_config import StreamSFTConfig
+
+    parser = TrlParser(
+        (ScriptArguments, StreamSFTConfig, ModelConfig, DatasetMixtureConfig), prog="streambp-trl sft"
+    )
+    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(argv)
+    train_sft(script_args, training_args, model_args, dataset_args)
+
+
+def _load_dataset(script_args, dataset_args):
+    from datasets import load_dataset
+    from trl import get_dataset
+
+    if dataset_args.datasets:
+        return get_dataset(dataset_args)
+    if script_args.dataset_name:
+        return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    raise ValueError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
+
+
+def train_sft(script_args, training_args, model_args, dataset_args) -> str:
+    """Train as ``trl sft`` does, with :class:`StreamSFTTrainer`; returns the output directory."""
+    from trl import get_peft_config, get_quantization_config
+
+    from .sft_trainer import StreamSFTTrainer
+
+    model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    if not model_args.model_name_or_path:
+        raise ValueError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
+    dataset = _load_dataset(script_args, dataset_args)
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        eval_dataset = dataset[script_args.dataset_test_split]
+    trainer = StreamSFTTrainer(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return training_args.output_dir
+
+
 # name -> (one-line help, entry point taking the remaining arguments)
-COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {}
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
+    "sft": ("Supervised fine-tuning with StreamSFTTrainer (TRL's `trl sft` arguments plus the stream options).", _sft),
+}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog="streambp-trl",
-        description="Fine-tune with TRL trainers whose backpropagation streams along the sequence (StreamBP).",
+        description="Fine-tune with TRL trainers whose backpropagation streams along the sequence (StreamBP). "
+        "Each command takes --config FILE.yaml and any config field as --field value; --help lists them.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (help_text, _) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        sys.exit(0 if not argv or argv[0] in ("-h", "--help") else 2)
+        return
+    if argv[0] not in COMMANDS:
+        parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
     COMMANDS[argv[0]][1](argv[1:])
 
 

@@ -1,0 +1,26 @@
+"""``StreamSFTTrainer``: TRL's ``SFTTrainer`` with streamed decoder layers and the chunked logit kernel."""
+
+from __future__ import annotations
+
+from trl import SFTTrainer
+
+from .sft_config import StreamSFTConfig
+from .trainer_mixin import StreamTrainerMixin, take_over_checkpointing
+
+
+class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
+    """Drop-in for [`~trl.SFTTrainer`]; accepts a [`StreamSFTConfig`] or a plain [`~trl.SFTConfig`].
+
+    Data pipeline, loss types (`nll`, `dft`), masks (`assistant_only_loss`, `completion_only_loss`), packing,
+    padding-free batches, gradient accumulation and PEFT are TRL's own: TRL's loss reads the per-token log-probs of
+    `model(..., fused_lm_head=True)`, which the stream engine serves exactly.
+    """
+
+    def __init__(self, model, args=None, *pos, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = StreamSFTConfig(f"{name.split('/')[-1]}-SFT")
+        take_over_checkpointing(args)
+        super().__init__(model, args, *pos, **kwargs)
+        # after TRL's own fused head: the same `fused_lm_head=True` call, served by the stream engine
+        self._install_stream_engine(args.max_length, fused_outputs=("log_probs", "entropy", "is_top1"))

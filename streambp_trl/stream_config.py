@@ -1,0 +1,72 @@
+"""The stream options every ``Stream*Config`` adds to its TRL config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .stream_layer import KV_MODES
+
+AUTO = "auto"
+_AUTO_DEFAULT_CHUNK = 2048
+
+
+def _chunk_value(name: str, value) -> int | str | None:
+    """``"auto"``, ``None`` (only where allowed by the caller) or a positive int; YAML and the CLI give ints or str."""
+    if value is None or value == AUTO:
+        return value
+    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer or 'auto', got {value!r}.")
+    return value
+
+
+@dataclass
+class StreamArguments:
+    """Options of the stream engine (see ``streambp_trl.enable_streambp``).
+
+    Parameters:
+        stream_chunk_size (`int` or `"auto"`, defaults to `"auto"`):
+            Tokens per chunk of each decoder layer's streamed forward and backward. `"auto"` takes an eighth of
+            `max_length`, clamped to [512, 4096] (2048 without `max_length`).
+        logits_chunk_size (`int`, `"auto"` or `None`, defaults to `None`):
+            Tokens per tile of the chunked logit kernel; `None` or `"auto"` uses the stream chunk size.
+        stream_kv_mode (`str`, defaults to `"recompute"`):
+            How each layer's backward gets its keys/values: `"recompute"` them from the saved layer input, or
+            `"capture"` them during the forward (faster backward, 2 x kv_dim values per token per layer kept).
+    """
+
+    stream_chunk_size: str = field(
+        default=AUTO,
+        metadata={"help": "Tokens per chunk of each streamed decoder layer (int or 'auto': max_length/8 in [512, 4096])."},
+    )
+    logits_chunk_size: str | None = field(
+        default=None, metadata={"help": "Tokens per tile of the logit kernel (default: the stream chunk size)."}
+    )
+    stream_kv_mode: str = field(
+        default="recompute",
+        metadata={"help": "Keys/values for backward: 'recompute' (default) or 'capture'.", "choices": list(KV_MODES)},
+    )
+
+    def __post_init__(self):
+        self.stream_chunk_size = _chunk_value("stream_chunk_size", self.stream_chunk_size)
+        if self.stream_chunk_size is None:
+            raise ValueError("`stream_chunk_size` must be a positive integer or 'auto', got None.")
+        self.logits_chunk_size = _chunk_value("logits_chunk_size", self.logits_chunk_size)
+        if self.stream_kv_mode not in KV_MODES:
+            raise ValueError(f"`stream_kv_mode` must be one of {KV_MODES}, got {self.stream_kv_mode!r}.")
+        super().__post_init__()
+
+
+def resolve_stream_options(args, max_length: int | None) -> dict:
+    """``enable_streambp`` keyword arguments from a config (a ``Stream*Config`` or TRL's own: defaults)."""
+    chunk = _chunk_value("stream_chunk_size", getattr(args, "stream_chunk_size", AUTO))
+    if chunk in (AUTO, None):
+        chunk = _AUTO_DEFAULT_CHUNK if not max_length else min(4096, max(512, math.ceil(max_length / 8)))
+    logits = _chunk_value("logits_chunk_size", getattr(args, "logits_chunk_size", None))
+    return {
+        "stream_chunk_size": chunk,
+        "logits_chunk_size": chunk if logits in (AUTO, None) else logits,
+        "kv_mode": getattr(args, "stream_kv_mode", "recompute"),
+    }
