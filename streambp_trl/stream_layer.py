@@ -43,6 +43,8 @@ KV_MODES = ("recompute", "capture")
 # Keyword arguments a layer call may carry that are not per-token tensors to slice: flash-attention's packed
 # sequence descriptors, ignored by stream attention, which reads packing from the mask.
 _PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+# Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
+_PER_TOKEN = {"position_ids", "seq_idx"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +133,7 @@ class _LayerCall:
         for name, value in kwargs.items():
             if name == "position_embeddings" and value is not None:
                 kwargs[name] = tuple(t[..., s:e, :] for t in value)
-            elif name == "position_ids" and value is not None:
+            elif name in _PER_TOKEN and value is not None:
                 kwargs[name] = value[..., s:e]
         kwargs["past_key_values"] = cache
         with torch.autocast(**self.autocast):
@@ -268,7 +270,7 @@ def _check_kwargs(layer: nn.Module, kwargs: dict, seq_len: int) -> None:
                     f"StreamBP: {type(layer).__name__} receives `{name}` with gradient; only the hidden states and "
                     "the layer's parameters can carry gradient through a streamed layer."
                 )
-            known = name in ("attention_mask", "position_embeddings", "position_ids") or name in _PASS_THROUGH
+            known = name in ("attention_mask", "position_embeddings") or name in _PER_TOKEN | _PASS_THROUGH
             if not known and t.dim() >= 2 and seq_len in t.shape:
                 raise ValueError(
                     f"StreamBP does not know how to split the per-token argument `{name}` of "

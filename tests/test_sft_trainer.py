@@ -1,0 +1,177 @@
+"""StreamSFTTrainer against TRL's SFTTrainer on the same inputs: parameter updates, loss curves, resume, errors."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "configs" / "tiny_model"
+DATA = ROOT / "configs" / "data"
+CHUNK = 8  # far below the sequence lengths, so every layer really streams
+
+
+def _dataset(kind: str, n: int = 16):
+    return load_dataset("json", data_files=str(DATA / f"tiny_{kind}.jsonl"), split=f"train[:{n}]")
+
+
+def _args(config_cls, tmp_path, **overrides):
+    base = dict(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=1.0,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_length=128,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    if config_cls is StreamSFTConfig:
+        base.update(stream_chunk_size=CHUNK, logits_chunk_size=5)
+    return config_cls(**{**base, **overrides})
+
+
+def _model():
+    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+
+
+class _RecordUpdate(TrainerCallback):
+    """The update SGD applies, -lr * grad, taken before it is added to the float32 weights.
+
+    Stored float32 weights round p + dp to the spacing of p (about 1e-7 for a norm weight of 1), which is 1e-4 of
+    a typical one-step update here, above the 1e-5 bar; the update itself is what the two trainers compute.
+    """
+
+    def __init__(self):
+        self.update: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.update = {
+            n.replace("base_model.model.", ""): -args.learning_rate * p.grad.detach().clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        }
+
+
+def _train(trainer_cls, config_cls, tmp_path, kind="chat", peft_config=None, **overrides):
+    model = _model()
+    record = _RecordUpdate()
+    trainer = trainer_cls(
+        model=model,
+        args=_args(config_cls, tmp_path / trainer_cls.__name__, **overrides),
+        train_dataset=_dataset(kind),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        peft_config=peft_config,
+        callbacks=[record],
+    )
+    trainer.train()
+    after = {n.replace("base_model.model.", ""): p.detach() for n, p in trainer.model.named_parameters()}
+    return trainer, record.update, after
+
+
+def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
+    ref, ref_update, ref_after = _train(SFTTrainer, SFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **overrides)
+    ours, update, after = _train(
+        StreamSFTTrainer, StreamSFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **overrides
+    )
+    assert ours.stream_options["stream_chunk_size"] == CHUNK
+    assert set(update) == set(ref_update) and update
+    for name, delta_ref in ref_update.items():
+        err = ((update[name] - delta_ref).norm() / delta_ref.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, f"{name}: relative error of the update {err:.2e}"
+        # and the stored weights agree up to float32 rounding of p + dp
+        torch.testing.assert_close(after[name], ref_after[name], rtol=1e-6, atol=1e-6)
+    return ref, ours
+
+
+@pytest.mark.parametrize(
+    "kind, overrides",
+    [
+        ("chat", {}),
+        ("chat", {"loss_type": "dft"}),
+        ("chat", {"assistant_only_loss": True}),
+        ("prompt_completion", {}),  # completion_only_loss (TRL's default for prompt-completion data)
+        ("text", {"packing": True, "max_length": 96}),  # bfd packing: padding-free, position_ids resets
+        ("text", {"packing": True, "packing_strategy": "wrapped", "max_length": 64}),
+        ("chat", {"padding_free": True, "max_length": None}),
+        ("chat", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}),
+    ],
+    ids=["nll", "dft", "assistant_only", "completion_only", "packing_bfd", "packing_wrapped", "padding_free", "accum2"],
+)
+def test_one_step_equals_sft_trainer(tmp_path, kind, overrides):
+    _assert_same_update(tmp_path, kind, **overrides)
+
+
+def test_lora_step_equals_sft_trainer(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    _assert_same_update(tmp_path, "chat", peft_config=lora, learning_rate=0.5)
+
+
+def test_loss_curve_equals_sft_trainer(tmp_path):
+    kw = dict(max_steps=5, learning_rate=0.05)
+    ref, *_ = _train(SFTTrainer, SFTConfig, tmp_path, **kw)
+    ours, *_ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path, **kw)
+    ref_losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
+    logs = [h for h in ours.state.log_history if "loss" in h]
+    assert len(ref_losses) == 5
+    for r, h in zip(ref_losses, logs):
+        assert abs(h["loss"] - r) <= 1e-5 * abs(r)
+    assert logs[0]["stream_chunk_size"] == CHUNK and logs[0]["logits_chunk_size"] == 5
+    for key in ("mean_token_accuracy", "entropy", "num_tokens"):
+        assert all(key in h for h in logs)
+
+
+def test_plain_sft_config_gets_default_stream_options(tmp_path):
+    trainer, *_ = _train(StreamSFTTrainer, SFTConfig, tmp_path, max_length=4096)
+    assert trainer.stream_options == {"stream_chunk_size": 512, "logits_chunk_size": 512, "kv_mode": "recompute"}
+    assert not trainer.args.gradient_checkpointing  # the engine owns checkpointing: layers are not wrapped twice
+
+
+def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
+    kw = dict(max_steps=4, learning_rate=0.05, save_strategy="steps", save_steps=2)
+    full, _, full_after = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "full", **kw)
+    model = _model()
+    args = _args(StreamSFTConfig, tmp_path / "full" / StreamSFTTrainer.__name__, **kw)
+    resumed = StreamSFTTrainer(
+        model=model, args=args, train_dataset=_dataset("chat"), processing_class=AutoTokenizer.from_pretrained(MODEL)
+    )
+    resumed.train(resume_from_checkpoint=str(Path(args.output_dir) / "checkpoint-2"))
+    for name, p in resumed.model.named_parameters():
+        torch.testing.assert_close(p.detach(), full_after[name], rtol=1e-6, atol=1e-7)
+    reloaded = AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "checkpoint-4")
+    for name, p in reloaded.named_parameters():
+        torch.testing.assert_close(p, full_after[name], rtol=0, atol=0)
+
+
+def test_refused_model_fails_before_training(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(MODEL, attention_dropout=0.1)
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM .*attention_dropout=0.1"):
+        StreamSFTTrainer(
+            model=model,
+            args=_args(StreamSFTConfig, tmp_path),
+            train_dataset=_dataset("chat"),
+            processing_class=AutoTokenizer.from_pretrained(MODEL),
+        )
+
+
+@pytest.mark.parametrize("value", [0, -1, "big"])
+def test_bad_chunk_size_in_config(tmp_path, value):
+    with pytest.raises(ValueError, match="stream_chunk_size"):
+        StreamSFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, stream_chunk_size=value)
