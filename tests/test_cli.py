@@ -1,0 +1,60 @@
+"""The ``streambp-trl`` command end to end, and its errors for bad configs."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "streambp_trl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_lists_commands():
+    out = _cli("--help")
+    assert out.returncode == 0 and "sft" in out.stdout
+
+
+def test_tiny_config_trains_and_saves_a_plain_transformers_model(tmp_path):
+    out = _cli("sft", "--config", "configs/sft_tiny.yaml", "--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"Model saved to {tmp_path}" in out.stdout + out.stderr
+    assert "'stream_chunk_size': 32" in out.stdout + out.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    shipped = AutoModelForCausalLM.from_pretrained(ROOT / "configs" / "tiny_model")
+    assert not torch.equal(model.lm_head.weight, shipped.lm_head.weight)  # it trained
+
+
+def test_unknown_config_field_fails_before_training(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text((ROOT / "configs" / "sft_tiny.yaml").read_text() + "\nstream_chunk_sise: 64\n")
+    out = _cli("sft", "--config", str(config))
+    assert out.returncode != 0 and "stream_chunk_sise" in out.stderr
+
+
+@pytest.mark.parametrize("value", ["0", "-8"])
+def test_non_positive_chunk_size_fails(value):
+    out = _cli("sft", "--config", "configs/sft_tiny.yaml", "--stream_chunk_size", value)
+    assert out.returncode != 0 and "`stream_chunk_size` must be a positive integer" in out.stderr
+
+
+def test_refused_model_fails_before_training(tmp_path):
+    out = _cli(
+        "sft", "--config", "configs/sft_tiny.yaml", "--output_dir", str(tmp_path),
+        "--model_init_kwargs", '{"attention_dropout": 0.1}',
+    )
+    assert out.returncode != 0 and "Qwen3ForCausalLM exactly: config.attention_dropout=0.1" in out.stderr
+    assert "'loss'" not in out.stdout + out.stderr
