@@ -301,6 +301,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         status="ok",
         peak_mb=max(peaks) / 2**20,
         time_s=time_s,
+        time_min_s=min(times),
         tokens_per_s=tokens / time_s,
         times_s=times,
         loss=losses[-1],

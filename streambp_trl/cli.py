@@ -17,9 +17,7 @@ def _sft(argv: list[str]) -> None:
 
     from .sft_config import StreamSFTConfig
 
-    parser = TrlParser(
-        (ScriptArguments, StreamSFTConfig, ModelConfig, DatasetMixtureConfig), prog="streambp-trl sft"
-    )
+    parser = TrlParser((ScriptArguments, StreamSFTConfig, ModelConfig, DatasetMixtureConfig), prog="streambp-trl sft")
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(argv)
     train_sft(script_args, training_args, model_args, dataset_args)
 

@@ -20,7 +20,6 @@ import dataclasses
 import functools
 import types
 
-import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -182,11 +181,17 @@ def _logit_transform(config) -> tuple[float | None, float]:
     return softcap, 1.0 if scale is None else float(scale)
 
 
-def _stream_forward(self, *args, labels=None, fused_lm_head=False, shift_labels=None, num_items_in_batch=None, **kwargs):
+def _stream_forward(
+    self, *args, labels=None, fused_lm_head=False, shift_labels=None, num_items_in_batch=None, **kwargs
+):
     state: StreamState = self._streambp
     has_labels = labels is not None or shift_labels is not None
     if not fused_lm_head and not (self.training and has_labels):
-        for name, value in (("labels", labels), ("shift_labels", shift_labels), ("num_items_in_batch", num_items_in_batch)):
+        for name, value in (
+            ("labels", labels),
+            ("shift_labels", shift_labels),
+            ("num_items_in_batch", num_items_in_batch),
+        ):
             if value is not None:
                 kwargs[name] = value
         return state.original_forward(*args, **kwargs)

@@ -37,29 +37,39 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 class _Transform:
-    """The logit transform z = softcap(scale * y) / temperature and its derivative dz/dy."""
+    """The logit transform z = softcap(scale * y) / temperature, applied in place on a tile."""
 
     def __init__(self, temperature: float, softcap: float | None, scale: float):
         self.inv_t, self.softcap, self.scale = 1.0 / temperature, softcap, scale
 
-    def __call__(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        y = y * self.scale if self.scale != 1.0 else y
+    def forward_(self, y: torch.Tensor) -> torch.Tensor:
+        """z, computed in y's storage."""
         if self.softcap is None:
-            return y * self.inv_t, None
-        t = torch.tanh(y / self.softcap)
+            return y.mul_(self.scale * self.inv_t)
+        return y.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap * self.inv_t)
+
+    def with_tanh_(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(z, t), t = tanh(scale * y / softcap) kept in y's storage for :meth:`chain_` (None without softcap)."""
+        if self.softcap is None:
+            return self.forward_(y), None
+        t = y.mul_(self.scale / self.softcap).tanh_()
         return t * (self.softcap * self.inv_t), t
 
-    def chain(self, dz: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
-        """dL/dy from dL/dz."""
-        dz = dz * (self.inv_t * self.scale)
-        return dz if t is None else dz * (1 - t * t)
+    def chain_(self, dz: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
+        """dL/dy from dL/dz, in dz's storage (t is consumed)."""
+        dz.mul_(self.inv_t * self.scale)
+        return dz if t is None else dz.mul_(t.square_().neg_().add_(1))
 
 
 def _tile_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, acc: torch.dtype) -> torch.Tensor:
-    y = h @ w.t()
-    if b is not None:
-        y = y + b
+    """A fresh (tokens x vocab-tile) tensor of h @ w.T + b in the accumulation dtype."""
+    y = h @ w.t() if b is None else torch.addmm(b.to(h.dtype), h, w.t())
     return y.to(acc)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum_v a[i, v] * b[i, v] per row, without an (n x v) temporary."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2))[:, 0, 0]
 
 
 def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -95,53 +105,61 @@ class ChunkedLogProbs(torch.autograd.Function):
         sum_ez = torch.zeros(n, **kw) if "entropy" in outputs else None
         sum_e2 = torch.zeros(n, **kw) if "log_sum_sq_probs" in outputs else None
         sum_z = torch.zeros(n, **kw) if "mean_logits" in outputs else None
-        max_before = torch.full((n,), -torch.inf, **kw) if "is_top1" in outputs else None
+        argmax = torch.zeros(n, device=hidden.device, dtype=torch.long) if "is_top1" in outputs else None
         target_z = torch.zeros(n, **kw)
         for i in range(0, n, token_chunk):
             j = min(i + token_chunk, n)
             h, tgt = hidden[i:j].to(cdt), targets[i:j]
             for v0 in range(0, vocab, vocab_chunk):
                 v1 = min(v0 + vocab_chunk, vocab)
-                z, _ = transform(_tile_logits(h, weight[v0:v1].to(cdt), None if bias is None else bias[v0:v1], acc))
+                z = transform.forward_(
+                    _tile_logits(h, weight[v0:v1].to(cdt), None if bias is None else bias[v0:v1], acc)
+                )
                 local = tgt - v0
                 inside = (local >= 0) & (local < v1 - v0)
                 picked = z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
                 target_z[i:j] = torch.where(inside, picked, target_z[i:j])
-                if max_before is not None:  # the first argmax counts, so compare with columns before the target
-                    cols = torch.arange(v0, v1, device=z.device)
-                    earlier = z.masked_fill(cols[None, :] >= tgt[:, None], -torch.inf).amax(1)
-                    max_before[i:j] = torch.maximum(max_before[i:j], earlier)
                 if sum_z is not None:
                     sum_z[i:j] += z.sum(1)
-                m_new = torch.maximum(run_max[i:j], z.amax(1))
+                tile_max, tile_arg = z.max(1)
+                if argmax is not None:  # the first maximum wins, as argmax's does: later tiles must be strictly larger
+                    argmax[i:j] = torch.where(tile_max > run_max[i:j], tile_arg + v0, argmax[i:j])
+                m_new = torch.maximum(run_max[i:j], tile_max)
                 rescale = torch.exp(run_max[i:j] - m_new)
                 e = torch.exp(z - m_new[:, None])
                 sum_exp[i:j] = sum_exp[i:j] * rescale + e.sum(1)
                 if sum_ez is not None:
-                    sum_ez[i:j] = sum_ez[i:j] * rescale + (e * z).sum(1)
+                    sum_ez[i:j] = sum_ez[i:j] * rescale + _rowdot(e, z)
                 if sum_e2 is not None:
-                    sum_e2[i:j] = sum_e2[i:j] * rescale.square() + e.square().sum(1)
+                    sum_e2[i:j] = sum_e2[i:j] * rescale.square() + _rowdot(e, e)
                 run_max[i:j] = m_new
+                del z, e
         log_z = run_max + torch.log(sum_exp)
         log_probs = target_z - log_z
         entropy = log_z - sum_ez / sum_exp if sum_ez is not None else None
         log_sum_sq = torch.log(sum_e2) - 2 * torch.log(sum_exp) if sum_e2 is not None else None
         mean_logits = sum_z / vocab if sum_z is not None else None
-        is_top1 = (target_z >= run_max) & (target_z > max_before) if max_before is not None else None
+        is_top1 = argmax == targets if argmax is not None else None
 
         ctx.save_for_backward(hidden, weight, bias, targets, log_z, entropy)
-        ctx.transform, ctx.token_chunk, ctx.vocab_chunk, ctx.cdt, ctx.acc = transform, token_chunk, vocab_chunk, cdt, acc
+        ctx.transform, ctx.token_chunk, ctx.vocab_chunk, ctx.cdt, ctx.acc = (
+            transform,
+            token_chunk,
+            vocab_chunk,
+            cdt,
+            acc,
+        )
         ctx.mark_non_differentiable(*(x for x in (log_sum_sq, mean_logits, is_top1) if x is not None))
         return log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, *_):
         hidden, weight, bias, targets, log_z, entropy = ctx.saved_tensors
+        if g_logp is None and g_ent is None:
+            return (None,) * 8
         tf, cdt, acc = ctx.transform, ctx.cdt, ctx.acc
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n, vocab = hidden.shape[0], weight.shape[0]
-        if g_ent is not None and entropy is None:
-            raise RuntimeError("entropy gradient without entropy")
         dh = torch.empty_like(hidden) if need_h else None
         dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w else None
         db = torch.zeros(bias.shape, device=bias.device, dtype=acc) if need_b else None
@@ -152,20 +170,23 @@ class ChunkedLogProbs(torch.autograd.Function):
             for v0 in range(0, vocab, ctx.vocab_chunk):
                 v1 = min(v0 + ctx.vocab_chunk, vocab)
                 w = weight[v0:v1].to(cdt)
-                z, t = tf(_tile_logits(h, w, None if bias is None else bias[v0:v1], acc))
-                log_p = z - log_z[i:j, None]
+                z, t = tf.with_tanh_(_tile_logits(h, w, None if bias is None else bias[v0:v1], acc))
+                log_p = z.sub_(log_z[i:j, None])
                 p = torch.exp(log_p)
-                dz = torch.zeros_like(z)
-                if g_logp is not None:
-                    gl = g_logp[i:j].to(acc)
-                    dz -= gl[:, None] * p
-                    local = tgt - v0
-                    inside = (local >= 0) & (local < v1 - v0)
-                    rows = torch.nonzero(inside)[:, 0]
-                    dz[rows, local[rows]] += gl[rows]
+                # dL/dz_v = p_v * (-g_logp - g_H * (log p_v + H)) + g_logp * 1[v = target]
                 if g_ent is not None:
-                    dz -= g_ent[i:j].to(acc)[:, None] * p * (log_p + entropy[i:j, None])
-                dy = tf.chain(dz, t)
+                    coef = log_p.add_(entropy[i:j, None]).mul_(-g_ent[i:j].to(acc)[:, None])
+                    if g_logp is not None:
+                        coef.sub_(g_logp[i:j].to(acc)[:, None])
+                    dz = p.mul_(coef)
+                else:
+                    dz = p.mul_(-g_logp[i:j].to(acc)[:, None])
+                del z, log_p
+                if g_logp is not None:
+                    local = tgt - v0
+                    rows = torch.nonzero((local >= 0) & (local < v1 - v0))[:, 0]
+                    dz[rows, local[rows]] += g_logp[i:j].to(acc)[rows]
+                dy = tf.chain_(dz, t)
                 if need_h:
                     _addmm_acc(dh_tile, dy.to(cdt), w)
                 if need_w:
@@ -211,4 +232,4 @@ def chunked_logprobs(
     values = ChunkedLogProbs.apply(
         hidden, weight, bias, targets, _Transform(temperature, softcap, logit_scale), token_chunk, vocab_chunk, outputs
     )
-    return dict(zip(STAT_OUTPUTS, values))
+    return dict(zip(STAT_OUTPUTS, values, strict=True))

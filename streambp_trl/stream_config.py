@@ -39,7 +39,9 @@ class StreamArguments:
 
     stream_chunk_size: str = field(
         default=AUTO,
-        metadata={"help": "Tokens per chunk of each streamed decoder layer (int or 'auto': max_length/8 in [512, 4096])."},
+        metadata={
+            "help": "Tokens per chunk of each streamed decoder layer (int or 'auto': max_length/8 in [512, 4096])."
+        },
     )
     logits_chunk_size: str | None = field(
         default=None, metadata={"help": "Tokens per tile of the logit kernel (default: the stream chunk size)."}

@@ -139,7 +139,9 @@ class _LayerCall:
         with torch.autocast(**self.autocast):
             out = self.forward.func(self.layer, x, **kwargs)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"StreamBP expects {type(self.layer).__name__} to return a tensor, got {type(out).__name__}.")
+            raise TypeError(
+                f"StreamBP expects {type(self.layer).__name__} to return a tensor, got {type(out).__name__}."
+            )
         return out
 
     def forward_chunks(self, x: torch.Tensor, keep_kv: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -173,7 +175,12 @@ class _LayerCall:
         return kv.k, kv.v
 
     def backward_chunks(
-        self, x: torch.Tensor, dy: torch.Tensor, kv: tuple[torch.Tensor, ...], params: list[nn.Parameter], need_dx: bool
+        self,
+        x: torch.Tensor,
+        dy: torch.Tensor,
+        kv: tuple[torch.Tensor, ...],
+        params: list[nn.Parameter],
+        need_dx: bool,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
         k_all, v_all = kv if kv else self.collect_kv(x)
         dk, dv = torch.zeros_like(k_all), torch.zeros_like(v_all)
@@ -284,9 +291,11 @@ def _check_kwargs(layer: nn.Module, kwargs: dict, seq_len: int) -> None:
 
 
 def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
-    """``_gradient_checkpointing_func`` of a streamed layer: ``forward`` is ``partial(layer.forward, layer, **kwargs)``."""
+    """A streamed layer's ``_gradient_checkpointing_func``; ``forward`` is ``partial(layer.forward, layer, **kwargs)``."""
     if len(args) != 1:
-        raise ValueError(f"StreamBP expects a decoder layer called with the hidden states only, got {len(args)} inputs.")
+        raise ValueError(
+            f"StreamBP expects a decoder layer called with the hidden states only, got {len(args)} inputs."
+        )
     (x,) = args
     layer = forward.args[0]
     seq_len = x.shape[1]
@@ -296,7 +305,9 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
     if isinstance(mask, torch.Tensor):  # a user-given 4D mask: sliced per chunk
         kwargs["attention_mask"] = StreamMask(batch_size=x.shape[0], dense=mask)
     _check_kwargs(layer, kwargs, seq_len)
-    call = _LayerCall(functools.partial(forward.func, layer, **kwargs), settings, seq_len, _autocast_state(x.device.type))
+    call = _LayerCall(
+        functools.partial(forward.func, layer, **kwargs), settings, seq_len, _autocast_state(x.device.type)
+    )
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
         return call.forward_chunks(x, keep_kv=False)[0]

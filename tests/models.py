@@ -40,7 +40,13 @@ FAMILIES = {
     "olmo2": (transformers.Olmo2Config, {}),
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,
-        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "decoder_sparse_step": 1, "experts_implementation": "eager"},
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "decoder_sparse_step": 1,
+            "experts_implementation": "eager",
+        },
     ),
 }
 

@@ -64,7 +64,7 @@ def test_checkpoint_loads_with_plain_transformers(tmp_path):
     model.save_pretrained(tmp_path)
     assert "streambp" not in (tmp_path / "config.json").read_text()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
-    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters(), strict=True):
         assert torch.equal(p, q), name
     loaded.generate(ids[:1], max_new_tokens=2)
 
@@ -110,8 +110,14 @@ def test_refused_settings(family, overrides, match):
 
 def test_refuses_attention_softcapping():
     config = transformers.Gemma2Config(
-        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=8, attn_logit_softcapping=50.0,
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        attn_logit_softcapping=50.0,
     )
     with pytest.raises(ValueError, match="Gemma2ForCausalLM .*softcapping"):
         enable_streambp(transformers.AutoModelForCausalLM.from_config(config), stream_chunk_size=4)

@@ -23,14 +23,27 @@ def test_help_lists_commands():
 
 
 def test_tiny_config_trains_and_saves_a_plain_transformers_model(tmp_path):
-    out = _cli("sft", "--config", "configs/sft_tiny.yaml", "--output_dir", str(tmp_path), "--max_steps", "4", "--logging_steps", "2")
+    out = _cli(
+        "sft",
+        "--config",
+        "configs/sft_tiny.yaml",
+        "--output_dir",
+        str(tmp_path),
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "2",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"Model saved to {tmp_path}" in out.stdout + out.stderr
     assert "'stream_chunk_size': 32" in out.stdout + out.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
@@ -53,8 +66,13 @@ def test_non_positive_chunk_size_fails(value):
 
 def test_refused_model_fails_before_training(tmp_path):
     out = _cli(
-        "sft", "--config", "configs/sft_tiny.yaml", "--output_dir", str(tmp_path),
-        "--model_init_kwargs", '{"attention_dropout": 0.1}',
+        "sft",
+        "--config",
+        "configs/sft_tiny.yaml",
+        "--output_dir",
+        str(tmp_path),
+        "--model_init_kwargs",
+        '{"attention_dropout": 0.1}',
     )
     assert out.returncode != 0 and "Qwen3ForCausalLM exactly: config.attention_dropout=0.1" in out.stderr
     assert "'loss'" not in out.stdout + out.stderr

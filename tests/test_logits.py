@@ -42,8 +42,16 @@ def test_kernel_matches_log_softmax_float64(tiles, bias, softcap):
     kw = dict(temperature=0.7, softcap=softcap, scale=1.3)
     ref = _plain(h, w, b, t, **kw)
     ours = chunked_logprobs(
-        h, w, b, t, temperature=0.7, softcap=softcap, logit_scale=1.3,
-        token_chunk=tiles[0], vocab_chunk=tiles[1], outputs=STAT_OUTPUTS,
+        h,
+        w,
+        b,
+        t,
+        temperature=0.7,
+        softcap=softcap,
+        logit_scale=1.3,
+        token_chunk=tiles[0],
+        vocab_chunk=tiles[1],
+        outputs=STAT_OUTPUTS,
     )
     for name in STAT_OUTPUTS:
         if name == "is_top1":
@@ -55,7 +63,7 @@ def test_kernel_matches_log_softmax_float64(tiles, bias, softcap):
     params = [h, w] + ([b] if bias else [])
     ref_grads = torch.autograd.grad((ref["log_probs"] * wts).sum() + 0.3 * ref["entropy"].sum(), params)
     our_grads = torch.autograd.grad((ours["log_probs"] * wts).sum() + 0.3 * ours["entropy"].sum(), params)
-    for r, o in zip(ref_grads, our_grads):
+    for r, o in zip(ref_grads, our_grads, strict=True):
         assert ((r - o).norm() / r.norm()).item() < 1e-12
 
 

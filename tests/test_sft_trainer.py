@@ -112,7 +112,16 @@ def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
         ("chat", {"padding_free": True, "max_length": None}),
         ("chat", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}),
     ],
-    ids=["nll", "dft", "assistant_only", "completion_only", "packing_bfd", "packing_wrapped", "padding_free", "accum2"],
+    ids=[
+        "nll",
+        "dft",
+        "assistant_only",
+        "completion_only",
+        "packing_bfd",
+        "packing_wrapped",
+        "padding_free",
+        "accum2",
+    ],
 )
 def test_one_step_equals_sft_trainer(tmp_path, kind, overrides):
     _assert_same_update(tmp_path, kind, **overrides)
@@ -131,7 +140,7 @@ def test_loss_curve_equals_sft_trainer(tmp_path):
     ref_losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
     logs = [h for h in ours.state.log_history if "loss" in h]
     assert len(ref_losses) == 5
-    for r, h in zip(ref_losses, logs):
+    for r, h in zip(ref_losses, logs, strict=True):
         assert abs(h["loss"] - r) <= 1e-5 * abs(r)
     assert logs[0]["stream_chunk_size"] == CHUNK and logs[0]["logits_chunk_size"] == 5
     for key in ("mean_token_accuracy", "entropy", "num_tokens"):
