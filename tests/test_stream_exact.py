@@ -108,3 +108,21 @@ def test_float32_matches_plain_autograd():
     reference = tiny_model("llama", dtype=torch.float32)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
     _compare(reference, streamed, *batch(padding="left"), tol=1e-5)
+
+
+def test_bf16_autocast_matches_checkpointing():
+    """Under bf16 autocast the recompute in backward runs under the forward's autocast state."""
+    reference = tiny_model("qwen3", dtype=torch.float32)
+    reference.activation_checkpointing_enable()
+    streamed = enable_streambp(tiny_model("qwen3", dtype=torch.float32), stream_chunk_size=5)
+    seen: list[torch.dtype] = []
+    streamed.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ids, mask, labels = batch(padding="left")
+    for model in (reference, streamed):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        calls_in_forward = len(seen)
+        out.loss.backward()
+    assert len(seen) > calls_in_forward and set(seen) == {torch.bfloat16}  # backward recompute ran in bf16 too
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < 3e-2, f"{err:.2e} at {where}"
