@@ -291,7 +291,7 @@ def _check_kwargs(layer: nn.Module, kwargs: dict, seq_len: int) -> None:
 
 
 def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
-    """A streamed layer's ``_gradient_checkpointing_func``; ``forward`` is ``partial(layer.forward, layer, **kwargs)``."""
+    """A streamed layer's ``_gradient_checkpointing_func``: ``forward`` is ``partial(layer.forward, layer, **kw)``."""
     if len(args) != 1:
         raise ValueError(
             f"StreamBP expects a decoder layer called with the hidden states only, got {len(args)} inputs."
