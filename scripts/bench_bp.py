@@ -25,6 +25,14 @@ dropped (``zero_grad(set_to_none=True)``) and then the measured forward+backward
 So ``peak_mb`` is the peak memory ABOVE the loaded model (its parameters; buffers), in MiB (2**20 bytes); it
 includes the parameter gradients, which are the same for every mode. The time is the wall-clock seconds of the
 measured forward+backward (synchronised on CUDA), median over the repeats; the peak is the largest over them.
+``cpu_s`` is the process CPU time of the step (all threads): on a shared machine a wall time far above
+``cpu_s / threads`` means the step was waiting for a CPU.
+
+``--phases`` also splits the measured step at the decoder layers' gradient boundaries (forward; loss + LM head +
+final norm backward; each layer's backward; the rest) and records each phase's peak and time; the summary then
+gives each phase's memory per extra token. The steepest phase slope is what the per-token memory tends to at long
+sequences: at moderate lengths a phase with a large fixed cost (the logit tiles) can hold the peak and hide it.
+Compare phase slopes between lengths that are both at least the logit tile sizes.
 
 Inputs are random token ids (fixed seed), ``labels = input_ids`` (every token labelled), ``--batch-size`` rows,
 no padding. Dropout probabilities in the config are set to 0 for every mode (StreamBP refuses dropout, and it
@@ -166,15 +174,23 @@ class _MemoryProbe:
         import torch
 
         gc.collect()
+        self.reset_peak()
+        if self.device.type == "cuda":
+            self.baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            self.baseline = _read_status_kib("VmRSS") * 1024
+        return self.baseline
+
+    def reset_peak(self) -> None:
+        """Restart the peak counter from the current memory, keeping the baseline."""
+        import torch
+
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline = torch.cuda.memory_allocated(self.device)
         else:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
-            self.baseline = _read_status_kib("VmRSS") * 1024
-        return self.baseline
 
     def peak_above_baseline(self) -> int:
         """Bytes of the peak since :meth:`reset`, above the baseline."""
@@ -183,6 +199,56 @@ class _MemoryProbe:
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) - self.baseline
         return _read_status_kib("VmHWM") * 1024 - self.baseline
+
+
+class _PhaseMarks:
+    """Splits the measured step into phases and records each one's peak (above the baseline) and duration.
+
+    Boundaries are gradient hooks on the decoder layers' hidden states, registered by module forward hooks while
+    armed: ``forward``; ``head backward`` (loss, LM head, final norm: until dL/d(last layer output) exists);
+    ``layer i backward`` (until dL/d(layer i input) exists); ``rest`` (embedding backward, gradient accumulation).
+    Each mark restarts the peak counter, so the step's peak is the largest phase peak. The phase slopes over
+    sequence length show which part of the step grows with it, independent of fixed costs such as logit tiles.
+    """
+
+    def __init__(self, model: Any, probe: _MemoryProbe) -> None:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        self.probe = probe
+        self.armed = False
+        self.phases: list[dict[str, Any]] = []
+        self.start = 0.0
+        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(self._layer_hook(i, last=i == len(layers) - 1), with_kwargs=True)
+
+    def _layer_hook(self, i: int, last: bool) -> Callable:
+        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+            if not self.armed:
+                return
+            x = args[0] if args else kwargs.get("hidden_states")
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if last and getattr(y, "requires_grad", False):
+                y.register_hook(lambda grad: self.mark("head backward"))
+            if getattr(x, "requires_grad", False):
+                x.register_hook(lambda grad: self.mark(f"layer {i} backward"))
+
+        return hook
+
+    def begin(self) -> None:
+        self.phases, self.start = [], time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        import torch
+
+        if self.probe.device.type == "cuda":
+            torch.cuda.synchronize(self.probe.device)
+        now = time.perf_counter()
+        self.phases.append(
+            {"phase": name, "peak_mb": self.probe.peak_above_baseline() / 2**20, "time_s": now - self.start}
+        )
+        self.probe.reset_peak()
+        self.start = time.perf_counter()
 
 
 def build_config(name: str) -> Any:
@@ -221,8 +287,11 @@ def prepare_mode(model: Any, spec: dict[str, Any]) -> Callable[[Any, Any], Any]:
     if mode in ("checkpoint", "checkpoint+chunked-loss"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if mode == "checkpoint+chunked-loss":
+        import trl.kernels.chunked_logprob as trl_kernel
         from trl.trainer.utils import add_fused_lm_head
 
+        if spec.get("same_logits_tile"):  # TRL's kernel reads its token tile from this module constant
+            trl_kernel.TOKEN_CHUNK_SIZE = spec["logits_chunk_size"]
         add_fused_lm_head(model)
     elif mode == "stream":
         from streambp_trl import enable_streambp
@@ -258,7 +327,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["mode"] == "stream":
         record.update({k: spec[k] for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
     if spec["mode"] == "checkpoint+chunked-loss":
-        record["logits_chunk_size"] = _trl_token_chunk()
+        record["logits_chunk_size"] = spec["logits_chunk_size"] if spec.get("same_logits_tile") else _trl_token_chunk()
     try:
         model = build_model(spec["model"], spec["dtype"], device, spec["seed"])
         forward = prepare_mode(model, spec)
@@ -267,25 +336,37 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         input_ids = torch.randint(0, vocab, (spec["batch_size"], spec["seq_len"]), generator=generator).to(device)
         labels = input_ids.clone()
 
+        probe = _MemoryProbe(device)
+        marks = _PhaseMarks(model, probe) if spec.get("phases") else None
+
         def step() -> float:
+            if marks is not None:
+                marks.armed = True
+                marks.begin()
             loss = forward(input_ids, labels)
+            if marks is not None:
+                marks.armed = False
+                marks.mark("forward")
             loss.backward()
             value = loss.item()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            if marks is not None:
+                marks.mark("rest")
             return value
 
         step()  # warm-up: first-touch pages, lazy initialisation, kernel selection
         model.zero_grad(set_to_none=True)
-        probe = _MemoryProbe(device)
-        times, peaks, losses, baselines = [], [], [], []
+        times, cpu_times, peaks, losses, baselines = [], [], [], [], []
         grad_norm = None
         for i in range(spec["repeats"]):
             baselines.append(probe.reset())
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             losses.append(step())
             times.append(time.perf_counter() - start)
-            peaks.append(probe.peak_above_baseline())
+            cpu_times.append(time.process_time() - cpu_start)
+            # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
+            peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else probe.peak_above_baseline())
             if i == spec["repeats"] - 1:
                 norms = [p.grad.detach().double().norm() for p in model.parameters() if p.grad is not None]
                 grad_norm = float(torch.stack(norms).norm()) if norms else None
@@ -302,15 +383,31 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         peak_mb=max(peaks) / 2**20,
         time_s=time_s,
         time_min_s=min(times),
+        cpu_s=statistics.median(cpu_times),
         tokens_per_s=tokens / time_s,
         times_s=times,
         loss=losses[-1],
         grad_norm=grad_norm,
         baseline_mb=baselines[-1] / 2**20,
         num_params=sum(p.numel() for p in model.parameters()),
+        engine_sha256=engine_hash(),
         torch_threads=torch.get_num_threads(),
     )
+    if marks is not None:
+        record["phases"] = marks.phases  # of the last repeat
     return record
+
+
+def engine_hash() -> str:
+    """First 12 hex digits of a SHA-256 over the imported ``streambp_trl`` sources: which engine code ran."""
+    import hashlib
+
+    import streambp_trl
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(streambp_trl.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def _trl_token_chunk() -> int | None:
@@ -412,6 +509,7 @@ def metadata(args: argparse.Namespace, device: str) -> dict[str, Any]:
             "streambp_trl": streambp_trl.__version__,
         },
         "git": _git_commit(),
+        "engine_sha256": engine_hash(),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model,
@@ -420,7 +518,7 @@ def metadata(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "batch_size": args.batch_size,
         "stream_chunk_size": args.stream_chunk_size,
         "logits_chunk_size": args.logits_chunk_size,
-        "trl_token_chunk_size": _trl_token_chunk(),
+        "trl_token_chunk_size": args.logits_chunk_size if args.same_logits_tile else _trl_token_chunk(),
         "kv_mode": args.kv_mode,
         "repeats": args.repeats,
         "memory": "peak RSS above the loaded model (VmHWM - VmRSS baseline)"
@@ -434,6 +532,39 @@ def _ok_by_mode(records: list[dict[str, Any]]) -> dict[str, dict[int, dict[str, 
     for r in records:
         if r.get("status") == "ok":
             out.setdefault(r["mode"], {})[r["seq_len"]] = r
+    return out
+
+
+def _phase_slopes(by_mode: dict[str, dict[int, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per mode with phase records at two or more lengths: each phase's KiB per extra token, and the steepest.
+
+    The steepest phase slope is the per-token memory the step tends to at long sequences, where that phase holds
+    the peak; at shorter lengths a phase with a large fixed cost (e.g. logit tiles) can hold it instead.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for mode, recs in by_mode.items():
+        lengths = sorted(n for n, r in recs.items() if r.get("phases"))
+        if len(lengths) < 2:
+            continue
+        lo, hi = recs[lengths[0]], recs[lengths[-1]]
+        extra_tokens = hi["batch_size"] * hi["seq_len"] - lo["batch_size"] * lo["seq_len"]
+        lo_peaks = {p["phase"]: p["peak_mb"] for p in lo["phases"]}
+        slopes = {
+            p["phase"]: (p["peak_mb"] - lo_peaks[p["phase"]]) * 1024 / extra_tokens
+            for p in hi["phases"]
+            if p["phase"] in lo_peaks
+        }
+        if not slopes:
+            continue
+        steepest = max(slopes, key=slopes.__getitem__)
+        out[mode] = {
+            "from_seq_len": lo["seq_len"],
+            "to_seq_len": hi["seq_len"],
+            "kib_per_token": slopes,
+            "steepest_phase": steepest,
+            "max_kib_per_token": slopes[steepest],
+            "peak_phase": {str(n): max(recs[n]["phases"], key=lambda p: p["peak_mb"])["phase"] for n in lengths},
+        }
     return out
 
 
@@ -453,6 +584,24 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "kib_per_token": (hi["peak_mb"] - lo["peak_mb"]) * 1024 / extra_tokens,
         }
     summary: dict[str, Any] = {"memory_per_extra_token": per_token}
+    phase_slopes = _phase_slopes(by_mode)
+    if phase_slopes:
+        summary["phase_memory_per_extra_token"] = phase_slopes
+        if "stream" in phase_slopes and "checkpoint+chunked-loss" in phase_slopes:
+            ratio = (
+                phase_slopes["stream"]["max_kib_per_token"]
+                / phase_slopes["checkpoint+chunked-loss"]["max_kib_per_token"]
+            )
+            summary["stream_vs_chunked_loss_steepest_phase"] = {
+                "ratio": ratio,
+                "target": TARGET_MEM_RATIO,
+                "met": ratio <= TARGET_MEM_RATIO,
+            }
+    hashes = sorted(
+        {r.get("engine_sha256") or "?" for r in records if r.get("status") == "ok" and r["mode"] == "stream"}
+    )
+    if len(hashes) > 1:
+        summary["warning"] = f"records come from different streambp_trl sources (engine_sha256 {', '.join(hashes)})"
     stream = by_mode.get("stream", {})
     if "stream" in per_token and "checkpoint+chunked-loss" in per_token:
         ratio = per_token["stream"]["kib_per_token"] / per_token["checkpoint+chunked-loss"]["kib_per_token"]
@@ -480,30 +629,73 @@ def _fmt(value: Any, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _phase_markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> list[str]:
+    with_phases = [r for r in records if r.get("status") == "ok" and r.get("phases")]
+    if not with_phases:
+        return []
+    names = list(dict.fromkeys(p["phase"] for r in with_phases for p in r["phases"]))
+    lines = ["", "Peak MiB above the model per phase (time s in parentheses):", ""]
+    lines += ["| mode | seq_len | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
+    for r in with_phases:
+        cells = {p["phase"]: f"{p['peak_mb']:.1f} ({p['time_s']:.1f})" for p in r["phases"]}
+        mode = r["mode"] + (f" ({r['kv_mode']})" if r["mode"] == "stream" else "")
+        lines.append(f"| {mode} | {r['seq_len']} | " + " | ".join(cells.get(n, "–") for n in names) + " |")
+    slopes = summary.get("phase_memory_per_extra_token", {})
+    if slopes:
+        lines += ["", "KiB per extra token per phase (steepest in bold):", ""]
+        lines += ["| mode | from → to | " + " | ".join(names) + " |", "|---|---|" + "---:|" * len(names)]
+        for mode, v in slopes.items():
+            cells = [
+                "–"
+                if n not in v["kib_per_token"]
+                else (
+                    f"**{v['kib_per_token'][n]:.2f}**" if n == v["steepest_phase"] else f"{v['kib_per_token'][n]:.2f}"
+                )
+                for n in names
+            ]
+            lines.append(f"| {mode} | {v['from_seq_len']} → {v['to_seq_len']} | " + " | ".join(cells) + " |")
+        steep = summary.get("stream_vs_chunked_loss_steepest_phase")
+        if steep:
+            lines += [
+                "",
+                f"- stream / checkpoint+chunked-loss steepest-phase memory per extra token: **{steep['ratio']:.3f}** "
+                f"(target ≤ {steep['target']}: {'met' if steep['met'] else 'NOT met'})",
+            ]
+        for mode, v in slopes.items():
+            where = ", ".join(f"{n}: {ph}" for n, ph in v["peak_phase"].items())
+            lines.append(f"- {mode}: the step's peak is in phase ({where})")
+    return lines
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     meta = result["metadata"]
     lines = [
         f"# bench_bp: {meta['model']}, {meta['dtype']}, batch {meta['batch_size']}, {meta['device']}",
         "",
         f"- device: {meta['device_name']} ({meta['cpu_cores']} cores, {meta['torch_threads']} torch threads)",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + f", git {meta['git']}",
+        "- versions: "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+        + f", git {meta['git']}, engine sha256 {meta['engine_sha256']}",
         f"- date: {meta['date']}",
         f"- command: `{meta['command']}`",
         f"- memory: {meta['memory']}, MiB; time: wall-clock s of one forward+backward (median of {meta['repeats']})",
         f"- stream: stream_chunk_size {meta['stream_chunk_size']}, logits_chunk_size {meta['logits_chunk_size']}, "
         f"kv_mode {meta['kv_mode']}; TRL fused head token tile {meta['trl_token_chunk_size']}",
     ]
+    if result.get("summary", {}).get("warning"):
+        lines.append(f"- **warning: {result['summary']['warning']}**")
     if result.get("baseline"):
         lines.append(f"- records marked * come from the baseline file `{result['baseline']}`")
     lines += [
         "",
-        "| mode | seq_len | peak MiB | time s | tokens/s | loss | grad norm | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| mode | seq_len | peak MiB | time s | CPU s | tokens/s | loss | grad norm | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["records"]:
         mode = r["mode"] + (f" ({r['kv_mode']})" if r["mode"] == "stream" else "") + ("*" if r.get("source") else "")
         lines.append(
             f"| {mode} | {r['seq_len']} | {_fmt(r.get('peak_mb'), '.1f')} | {_fmt(r.get('time_s'), '.2f')} | "
+            f"{_fmt(r.get('cpu_s'), '.1f')} | "
             f"{_fmt(r.get('tokens_per_s'), '.0f')} | {_fmt(r.get('loss'), '.6f')} | "
             f"{_fmt(r.get('grad_norm'), '.6g')} | {r['status']} |"
         )
@@ -526,6 +718,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"- stream / checkpoint time at {seq_len}: **{v['ratio']:.3f}** "
             f"(target ≤ {v['target']}: {'met' if v['met'] else 'NOT met'})"
         )
+    lines += _phase_markdown(result["records"], summary)
     if result.get("max_seq"):
         lines += ["", "Longest sequence that fits (multiple of 1024):", ""]
         lines += ["| mode | max seq_len | peak MiB | time s | first failure |", "|---|---:|---:|---:|---:|"]
@@ -618,9 +811,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--logits-chunk-size", type=int, default=4096, help="stream mode: token tile of the logit kernel (TRL: 4096)"
     )
     parser.add_argument("--kv-mode", choices=KV_MODES, default="recompute", help="stream mode: K/V in backward")
+    parser.add_argument(
+        "--same-logits-tile",
+        action="store_true",
+        help="give TRL's fused head (checkpoint+chunked-loss) the same token tile, --logits-chunk-size",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="timed iterations after one warm-up")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also record each phase's peak and time (forward, head backward, each layer's backward) and the "
+        "per-phase memory slopes; the step's peak is then the largest phase peak",
+    )
     parser.add_argument("--out", metavar="NAME", help="write benchmarks/NAME.json and benchmarks/NAME.md")
     parser.add_argument("--baseline", metavar="FILE", help="earlier JSON output supplying the modes not run here")
     parser.add_argument(
@@ -675,6 +879,8 @@ def main(argv: list[str] | None = None) -> None:
             "stream_chunk_size": args.stream_chunk_size,
             "logits_chunk_size": args.logits_chunk_size,
             "kv_mode": args.kv_mode,
+            "phases": args.phases,
+            "same_logits_tile": args.same_logits_tile,
         }
 
     measured: list[dict[str, Any]] = []

@@ -126,7 +126,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                     argmax[i:j] = torch.where(tile_max > run_max[i:j], tile_arg + v0, argmax[i:j])
                 m_new = torch.maximum(run_max[i:j], tile_max)
                 rescale = torch.exp(run_max[i:j] - m_new)
-                e = torch.exp(z - m_new[:, None])
+                e = (z - m_new[:, None]).exp_()
                 sum_exp[i:j] = sum_exp[i:j] * rescale + e.sum(1)
                 if sum_ez is not None:
                     sum_ez[i:j] = sum_ez[i:j] * rescale + _rowdot(e, z)
