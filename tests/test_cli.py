@@ -17,23 +17,17 @@ def _cli(*args, timeout=600):
     )
 
 
+def _sft_tiny(output_dir, *extra):
+    return _cli("sft", "--config", "configs/sft_tiny.yaml", "--output_dir", str(output_dir), *extra)
+
+
 def test_help_lists_commands():
     out = _cli("--help")
     assert out.returncode == 0 and "sft" in out.stdout
 
 
 def test_tiny_config_trains_and_saves_a_plain_transformers_model(tmp_path):
-    out = _cli(
-        "sft",
-        "--config",
-        "configs/sft_tiny.yaml",
-        "--output_dir",
-        str(tmp_path),
-        "--max_steps",
-        "4",
-        "--logging_steps",
-        "2",
-    )
+    out = _sft_tiny(tmp_path, "--max_steps", "4", "--logging_steps", "2")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"Model saved to {tmp_path}" in out.stdout + out.stderr
     assert "'stream_chunk_size': 32" in out.stdout + out.stderr
@@ -65,14 +59,6 @@ def test_non_positive_chunk_size_fails(value):
 
 
 def test_refused_model_fails_before_training(tmp_path):
-    out = _cli(
-        "sft",
-        "--config",
-        "configs/sft_tiny.yaml",
-        "--output_dir",
-        str(tmp_path),
-        "--model_init_kwargs",
-        '{"attention_dropout": 0.1}',
-    )
+    out = _sft_tiny(tmp_path, "--model_init_kwargs", '{"attention_dropout": 0.1}')
     assert out.returncode != 0 and "Qwen3ForCausalLM exactly: config.attention_dropout=0.1" in out.stderr
     assert "'loss'" not in out.stdout + out.stderr
