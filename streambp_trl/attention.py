@@ -102,16 +102,15 @@ class _ModelEntry:
 _MODELS: dict[int, _ModelEntry] = {}
 
 
-def attach(model: torch.nn.Module, config) -> str:
+def attach(model: torch.nn.Module, config) -> None:
     """Record ``model``'s current attention implementation and switch it to ``"streambp"``."""
     _register()
     entry = _MODELS.get(id(config))
     if entry is not None and entry.config() is config:
-        return entry.inner
+        return
     inner = config._attn_implementation or "sdpa"
     _MODELS[id(config)] = _ModelEntry(weakref.ref(config), weakref.ref(model), inner)
     model.set_attn_implementation(IMPLEMENTATION)
-    return inner
 
 
 def detach(model: torch.nn.Module, config) -> None:

@@ -98,7 +98,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n, vocab = hidden.shape[0], weight.shape[0]
         cdt = _compute_dtype(hidden)
-        acc = _acc_dtype(hidden.dtype if hidden.dtype == torch.float64 else cdt)
+        acc = _acc_dtype(hidden.dtype)
         kw = {"device": hidden.device, "dtype": acc}
         run_max = torch.full((n,), -torch.inf, **kw)
         sum_exp = torch.zeros(n, **kw)

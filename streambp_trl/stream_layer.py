@@ -123,10 +123,9 @@ class _LayerCall:
         window = self.mask.local_size if self.mask is not None else None
         return max(0, s - window + 1) if window else 0
 
-    def run(self, x: torch.Tensor, s: int, e: int, cache: _ChunkCache) -> torch.Tensor:
-        """The layer's own forward on x (= the hidden states of positions [s, e))."""
+    def run(self, x: torch.Tensor, s: int, e: int, p: int, cache: _ChunkCache) -> torch.Tensor:
+        """The layer's own forward on x (= the hidden states of positions [s, e)), keys from position p on."""
         kwargs = dict(self.forward.keywords)
-        p = self.prefix_start(s)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, StreamMask):
             kwargs["attention_mask"] = mask.at(s, p)
@@ -152,7 +151,7 @@ class _LayerCall:
             for s, e in self.chunks():
                 p = self.prefix_start(s)
                 cache = _ChunkCache(*kv.range(p, s))
-                out = self.run(x[:, s:e], s, e, cache)
+                out = self.run(x[:, s:e], s, e, p, cache)
                 kv.write(s, e, cache)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
@@ -166,7 +165,7 @@ class _LayerCall:
             for s, e in self.chunks():
                 cache = _ChunkCache(stop=True)
                 try:
-                    self.run(x[:, s:e], s, e, cache)
+                    self.run(x[:, s:e], s, e, s, cache)  # stops before attention: no prefix
                 except _KVCollected:
                     pass
                 else:
@@ -193,7 +192,7 @@ class _LayerCall:
             vp = v_all[:, :, p:s].detach().requires_grad_(s > p)
             cache = _ChunkCache(kp, vp)
             with torch.enable_grad():
-                yc = self.run(xc, s, e, cache)
+                yc = self.run(xc, s, e, p, cache)
             outputs, grad_outputs = [yc], [dy[:, s:e]]
             if e < self.seq_len:  # later chunks attended to this chunk's keys and values
                 outputs += [cache.chunk_k, cache.chunk_v]
