@@ -126,3 +126,21 @@ def test_bf16_autocast_matches_checkpointing():
     assert len(seen) > calls_in_forward and set(seen) == {torch.bfloat16}  # backward recompute ran in bf16 too
     err, where = max_rel_grad_error(reference, streamed)
     assert err < 3e-2, f"{err:.2e} at {where}"
+
+
+def test_user_given_4d_mask_is_sliced_per_chunk():
+    """A ready-made 4D boolean mask (here causal + padding + one blocked pair) is honoured block by block."""
+    reference = tiny_model("llama")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
+    ids, mask2d, labels = batch(padding="left")
+    seq = ids.shape[1]
+    mask4d = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None] & mask2d.bool()[:, None, None, :]
+    mask4d = mask4d | torch.eye(seq, dtype=torch.bool)  # every row keeps itself, so no row is fully masked
+    mask4d[:, :, 15, 3] = False
+    ref_logits = reference(input_ids=ids, attention_mask=mask4d, use_cache=False).logits
+    ref_loss = torch.nn.functional.cross_entropy(ref_logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    ref_loss.backward()
+    loss = streamed(input_ids=ids, attention_mask=mask4d, labels=labels).loss
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= TOL * ref_loss.item()
+    assert max_rel_grad_error(reference, streamed)[0] < TOL
