@@ -1,9 +1,10 @@
 """Chunk-local attention masks and attention, registered through transformers' own interfaces.
 
-While StreamBP is enabled the model's attention implementation is ``"streambp"``. In training mode the
-model-level mask functions (``create_causal_mask``, ``create_sliding_window_causal_mask``) then return a
-:class:`StreamMask`: a description of the mask (the model's own index-based ``mask_function``, the 2D padding
-mask, the sliding window), not a (T x T) tensor. The stream decoder calls each layer on one chunk of queries
+During a streamed call (the decoder's training forward, and each layer's recompute in backward; see
+:func:`streaming`) the model's attention implementation is ``"streambp"``. The model-level mask functions
+(``create_causal_mask``, ``create_sliding_window_causal_mask``, ...) then return a :class:`StreamMask`: a
+description of the mask (the model's own index-based ``mask_function``, the 2D padding mask, the sliding window),
+not a (T x T) tensor. The stream decoder calls each layer on one chunk of queries
 ``[q_start, q_start + q_len)`` against keys ``[kv_start, kv_start + kv_len)`` and hands the layer
 ``mask.at(q_start, kv_start)``; :func:`stream_attention` then builds at most the (q_len x kv_len) block with
 ``masking_utils.sdpa_mask``, or uses PyTorch's bottom-right-aligned causal kernel when the block is plainly
@@ -12,29 +13,23 @@ causal (no padding, packing or window), which dispatches to the flash / memory-e
 Everything the model's mask function encodes (padding, packed sequences, sliding windows, custom overlays)
 is evaluated with absolute indices, so a chunk sees exactly the rows of the full mask it needs.
 
-In eval mode both functions delegate to the implementation the model had before StreamBP was enabled, so
-inference is unchanged.
+Outside streamed calls the config names the model's own implementation, so eval, generation and saved
+checkpoints are unchanged. Attention dropout is applied by SDPA on each block; the stream decoder replays the
+random state of every chunk, so a recompute draws the same dropout mask as the forward did.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import sys
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    AttentionMaskInterface,
-    causal_mask_function,
-    sdpa_mask,
-)
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 IMPLEMENTATION = "streambp"
 
@@ -91,61 +86,41 @@ class StreamMask:
         )
 
 
-@dataclasses.dataclass
-class _ModelEntry:
-    config: weakref.ref
-    model: weakref.ref
-    inner: str
+def stream_configs(module: torch.nn.Module) -> tuple:
+    """The transformers configs the attention and mask code of ``module``'s submodules read (deduplicated)."""
+    configs = {}
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            configs.setdefault(id(config), config)
+    return tuple(configs.values())
 
 
-# id(config) -> the model whose config it is and the attention implementation it had before StreamBP.
-_MODELS: dict[int, _ModelEntry] = {}
+@contextlib.contextmanager
+def streaming(configs: tuple) -> Iterator[None]:
+    """Route attention and mask creation of the models reading ``configs`` through ``"streambp"`` for one call.
 
-
-def attach(model: torch.nn.Module, config) -> None:
-    """Record ``model``'s current attention implementation and switch it to ``"streambp"``."""
+    The configs are switched only for the duration of a streamed call (the decoder's training forward, a layer's
+    recompute in backward), so the model's own implementation stays what it was everywhere else: eval, generation,
+    ``save_pretrained``, ``copy.deepcopy`` and other models sharing the config see no change.
+    """
     _register()
-    entry = _MODELS.get(id(config))
-    if entry is not None and entry.config() is config:
-        return
-    inner = config._attn_implementation or "sdpa"
-    _MODELS[id(config)] = _ModelEntry(weakref.ref(config), weakref.ref(model), inner)
-    model.set_attn_implementation(IMPLEMENTATION)
+    previous = [c._attn_implementation_internal for c in configs]
+    for c in configs:
+        c._attn_implementation_internal = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        for c, impl in zip(configs, previous, strict=True):
+            c._attn_implementation_internal = impl
 
 
-def detach(model: torch.nn.Module, config) -> None:
-    """Give ``model`` back the attention implementation recorded by :func:`attach`."""
-    entry = _MODELS.pop(id(config), None)
-    if entry is not None:
-        model.set_attn_implementation(entry.inner)
-
-
-def _entry(config) -> _ModelEntry:
-    entry = _MODELS.get(id(config))
-    if entry is None or entry.config() is not config:
-        raise RuntimeError(
-            f"{type(config).__name__} uses attn_implementation='{IMPLEMENTATION}' but StreamBP is not enabled on its "
-            "model; call streambp_trl.enable_streambp(model, ...) or set another attention implementation."
-        )
-    return entry
-
-
-def _streaming(config) -> bool:
-    model = _entry(config).model()
-    return model is not None and model.training
-
-
-def stream_mask(**kwargs) -> StreamMask | torch.Tensor | None:
-    """Mask interface function: a :class:`StreamMask` in training, the original implementation's mask otherwise."""
-    config = kwargs["config"]
-    if not _streaming(config):
-        inner = _entry(config).inner
-        # Like transformers: an implementation without a mask function of its own gets no mask.
-        return ALL_MASK_ATTENTION_FUNCTIONS[inner](**kwargs) if inner in ALL_MASK_ATTENTION_FUNCTIONS else None
+def stream_mask(**kwargs) -> StreamMask:
+    """Mask interface function: a :class:`StreamMask` describing the whole sequence's mask."""
     if kwargs.get("q_offset", 0) or kwargs.get("kv_offset", 0) or kwargs["q_length"] != kwargs["kv_length"]:
         raise ValueError(
-            "StreamBP streams a whole sequence without a key/value cache; generating with the model in training mode "
-            "is not supported while it is enabled. Call model.eval() before generate()."
+            "StreamBP streams whole sequences without a key/value cache, but this call has cached positions "
+            f"(q_offset={kwargs.get('q_offset', 0)}, kv_length={kwargs['kv_length']}, q_length={kwargs['q_length']})."
         )
     padding = kwargs.get("attention_mask")
     if padding is not None and bool(padding.all()):
@@ -157,14 +132,6 @@ def stream_mask(**kwargs) -> StreamMask | torch.Tensor | None:
         local_size=kwargs.get("local_size"),
         use_vmap=kwargs.get("use_vmap", False),
     )
-
-
-def _model_eager_attention(module: torch.nn.Module) -> Callable:
-    """The ``eager_attention_forward`` that the module's own modeling file defines."""
-    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if fn is None:
-        raise RuntimeError(f"{type(module).__name__} has no eager attention function to fall back to.")
-    return fn
 
 
 def stream_attention(
@@ -184,23 +151,25 @@ def stream_attention(
     Holds at most one (q_len x kv_len) mask block and SDPA's own workspace.
     """
     if not isinstance(attention_mask, StreamMask):
-        inner = _entry(module.config).inner
-        fn = _model_eager_attention(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
-        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        raise RuntimeError(
+            f"StreamBP attention in {type(module).__name__} got a {type(attention_mask).__name__} mask instead of a "
+            "StreamMask: the model built its attention mask outside transformers' mask interface."
+        )
     for name in ("softcap", "s_aux", "sinks"):
         if kwargs.get(name) is not None:
             raise ValueError(f"StreamBP cannot compute attention with `{name}` exactly for {type(module).__name__}.")
-    if dropout:
-        raise ValueError(f"StreamBP cannot replay attention dropout ({dropout}) in {type(module).__name__}.")
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     if block is not None:
-        return sdpa_attention_forward(module, query, key, value, block, scaling=scaling, is_causal=False)
+        return sdpa_attention_forward(
+            module, query, key, value, block, scaling=scaling, dropout=dropout, is_causal=False
+        )
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(
         query,
         key,
         value,
         attn_mask=causal_lower_right(query.shape[2], key.shape[2]),
+        dropout_p=dropout,
         scale=scaling,
         enable_gqa=groups > 1,
     )

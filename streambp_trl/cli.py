@@ -51,7 +51,14 @@ def train_sft(script_args, training_args, model_args, dataset_args) -> str:
     dataset = _load_dataset(script_args, dataset_args)
     eval_dataset = None
     if training_args.eval_strategy != "no":
-        eval_dataset = dataset[script_args.dataset_test_split]
+        split = script_args.dataset_test_split
+        if split not in dataset:
+            raise ValueError(
+                f"eval_strategy={training_args.eval_strategy!r} needs an evaluation split, but the dataset has no "
+                f"split {split!r} (it has {sorted(dataset)}). Set `dataset_test_split` to one of them, add a "
+                "test split to the dataset, or set `eval_strategy: 'no'`."
+            )
+        eval_dataset = dataset[split]
     trainer = StreamSFTTrainer(
         model=model_args.model_name_or_path,
         args=training_args,

@@ -2,16 +2,24 @@
 
 After :func:`enable_streambp`, in training mode,
 
-* every decoder layer (each ``GradientCheckpointingLayer``) runs through the stream-checkpointed Function of
-  :mod:`streambp_trl.stream_layer`, with attention and masks from :mod:`streambp_trl.attention`;
+* every decoder layer (each ``GradientCheckpointingLayer`` of ``model.get_decoder()``) runs through the
+  stream-checkpointed Function of :mod:`streambp_trl.stream_layer`, with attention and masks from
+  :mod:`streambp_trl.attention`;
 * ``model(..., labels=labels)`` computes the causal-LM loss through the chunked logit kernel of
   :mod:`streambp_trl.logits` (``logits`` is ``None``: they are never built), and
 * ``model(..., labels=labels, fused_lm_head=True)`` returns TRL's ``FusedCausalLMOutput`` from the same kernel,
   whether or not TRL's ``add_fused_lm_head`` patched the model first.
 
+Everything the engine installs lives on the model's own modules, as instance attributes recorded in each module's
+``_streambp_patches`` (so ``copy.deepcopy`` copies a streaming model, and :func:`disable_streambp` puts back exactly
+what was there); the model's config is changed only for the duration of a streamed call. The engine owns the decoder
+layers' checkpoint hook while enabled: transformers' ``gradient_checkpointing_enable/disable`` (and TRL's
+``disable_gradient_checkpointing`` context around reference and old-policy passes) still apply to every other
+module, but the decoder layers keep streaming.
+
 In eval mode the layers, the attention and ``labels=`` calls behave as before (``fused_lm_head=True`` still
-uses the kernel, as TRL's own head does). Nothing is saved differently: ``save_pretrained`` writes the same
-files, loadable by plain transformers.
+uses the kernel, as TRL's own head does). Generation works in either mode. Nothing is saved differently:
+``save_pretrained`` writes the same files, loadable by plain transformers.
 """
 
 from __future__ import annotations
@@ -20,17 +28,19 @@ import dataclasses
 import functools
 import types
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
-from . import attention
+from .attention import stream_configs, streaming
 from .logits import STAT_OUTPUTS, chunked_logprobs
-from .stream_layer import KV_MODES, StreamSettings, check_no_dropout, stream_checkpoint
+from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
+from .support import check_supported
 
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+_PATCHES = "_streambp_patches"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +51,76 @@ class StreamState:
     logits_chunk_size: int
     temperature: float
     fused_outputs: tuple[str, ...]
-    original_forward: object
-    had_instance_forward: bool
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Instance patches, recorded on the module they change
+
+
+def _patch(module: nn.Module, name: str, value) -> None:
+    """Set ``module.<name> = value`` as an instance attribute, remembering what the instance had before."""
+    patches = vars(module).setdefault(_PATCHES, {"saved": {}, "applied": {}})
+    if name not in patches["saved"]:
+        patches["saved"][name] = (name in vars(module), vars(module).get(name))
+    patches["applied"][name] = value
+    setattr(module, name, value)
+
+
+def _bind(function, module: nn.Module, wraps=None) -> types.MethodType:
+    """``function`` as a method of ``module`` (with the signature and docs of ``wraps``, if given)."""
+    return types.MethodType(functools.wraps(wraps)(function) if wraps else function, module)
+
+
+def _unpatch(module: nn.Module) -> None:
+    if _PATCHES in vars(module):
+        _put_back(module)
+        del vars(module)[_PATCHES]
+
+
+def _original(module: nn.Module, name: str):
+    """``module.<name>`` as it was before the engine patched it (bound to ``module``)."""
+    had, previous = vars(module)[_PATCHES]["saved"][name]
+    return previous if had else getattr(type(module), name).__get__(module)
+
+
+def _streamed_layers(root: nn.Module) -> list[nn.Module]:
+    return [m for m in root.modules() if isinstance(m, GradientCheckpointingLayer) and _PATCHES in vars(m)]
+
+
+def _put_back(module: nn.Module) -> None:
+    """Give ``module`` the attributes it had before the engine's patches, keeping the records."""
+    for name, (had, previous) in vars(module)[_PATCHES]["saved"].items():
+        if had:
+            setattr(module, name, previous)
+        else:
+            vars(module).pop(name, None)
+
+
+def _reapply(module: nn.Module) -> None:
+    """Remember ``module``'s current attributes as those to restore, then set the engine's again."""
+    patches = vars(module)[_PATCHES]
+    for name, value in patches["applied"].items():
+        patches["saved"][name] = (name in vars(module), vars(module).get(name))
+        setattr(module, name, value)
+
+
+def _guarded_set_gradient_checkpointing(self, *args, **kwargs):
+    """transformers' ``_set_gradient_checkpointing``, after which the streamed decoder layers keep their hook.
+
+    It runs on the layers as they were before the engine, so what it sets is what :func:`disable_streambp` restores.
+    """
+    layers = _streamed_layers(self)
+    for layer in layers:
+        _put_back(layer)
+    try:
+        _original(self, "_set_gradient_checkpointing")(*args, **kwargs)
+    finally:
+        for layer in layers:
+            _reapply(layer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding the pieces
 
 
 def _causal_lm(model: nn.Module) -> PreTrainedModel:
@@ -54,51 +132,39 @@ def _causal_lm(model: nn.Module) -> PreTrainedModel:
     return model
 
 
-def _refuse(model: PreTrainedModel, why: str) -> None:
-    raise ValueError(f"StreamBP cannot train {type(model).__name__} exactly: {why}.")
+def _decoder(lm: PreTrainedModel) -> PreTrainedModel | None:
+    decoder = lm.get_decoder()
+    return decoder if isinstance(decoder, PreTrainedModel) and decoder is not lm else None
 
 
-def _validate(model: PreTrainedModel, layers: list[nn.Module]) -> None:
-    config = model.config.get_text_config()
-    if getattr(model.config, "is_encoder_decoder", False):
-        _refuse(model, "encoder-decoder models are not supported, only decoder-only causal LMs")
-    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
-        _refuse(model, "its attention is bidirectional, so a chunk would need keys from later positions")
-    if model.get_output_embeddings() is None:
-        _refuse(model, "it has no LM head (get_output_embeddings() is None)")
-    if not layers:
-        _refuse(model, "it has no transformers GradientCheckpointingLayer decoder layers to stream")
-    if not model._can_set_attn_implementation():
-        _refuse(model, "its attention does not go through transformers' AttentionInterface")
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        _refuse(model, "attention-logit softcapping has no exact fused kernel here")
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - _SUPPORTED_LAYER_TYPES:
-        _refuse(model, f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not softmax attention")
-    if getattr(config, "output_router_logits", False):
-        _refuse(
-            model,
-            "the MoE load-balancing loss (output_router_logits=True) would take gradient from router logits "
-            "computed inside the streamed layers; set config.output_router_logits=False",
+def _decoder_layers(decoder: nn.Module) -> list[GradientCheckpointingLayer]:
+    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:
+    """The ``nn.Linear`` the LM head applies, looking through PEFT's ``modules_to_save`` wrapper."""
+    head = lm.get_output_embeddings()
+    while hasattr(head, "modules_to_save") and hasattr(head, "original_module"):
+        active = list(getattr(head, "active_adapters", []))
+        use_original = head.disable_adapters or not active or active[0] not in head.modules_to_save
+        head = head.original_module if use_original else head.modules_to_save[active[0]]
+    if type(head) is not nn.Linear:
+        raise ValueError(
+            f"StreamBP's logit kernel needs the LM head of {type(lm).__name__} to be a plain nn.Linear, got "
+            f"{type(head).__name__} (an adapter on lm_head? keep lm_head out of LoRA's target_modules, or list it "
+            "in modules_to_save)."
         )
-    for name, value in vars(config).items():
-        if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
-            _refuse(model, f"config.{name}={value}: dropout cannot be replayed chunk by chunk; set it to 0")
-    for layer in layers:
-        check_no_dropout(layer)
-        for module in layer.modules():
-            if getattr(module, "is_causal", True) is False:
-                _refuse(model, f"{type(module).__name__} is not causal")
-
-
-def _decoder_layers(model: nn.Module) -> list[GradientCheckpointingLayer]:
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return head
 
 
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer number of tokens, got {value!r}.")
     return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
 
 
 def enable_streambp(
@@ -111,6 +177,8 @@ def enable_streambp(
     fused_outputs: tuple[str, ...] = ("log_probs",),
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
+
+    Raises ``ValueError`` naming the model class and the reason when the model cannot be streamed exactly.
 
     Args:
         model: a transformers causal LM, or a PEFT model wrapping one.
@@ -133,43 +201,84 @@ def enable_streambp(
     lm = _causal_lm(model)
     if getattr(lm, "_streambp", None) is not None:
         disable_streambp(lm)
-    layers = _decoder_layers(lm)
-    _validate(lm, layers)
+    decoder = _decoder(lm)
+    layers = _decoder_layers(decoder) if decoder is not None else []
+    check_supported(lm, decoder, layers)
+    lm_head_linear(lm)
 
     settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode)
-    attention.attach(lm, lm.config)
+    hook = functools.partial(stream_checkpoint, settings)
     for layer in layers:
-        layer.gradient_checkpointing = True
-        layer._gradient_checkpointing_func = functools.partial(stream_checkpoint, settings)
-    had_instance_forward = "forward" in vars(lm)
+        _patch(layer, "gradient_checkpointing", True)
+        _patch(layer, "_gradient_checkpointing_func", hook)
+        _patch(layer, "_can_checkpoint_with_cache", True)  # a generation cache reaches the hook, which keeps it
+    for module in lm.modules():
+        if isinstance(module, PreTrainedModel):
+            _patch(module, "_set_gradient_checkpointing", _bind(_guarded_set_gradient_checkpointing, module))
+    _patch(decoder, "forward", _bind(_stream_decoder_forward, decoder, wraps=type(decoder).forward))
+    _patch(lm, "forward", _bind(_stream_forward, lm, wraps=type(lm).forward))
     lm._streambp = StreamState(
         settings=settings,
         logits_chunk_size=logits_chunk_size,
         temperature=float(temperature),
         fused_outputs=tuple(dict.fromkeys(("log_probs", *fused_outputs))),
-        original_forward=lm.forward,
-        had_instance_forward=had_instance_forward,
     )
-    lm.forward = types.MethodType(functools.wraps(type(lm).forward)(_stream_forward), lm)
     return model
 
 
 def disable_streambp(model: nn.Module) -> nn.Module:
     """Undo :func:`enable_streambp`; returns ``model``."""
     lm = _causal_lm(model)
-    state: StreamState | None = getattr(lm, "_streambp", None)
-    if state is None:
+    if getattr(lm, "_streambp", None) is None:
         return model
-    for layer in _decoder_layers(lm):
-        layer.gradient_checkpointing = False
-        vars(layer).pop("_gradient_checkpointing_func", None)
-    if state.had_instance_forward:
-        lm.forward = state.original_forward
-    else:
-        del lm.forward
-    attention.detach(lm, lm.config)
+    for module in lm.modules():
+        _unpatch(module)
     lm._streambp = None
     return model
+
+
+def is_streaming(model: nn.Module) -> bool:
+    """Whether ``model``'s decoder layers stream: StreamBP is enabled and every layer still has the stream hook."""
+    lm = _causal_lm(model)
+    if getattr(lm, "_streambp", None) is None:
+        return False
+    decoder = _decoder(lm)
+    layers = _decoder_layers(decoder) if decoder is not None else []
+    return bool(layers) and all(
+        layer.gradient_checkpointing
+        and isinstance(layer._gradient_checkpointing_func, functools.partial)
+        and layer._gradient_checkpointing_func.func is stream_checkpoint
+        for layer in layers
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The patched forwards
+
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _stream_decoder_forward(self, *args, **kwargs):
+    """The decoder's forward; in training, a streamed call (masks as descriptions, layers chunked)."""
+    forward = _original(self, "forward")
+    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    if not self.training or (cache is not None and not torch.is_grad_enabled()):
+        return forward(*args, **kwargs)  # eval, or generation in training mode: the model's own path
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"StreamBP cannot train {type(self).__name__} on top of a filled key/value cache (past_key_values); "
+            "pass the whole sequence instead."
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions=True is not available while StreamBP streams the decoder in training mode: the "
+            "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
+        )
+    for k in _CACHE_KWARGS:
+        kwargs.pop(k, None)
+    kwargs["use_cache"] = False
+    with streaming(stream_configs(self)):
+        return forward(*args, **kwargs)
 
 
 def _logit_transform(config) -> tuple[float | None, float]:
@@ -179,6 +288,16 @@ def _logit_transform(config) -> tuple[float | None, float]:
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = 1.0 / config.logits_scaling
     return softcap, 1.0 if scale is None else float(scale)
+
+
+def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
+    if bool(bad.any()):
+        value = labels[bad][0].item()
+        raise ValueError(
+            f"labels must be token ids in [0, {vocab_size}) or -100 (ignored), got {value}. Mark positions "
+            "without a loss with -100."
+        )
 
 
 def _stream_forward(
@@ -194,7 +313,7 @@ def _stream_forward(
         ):
             if value is not None:
                 kwargs[name] = value
-        return state.original_forward(*args, **kwargs)
+        return _original(self, "forward")(*args, **kwargs)
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
     if kwargs.get("output_router_logits"):
@@ -202,16 +321,19 @@ def _stream_forward(
             "StreamBP cannot backpropagate the MoE load-balancing loss through streamed layers; "
             "call without output_router_logits (and keep config.output_router_logits=False)."
         )
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = self.config.return_dict
     kwargs["use_cache"] = False
-    hidden = self.base_model(*args, **kwargs).last_hidden_state
+    decoded = _decoder(self)(*args, return_dict=True, **kwargs)
+    hidden = decoded.last_hidden_state
     if shift_labels is None:
         hidden, labels = hidden[:, :-1], labels[:, 1:]
     else:
         labels = shift_labels
-    head = self.get_output_embeddings()
-    if type(head) is not nn.Linear:
-        raise ValueError(f"StreamBP's logit kernel needs a plain nn.Linear LM head, got {type(head).__name__}.")
+    head = lm_head_linear(self)
     hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+    _check_labels(labels, head.weight.shape[0])
     mask = labels != -100
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
         raise ValueError("Every label is -100: there is no token to compute the loss on.")
@@ -231,6 +353,8 @@ def _stream_forward(
     per_token = {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}
     denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -per_token["log_probs"].sum() / denominator
-    if not fused_lm_head:
-        return CausalLMOutputWithPast(loss=loss, logits=None)
-    return FusedCausalLMOutput(loss=loss, label_mask=mask, **per_token)
+    if fused_lm_head:  # the fields of TRL's own fused head
+        out = FusedCausalLMOutput(loss=loss, label_mask=mask, **per_token)
+    else:
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=decoded.get("hidden_states"))
+    return out if return_dict else out.to_tuple()

@@ -20,7 +20,7 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = StreamSFTConfig(f"{name.split('/')[-1]}-SFT")
-        take_over_checkpointing(args)
+        args = take_over_checkpointing(args)
         super().__init__(model, args, *pos, **kwargs)
         # after TRL's own fused head: the same `fused_lm_head=True` call, served by the stream engine
         self._install_stream_engine(args.max_length, fused_outputs=("log_probs", "entropy", "is_top1"))

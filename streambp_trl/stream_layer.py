@@ -28,15 +28,17 @@ Memory of one layer's backward beyond the saved inputs: dY, dx (batch, T, hidden
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .attention import StreamMask
+from .attention import StreamMask, stream_configs, streaming
 
 KV_MODES = ("recompute", "capture")
 
@@ -65,45 +67,86 @@ class _KVCollected(Exception):
 
 
 class _ChunkCache(Cache):
-    """A ``transformers.Cache`` for one layer call on one chunk.
+    """A ``transformers.Cache`` for one layer call on the chunk of positions starting at ``start``.
 
-    ``update()`` records the chunk's own keys/values and returns them after the prefix ones. With ``stop`` it
-    raises :class:`_KVCollected` instead, so the layer runs only as far as its key/value projections.
+    ``update()`` records the chunk's own keys/values and returns them after the prefix ones (positions
+    ``[start - prefix_len, start)``). With ``stop`` it raises :class:`_KVCollected` instead, so the layer runs only
+    as far as its key/value projections. Queries answer as a cache holding the ``start`` earlier tokens would:
+    ``get_seq_length()`` (and so ``get_query_offset()``) is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
     """
 
-    def __init__(self, prefix_k: torch.Tensor | None = None, prefix_v: torch.Tensor | None = None, stop: bool = False):
+    def __init__(
+        self,
+        start: int,
+        prefix_k: torch.Tensor | None = None,
+        prefix_v: torch.Tensor | None = None,
+        stop: bool = False,
+    ):
         super().__init__(layers=[])
-        self.prefix_k, self.prefix_v, self.stop = prefix_k, prefix_v, stop
+        self.start, self.prefix_k, self.prefix_v, self.stop = start, prefix_k, prefix_v, stop
         self.chunk_k: torch.Tensor | None = None
         self.chunk_v: torch.Tensor | None = None
+
+    @property
+    def prefix_len(self) -> int:
+        return 0 if self.prefix_k is None else self.prefix_k.shape[-2]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.prefix_len + query_length, self.start - self.prefix_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.chunk_k, self.chunk_v = key_states, value_states
         if self.stop:
             raise _KVCollected
-        if self.prefix_k is None or self.prefix_k.shape[-2] == 0:
+        if self.prefix_len == 0:
             return key_states, value_states
         return torch.cat([self.prefix_k, key_states], dim=-2), torch.cat([self.prefix_v, value_states], dim=-2)
 
 
-def check_no_dropout(layer: nn.Module) -> None:
-    for module in layer.modules():
-        p = module.p if isinstance(module, nn.modules.dropout._DropoutNd) else getattr(module, "attention_dropout", 0)
-        if isinstance(p, (int, float)) and p > 0:
-            raise ValueError(
-                f"StreamBP cannot replay dropout inside {type(layer).__name__} ({type(module).__name__} with p={p}) "
-                "chunk by chunk; set the dropout to 0 (e.g. the config's attention_dropout or LoRA's lora_dropout)."
-            )
+class _RngState:
+    """The CPU generator's state and that of the tensor's device (if not the CPU), as captured before a chunk."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.dev = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state(device)
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.dev is not None:
+            torch.get_device_module(self.device.type).set_rng_state(self.dev, self.device)
+
+
+@contextlib.contextmanager
+def _rng_fork(device: torch.device) -> Iterator[None]:
+    """Leave the global random state as it was, whatever the recompute draws (like ``torch.utils.checkpoint``)."""
+    devices = [] if device.type == "cpu" else [device]
+    with torch.random.fork_rng(devices=devices, device_type=device.type):
+        yield
 
 
 @dataclasses.dataclass
 class _LayerCall:
-    """One decoder-layer call, able to run any chunk of the sequence."""
+    """One decoder-layer call, able to run any chunk of the sequence.
+
+    ``rng`` holds each chunk's random state from the forward (when it is recorded), so every recompute of a chunk
+    draws the same random numbers (dropout masks, sampled routing, jitter) as the forward did.
+    """
 
     forward: functools.partial  # partial(layer.forward, layer, **kwargs) from GradientCheckpointingLayer
     settings: StreamSettings
     seq_len: int
     autocast: dict
+    configs: tuple
+    cache_name: str
+    rng: list[_RngState] = dataclasses.field(default_factory=list)
 
     @property
     def layer(self) -> nn.Module:
@@ -123,19 +166,19 @@ class _LayerCall:
         window = self.mask.local_size if self.mask is not None else None
         return max(0, s - window + 1) if window else 0
 
-    def run(self, x: torch.Tensor, s: int, e: int, p: int, cache: _ChunkCache) -> torch.Tensor:
-        """The layer's own forward on x (= the hidden states of positions [s, e)), keys from position p on."""
+    def run(self, x: torch.Tensor, s: int, e: int, cache: _ChunkCache) -> torch.Tensor:
+        """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix."""
         kwargs = dict(self.forward.keywords)
         mask = kwargs.get("attention_mask")
         if isinstance(mask, StreamMask):
-            kwargs["attention_mask"] = mask.at(s, p)
+            kwargs["attention_mask"] = mask.at(s, s - cache.prefix_len)
         for name, value in kwargs.items():
             if name == "position_embeddings" and value is not None:
                 kwargs[name] = tuple(t[..., s:e, :] for t in value)
             elif name in _PER_TOKEN and value is not None:
                 kwargs[name] = value[..., s:e]
-        kwargs["past_key_values"] = cache
-        with torch.autocast(**self.autocast):
+        kwargs[self.cache_name] = cache
+        with torch.autocast(**self.autocast), streaming(self.configs):
             out = self.forward.func(self.layer, x, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
@@ -143,15 +186,18 @@ class _LayerCall:
             )
         return out
 
-    def forward_chunks(self, x: torch.Tensor, keep_kv: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def forward_chunks(
+        self, x: torch.Tensor, keep_kv: bool, record_rng: bool
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Prefill, first chunk to last, under no grad; returns the output and, if ``keep_kv``, K and V."""
         y = None
         kv = _KVBuffer(self.seq_len)
         with torch.no_grad():
             for s, e in self.chunks():
-                p = self.prefix_start(s)
-                cache = _ChunkCache(*kv.range(p, s))
-                out = self.run(x[:, s:e], s, e, p, cache)
+                if record_rng:
+                    self.rng.append(_RngState(x.device))
+                cache = _ChunkCache(s, *kv.range(self.prefix_start(s), s))
+                out = self.run(x[:, s:e], s, e, cache)
                 kv.write(s, e, cache)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
@@ -159,13 +205,14 @@ class _LayerCall:
         return y, (kv.k, kv.v) if keep_kv else ()
 
     def collect_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every position, running each chunk only up to its cache update."""
+        """K and V of every position, running each chunk (from its recorded random state) up to its cache update."""
         kv = _KVBuffer(self.seq_len)
         with torch.no_grad():
-            for s, e in self.chunks():
-                cache = _ChunkCache(stop=True)
+            for i, (s, e) in enumerate(self.chunks()):
+                self.rng[i].restore()
+                cache = _ChunkCache(s, stop=True)
                 try:
-                    self.run(x[:, s:e], s, e, s, cache)  # stops before attention: no prefix
+                    self.run(x[:, s:e], s, e, cache)  # stops before attention: no prefix needed
                 except _KVCollected:
                     pass
                 else:
@@ -181,25 +228,30 @@ class _LayerCall:
         params: list[nn.Parameter],
         need_dx: bool,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        with _rng_fork(x.device):
+            return self._backward_chunks(x, dy, kv, params, need_dx)
+
+    def _backward_chunks(self, x, dy, kv, params, need_dx):
         k_all, v_all = kv if kv else self.collect_kv(x)
         dk, dv = torch.zeros_like(k_all), torch.zeros_like(v_all)
         dx = torch.empty_like(x) if need_dx else None
         dparams: list[torch.Tensor | None] = [None] * len(params)
-        for s, e in reversed(self.chunks()):
+        for i, (s, e) in reversed(list(enumerate(self.chunks()))):
             p = self.prefix_start(s)
             xc = x[:, s:e].detach().requires_grad_(need_dx)
             kp = k_all[:, :, p:s].detach().requires_grad_(s > p)
             vp = v_all[:, :, p:s].detach().requires_grad_(s > p)
-            cache = _ChunkCache(kp, vp)
+            cache = _ChunkCache(s, kp, vp)
+            self.rng[i].restore()
             with torch.enable_grad():
-                yc = self.run(xc, s, e, p, cache)
+                yc = self.run(xc, s, e, cache)
             outputs, grad_outputs = [yc], [dy[:, s:e]]
             if e < self.seq_len:  # later chunks attended to this chunk's keys and values
                 outputs += [cache.chunk_k, cache.chunk_v]
                 grad_outputs += [dk[:, :, s:e], dv[:, :, s:e]]
             # keys/values computed only from frozen weights and a gradient-free input carry no gradient
-            keep = [i for i, out in enumerate(outputs) if out.requires_grad]
-            outputs, grad_outputs = [outputs[i] for i in keep], [grad_outputs[i] for i in keep]
+            keep = [j for j, out in enumerate(outputs) if out.requires_grad]
+            outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
             inputs = [xc] if need_dx else []
             inputs += [kp, vp] if s > p else []
             grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
@@ -211,9 +263,9 @@ class _LayerCall:
                     g = next(it)
                     if g is not None:
                         acc[:, :, p:s] += g
-            for i, g in enumerate(it):
+            for j, g in enumerate(it):
                 if g is not None:
-                    dparams[i] = g if dparams[i] is None else dparams[i].add_(g)
+                    dparams[j] = g if dparams[j] is None else dparams[j].add_(g)
         return dx, dparams
 
 
@@ -243,7 +295,7 @@ class _StreamLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _LayerCall, x: torch.Tensor, *params: nn.Parameter) -> torch.Tensor:
         capture = call.settings.kv_mode == "capture"
-        y, kv = call.forward_chunks(x, keep_kv=capture)
+        y, kv = call.forward_chunks(x, keep_kv=capture, record_rng=True)
         ctx.call, ctx.params = call, params
         ctx.save_for_backward(x, *kv)
         return y
@@ -289,25 +341,51 @@ def _check_kwargs(layer: nn.Module, kwargs: dict, seq_len: int) -> None:
         raise ValueError(f"StreamBP: {type(layer).__name__} was called without an attention mask.")
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _cache_name(layer: nn.Module) -> str:
+    """The keyword under which ``layer`` takes its key/value cache."""
+    params = inspect.signature(type(layer).forward).parameters
+    name = next((k for k in _CACHE_KWARGS if k in params), None)
+    if name is None:
+        raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
+    return name
+
+
 def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
-    """A streamed layer's ``_gradient_checkpointing_func``: ``forward`` is ``partial(layer.forward, layer, **kw)``."""
+    """A streamed layer's ``_gradient_checkpointing_func``: ``forward`` is ``partial(layer.forward, layer, **kw)``.
+
+    A call that brings a real key/value cache without grad (generation while the model is in training mode) runs
+    the layer as it is, filling the cache. Every other training call is streamed; a cache is then dropped, as
+    Hugging Face gradient checkpointing does.
+    """
+    layer = forward.args[0]
+    kwargs = dict(forward.keywords)
+    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    if cache is not None and not isinstance(cache, _ChunkCache) and not torch.is_grad_enabled():
+        return forward(*args)
     if len(args) != 1:
         raise ValueError(
             f"StreamBP expects a decoder layer called with the hidden states only, got {len(args)} inputs."
         )
     (x,) = args
-    layer = forward.args[0]
     seq_len = x.shape[1]
-    check_no_dropout(layer)
-    kwargs = dict(forward.keywords)
+    for k in _CACHE_KWARGS:
+        kwargs.pop(k, None)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):  # a user-given 4D mask: sliced per chunk
         kwargs["attention_mask"] = StreamMask(batch_size=x.shape[0], dense=mask)
     _check_kwargs(layer, kwargs, seq_len)
     call = _LayerCall(
-        functools.partial(forward.func, layer, **kwargs), settings, seq_len, _autocast_state(x.device.type)
+        functools.partial(forward.func, layer, **kwargs),
+        settings,
+        seq_len,
+        _autocast_state(x.device.type),
+        stream_configs(layer),
+        _cache_name(layer),
     )
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return call.forward_chunks(x, keep_kv=False)[0]
+        return call.forward_chunks(x, keep_kv=False, record_rng=False)[0]
     return _StreamLayerFunction.apply(call, x, *params)

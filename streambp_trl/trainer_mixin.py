@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -12,11 +13,15 @@ from .stream_config import resolve_stream_options
 logger = logging.getLogger(__name__)
 
 
-def take_over_checkpointing(args) -> None:
-    """Turn Hugging Face activation checkpointing off: the stream engine checkpoints (and streams) every layer."""
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        logger.info("gradient_checkpointing=True is provided by the stream engine; Hugging Face's own is turned off.")
+def take_over_checkpointing(args):
+    """``args``, or a copy of it with Hugging Face activation checkpointing off: the stream engine checkpoints (and
+    streams) every decoder layer itself. The caller's config object is never changed."""
+    if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
+        return args
+    logger.info("gradient_checkpointing=True is provided by the stream engine; Hugging Face's own is turned off.")
+    args = copy.copy(args)
     args.activation_checkpointing = args.gradient_checkpointing = False
+    return args
 
 
 class StreamTrainerMixin:

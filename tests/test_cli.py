@@ -1,5 +1,7 @@
 """The ``streambp-trl`` command end to end, and its errors for bad configs."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +61,10 @@ def test_non_positive_chunk_size_fails(value):
 
 
 def test_refused_model_fails_before_training(tmp_path):
-    out = _sft_tiny(tmp_path, "--model_init_kwargs", '{"attention_dropout": 0.1}')
-    assert out.returncode != 0 and "Qwen3ForCausalLM exactly: config.attention_dropout=0.1" in out.stderr
+    model_dir = tmp_path / "bidirectional"
+    shutil.copytree(ROOT / "configs" / "tiny_model", model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "is_causal": False}))
+    out = _sft_tiny(tmp_path / "out", "--model_name_or_path", str(model_dir))
+    assert out.returncode != 0 and "Qwen3ForCausalLM exactly: its attention is bidirectional" in out.stderr
     assert "'loss'" not in out.stdout + out.stderr

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+from streambp_trl.engine import is_streaming
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "configs" / "tiny_model"
@@ -86,11 +87,14 @@ def _train(trainer_cls, config_cls, tmp_path, kind="chat", peft_config=None, **o
 
 
 def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
-    ref, ref_update, ref_after = _train(SFTTrainer, SFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **overrides)
+    ref_overrides = {k: v for k, v in overrides.items() if not k.startswith("stream_")}
+    ref, ref_update, ref_after = _train(
+        SFTTrainer, SFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **ref_overrides
+    )
     ours, update, after = _train(
         StreamSFTTrainer, StreamSFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **overrides
     )
-    assert ours.stream_options["stream_chunk_size"] == CHUNK
+    assert ours.stream_options["stream_chunk_size"] == overrides.get("stream_chunk_size", CHUNK)
     assert set(update) == set(ref_update) and update
     for name, delta_ref in ref_update.items():
         err = ((update[name] - delta_ref).norm() / delta_ref.norm().clamp_min(1e-30)).item()
@@ -133,6 +137,29 @@ def test_lora_step_equals_sft_trainer(tmp_path):
     _assert_same_update(tmp_path, "chat", peft_config=lora, learning_rate=0.5)
 
 
+def test_lora_dropout_step_equals_sft_trainer_with_the_same_masks(tmp_path):
+    """TRL's default LoRA dropout trains. With one chunk per sequence our forward draws its dropout masks in the same
+    order as SFTTrainer's (checkpointed) forward, so both see the same masks and must give the same update; with
+    many chunks the masks are drawn per chunk and replayed (tests/test_randomness.py)."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "up_proj"])
+    _assert_same_update(tmp_path, "chat", peft_config=lora, learning_rate=0.5, stream_chunk_size=4096)
+    ours, *_ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "chunked", "chat", lora, max_steps=2)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in ours.state.log_history if "loss" in h)
+
+
+def test_the_callers_config_is_not_changed(tmp_path):
+    args = _args(StreamSFTConfig, tmp_path)
+    assert args.gradient_checkpointing
+    trainer = StreamSFTTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=_dataset("chat"),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+    )
+    assert args.gradient_checkpointing and not trainer.args.gradient_checkpointing
+
+
 def test_loss_curve_equals_sft_trainer(tmp_path):
     kw = dict(max_steps=5, learning_rate=0.05)
     ref, *_ = _train(SFTTrainer, SFTConfig, tmp_path, **kw)
@@ -162,6 +189,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
         model=model, args=args, train_dataset=_dataset("chat"), processing_class=AutoTokenizer.from_pretrained(MODEL)
     )
     resumed.train(resume_from_checkpoint=str(Path(args.output_dir) / "checkpoint-2"))
+    assert is_streaming(resumed.model)  # the weights were reloaded into the streamed model
     for name, p in resumed.model.named_parameters():
         torch.testing.assert_close(p.detach(), full_after[name], rtol=1e-6, atol=1e-7)
     reloaded = AutoModelForCausalLM.from_pretrained(Path(args.output_dir) / "checkpoint-4")
@@ -170,8 +198,9 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
 
 
 def test_refused_model_fails_before_training(tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(MODEL, attention_dropout=0.1)
-    with pytest.raises(ValueError, match="Qwen3ForCausalLM .*attention_dropout=0.1"):
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    model.config.is_causal = False
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM .*bidirectional"):
         StreamSFTTrainer(
             model=model,
             args=_args(StreamSFTConfig, tmp_path),

@@ -1,0 +1,49 @@
+"""Which causal LMs the stream engine can train exactly: the checks ``enable_streambp`` runs before installing.
+
+Each refusal names the model class and the reason. What is not refused here is exact by construction (the model's
+own layer code runs on each chunk against the earlier chunks' keys/values) and covered by the sweep over every
+causal LM of the installed transformers in ``tests/test_every_causal_lm.py``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PreTrainedModel
+
+_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def refuse(model: nn.Module, why: str) -> None:
+    raise ValueError(f"StreamBP cannot train {type(model).__name__} exactly: {why}.")
+
+
+def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers: list[nn.Module]) -> None:
+    """Raise ``ValueError`` if ``lm`` cannot be streamed exactly; ``layers`` are its decoder's layers."""
+    config = lm.config.get_text_config()
+    if getattr(lm.config, "is_encoder_decoder", False):
+        refuse(lm, "encoder-decoder models are not supported, only decoder-only causal LMs")
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
+        refuse(lm, "its attention is bidirectional, so a chunk would need keys from later positions")
+    if lm.get_output_embeddings() is None:
+        refuse(lm, "it has no LM head (get_output_embeddings() is None)")
+    if decoder is None:
+        refuse(lm, "get_decoder() does not return a separate transformers decoder model")
+    if not layers:
+        refuse(lm, "its decoder has no transformers GradientCheckpointingLayer layers to stream")
+    if not lm._can_set_attn_implementation():
+        refuse(lm, "its attention does not go through transformers' AttentionInterface")
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        refuse(lm, "attention-logit softcapping has no exact fused kernel here")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - _SUPPORTED_LAYER_TYPES:
+        refuse(lm, f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not softmax attention")
+    if getattr(config, "output_router_logits", False):
+        refuse(
+            lm,
+            "the MoE load-balancing loss (output_router_logits=True) would take gradient from router logits "
+            "computed inside the streamed layers; set config.output_router_logits=False",
+        )
+    for layer in layers:
+        for module in layer.modules():
+            if getattr(module, "is_causal", True) is False:
+                refuse(lm, f"{type(module).__name__} is not causal")
