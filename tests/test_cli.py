@@ -68,3 +68,10 @@ def test_refused_model_fails_before_training(tmp_path):
     out = _sft_tiny(tmp_path / "out", "--model_name_or_path", str(model_dir))
     assert out.returncode != 0 and "Qwen3ForCausalLM exactly: its attention is bidirectional" in out.stderr
     assert "'loss'" not in out.stdout + out.stderr
+
+
+def test_eval_without_a_test_split_says_what_to_do(tmp_path):
+    out = _sft_tiny(tmp_path, "--eval_strategy", "steps", "--max_steps", "1")
+    assert out.returncode != 0
+    assert "eval_strategy='steps' needs an evaluation split, but the dataset has no split 'test'" in out.stderr
+    assert "dataset_test_split" in out.stderr and "KeyError" not in out.stderr

@@ -1,18 +1,38 @@
 """No (T x T) mask or score tensor and no (tokens x vocab) logits tensor is ever built by the engine."""
 
+from pathlib import Path
+
 import pytest
 import torch
+from datasets import load_dataset
 from models import VOCAB, batch, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl.trainer.utils import add_fused_lm_head
 
-from streambp_trl import enable_streambp
+from streambp_trl import StreamSFTConfig, StreamSFTTrainer, attention, enable_streambp
+from streambp_trl.engine import is_streaming
+
+ROOT = Path(__file__).resolve().parents[1]
 
 T, CHUNK, TILE = 96, 8, 8
 
 
 class _Shapes(TorchDispatchMode):
-    """Records the shape of every tensor any aten op produces."""
+    """Records the shape of every tensor any aten op produces.
+
+    PyTorch cannot create its ``CausalBias`` tensor subclass (the bottom-right causal SDPA mask of a plainly causal
+    chunk) while a Python dispatch mode is active, so the recorder builds it with the mode suspended.
+    """
+
+    def __enter__(self):
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(attention, "causal_lower_right", _outside_modes(attention.causal_lower_right))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+        return super().__exit__(*exc)
 
     def __init__(self):
         super().__init__()
@@ -24,6 +44,14 @@ class _Shapes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.shapes.append((str(func), tuple(t.shape)))
         return out
+
+
+def _outside_modes(fn):
+    def wrapped(*args):
+        with _disable_current_modes():
+            return fn(*args)
+
+    return wrapped
 
 
 def _violations(shapes):
@@ -60,3 +88,54 @@ def test_detector_flags_the_stock_model():
     model.activation_checkpointing_enable()
     add_fused_lm_head(model)  # gradient checkpointing still builds the T x T mask
     assert "T x T" in {kind for kind, *_ in _run(model, fused_lm_head=True, use_cache=False)}
+
+
+class _ShapesOnStep(TrainerCallback):
+    """Records every tensor shape produced during the training step ``step`` (0-based), and whether the model still
+    streams after each step."""
+
+    def __init__(self, step: int):
+        self.step, self.recorder, self.streaming = step, _Shapes(), []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.recorder.__enter__()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step + 1:
+            self.recorder.__exit__(None, None, None)
+        self.streaming.append(is_streaming(model))
+
+
+def test_second_trainer_step_builds_no_full_mask_or_logits(tmp_path):
+    """The detector over a later StreamSFTTrainer step (packed 192-token rows, chunks of 16): no tensor with two
+    dimensions of at least 150 (the tiny model's widest weight dimension other than its 512-token vocabulary is 128),
+    so no (T x T) mask or score and no (tokens x vocab) logits."""
+    model_dir = ROOT / "configs" / "tiny_model"
+    record = _ShapesOnStep(step=1)
+    trainer = StreamSFTTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        args=StreamSFTConfig(
+            output_dir=str(tmp_path),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            packing=True,
+            packing_strategy="wrapped",
+            max_length=192,
+            stream_chunk_size=16,
+            logits_chunk_size=16,
+            bf16=False,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+        ),
+        train_dataset=load_dataset("json", data_files=str(ROOT / "configs/data/tiny_text.jsonl"), split="train"),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[record],
+    )
+    trainer.train()
+    assert record.streaming == [True, True]
+    assert record.recorder.shapes, "the step was not recorded"
+    lengths = {shape[1] for op, shape in record.recorder.shapes if op == "aten.embedding.default"}
+    assert lengths and min(lengths) >= 192  # the rows really are long
+    assert [(op, s) for op, s in record.recorder.shapes if sum(d >= 150 for d in s) >= 2] == []
