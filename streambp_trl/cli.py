@@ -54,7 +54,7 @@ def train_sft(script_args, training_args, model_args, dataset_args) -> str:
         split = script_args.dataset_test_split
         if split not in dataset:
             raise ValueError(
-                f"eval_strategy={training_args.eval_strategy!r} needs an evaluation split, but the dataset has no "
+                f"eval_strategy={str(training_args.eval_strategy.value)!r} needs an evaluation split, but the dataset has no "
                 f"split {split!r} (it has {sorted(dataset)}). Set `dataset_test_split` to one of them, add a "
                 "test split to the dataset, or set `eval_strategy: 'no'`."
             )
