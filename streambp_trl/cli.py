@@ -51,10 +51,10 @@ def train_sft(script_args, training_args, model_args, dataset_args) -> str:
     dataset = _load_dataset(script_args, dataset_args)
     eval_dataset = None
     if training_args.eval_strategy != "no":
-        split = script_args.dataset_test_split
+        split, strategy = script_args.dataset_test_split, str(training_args.eval_strategy.value)
         if split not in dataset:
             raise ValueError(
-                f"eval_strategy={str(training_args.eval_strategy.value)!r} needs an evaluation split, but the dataset has no "
+                f"eval_strategy={strategy!r} needs an evaluation split, but the dataset has no "
                 f"split {split!r} (it has {sorted(dataset)}). Set `dataset_test_split` to one of them, add a "
                 "test split to the dataset, or set `eval_strategy: 'no'`."
             )
