@@ -133,8 +133,15 @@ def _causal_lm(model: nn.Module) -> PreTrainedModel:
 
 
 def _decoder(lm: PreTrainedModel) -> PreTrainedModel | None:
+    """The decoder (the model that runs the layers), as ``get_decoder()`` finds it, or else the first transformers
+    model among ``lm``'s submodules that holds decoder layers."""
     decoder = lm.get_decoder()
-    return decoder if isinstance(decoder, PreTrainedModel) and decoder is not lm else None
+    if isinstance(decoder, PreTrainedModel) and decoder is not lm:
+        return decoder
+    for module in lm.modules():
+        if module is not lm and isinstance(module, PreTrainedModel) and _decoder_layers(module):
+            return module
+    return None
 
 
 def _decoder_layers(decoder: nn.Module) -> list[GradientCheckpointingLayer]:

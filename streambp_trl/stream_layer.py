@@ -22,8 +22,19 @@ run first, so dK_acc[:, :, s:e] is complete when chunk [s, e) is processed: the 
 The layer's trainable parameters θ are inputs of the Function, so each receives its gradient once per layer
 backward, which is what DDP buckets, FSDP2 and ZeRO hooks expect.
 
+A layer with several attention sublayers (several cache slots, told apart by ``layer_idx``) gets one K, V and
+dK_acc, dV_acc per slot; its keys/values are then recomputed by a no-grad chunked forward, since a later slot's
+keys depend on an earlier slot's attention.
+
+Arguments: the layer's positional arguments are bound to their parameter names; per-token ones are sliced per
+chunk (``position_ids`` on the last dimension, ``position_embeddings`` (a (cos, sin) pair or one tensor) on the
+second to last, any other tensor on its one dimension after the batch whose length is the sequence length).
+
+Randomness: each chunk's random state (CPU and the input's device) is kept from the forward and restored for every
+recompute of that chunk, so dropout, LoRA dropout, sampled routing and jitter draw what the forward drew.
+
 Memory of one layer's backward beyond the saved inputs: dY, dx (batch, T, hidden), K, V, dK_acc, dV_acc
-(batch, T, kv_dim each), one chunk's activations and one (chunk x prefix) attention block.
+(batch, T, kv_dim each, per slot), one chunk's activations and one (chunk x prefix) attention block.
 """
 
 from __future__ import annotations
@@ -46,7 +57,8 @@ KV_MODES = ("recompute", "capture")
 # sequence descriptors, ignored by stream attention, which reads packing from the mask.
 _PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
 # Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
-_PER_TOKEN = {"position_ids", "seq_idx"}
+_PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,30 +78,22 @@ class _KVCollected(Exception):
     """Raised by a collecting cache to stop a layer once its keys/values are known."""
 
 
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values
+
+
 class _ChunkCache(Cache):
     """A ``transformers.Cache`` for one layer call on the chunk of positions starting at ``start``.
 
-    ``update()`` records the chunk's own keys/values and returns them after the prefix ones (positions
+    ``update()`` records the chunk's own keys/values of each slot and returns them after the prefix ones (positions
     ``[start - prefix_len, start)``). With ``stop`` it raises :class:`_KVCollected` instead, so the layer runs only
     as far as its key/value projections. Queries answer as a cache holding the ``start`` earlier tokens would:
     ``get_seq_length()`` (and so ``get_query_offset()``) is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
     """
 
-    def __init__(
-        self,
-        start: int,
-        prefix_k: torch.Tensor | None = None,
-        prefix_v: torch.Tensor | None = None,
-        stop: bool = False,
-    ):
+    def __init__(self, start: int, prefix_len: int = 0, prefix: KV | None = None, stop: bool = False):
         super().__init__(layers=[])
-        self.start, self.prefix_k, self.prefix_v, self.stop = start, prefix_k, prefix_v, stop
-        self.chunk_k: torch.Tensor | None = None
-        self.chunk_v: torch.Tensor | None = None
-
-    @property
-    def prefix_len(self) -> int:
-        return 0 if self.prefix_k is None else self.prefix_k.shape[-2]
+        self.start, self.prefix_len, self.prefix, self.stop = start, prefix_len, prefix or {}, stop
+        self.chunk: KV = {}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.start
@@ -102,12 +106,40 @@ class _ChunkCache(Cache):
         return False
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.chunk_k, self.chunk_v = key_states, value_states
+        self.chunk[layer_idx] = (key_states, value_states)
         if self.stop:
             raise _KVCollected
         if self.prefix_len == 0:
             return key_states, value_states
-        return torch.cat([self.prefix_k, key_states], dim=-2), torch.cat([self.prefix_v, value_states], dim=-2)
+        k, v = self.prefix[layer_idx]
+        return torch.cat([k, key_states], dim=-2), torch.cat([v, value_states], dim=-2)
+
+
+class _KVStore:
+    """Keys/values of all positions for each cache slot of one layer, filled chunk by chunk:
+    (batch, kv_heads, T, head_dim) each."""
+
+    def __init__(self, seq_len: int, kv: KV | None = None):
+        self.seq_len = seq_len
+        self.kv: KV = kv or {}
+
+    def range(self, start: int, end: int) -> KV:
+        return {i: (k[:, :, start:end], v[:, :, start:end]) for i, (k, v) in self.kv.items()}
+
+    def write(self, s: int, e: int, cache: _ChunkCache) -> None:
+        for i, (k, v) in cache.chunk.items():
+            if i not in self.kv:
+                shape = k.shape[:2] + (self.seq_len,) + k.shape[3:]
+                self.kv[i] = (k.new_empty(shape), v.new_empty(v.shape[:2] + (self.seq_len,) + v.shape[3:]))
+            self.kv[i][0][:, :, s:e] = k
+            self.kv[i][1][:, :, s:e] = v
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for i in sorted(self.kv) for t in self.kv[i])
+
+    @classmethod
+    def from_flat(cls, seq_len: int, slots: list[int], flat: tuple[torch.Tensor, ...]) -> _KVStore:
+        return cls(seq_len, {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)})
 
 
 class _RngState:
@@ -132,29 +164,54 @@ def _rng_fork(device: torch.device) -> Iterator[None]:
         yield
 
 
+def _sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:
+    """The dimension of a per-token layer argument that runs along the sequence, or None if it has none."""
+    if name in _PER_TOKEN_LAST:
+        return t.dim() - 1 if t.dim() and t.shape[-1] == seq_len else None
+    if name == "position_embeddings":
+        return t.dim() - 2 if t.dim() >= 2 and t.shape[-2] == seq_len else None
+    first = 1 if t.dim() > 1 and t.shape[0] in (batch, 1) else 0
+    dims = [d for d in range(first, t.dim()) if t.shape[d] == seq_len]
+    if len(dims) > 1:
+        raise ValueError(
+            f"StreamBP cannot tell which dimension of the layer argument `{name}` (shape {tuple(t.shape)}) runs along "
+            f"the {seq_len}-token sequence."
+        )
+    return dims[0] if dims else None
+
+
+def _slice(value, dim_map, s: int, e: int):
+    if isinstance(value, torch.Tensor):
+        dim = dim_map
+        return value if dim is None else value.narrow(dim, s, e - s)
+    return type(value)(_slice(v, d, s, e) for v, d in zip(value, dim_map, strict=True))
+
+
 @dataclasses.dataclass
 class _LayerCall:
     """One decoder-layer call, able to run any chunk of the sequence.
 
+    ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument).
     ``rng`` holds each chunk's random state from the forward (when it is recorded), so every recompute of a chunk
     draws the same random numbers (dropout masks, sampled routing, jitter) as the forward did.
     """
 
-    forward: functools.partial  # partial(layer.forward, layer, **kwargs) from GradientCheckpointingLayer
+    layer: nn.Module
+    func: object  # the layer's undecorated forward
+    kwargs: dict
+    per_token: dict
     settings: StreamSettings
     seq_len: int
     autocast: dict
     configs: tuple
     cache_name: str
+    grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
     rng: list[_RngState] = dataclasses.field(default_factory=list)
-
-    @property
-    def layer(self) -> nn.Module:
-        return self.forward.args[0]
+    slots: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def mask(self) -> StreamMask | None:
-        mask = self.forward.keywords.get("attention_mask")
+        mask = self.kwargs.get("attention_mask")
         return mask if isinstance(mask, StreamMask) else None
 
     def chunks(self) -> list[tuple[int, int]]:
@@ -166,47 +223,58 @@ class _LayerCall:
         window = self.mask.local_size if self.mask is not None else None
         return max(0, s - window + 1) if window else 0
 
-    def run(self, x: torch.Tensor, s: int, e: int, cache: _ChunkCache) -> torch.Tensor:
-        """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix."""
-        kwargs = dict(self.forward.keywords)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, StreamMask):
-            kwargs["attention_mask"] = mask.at(s, s - cache.prefix_len)
-        for name, value in kwargs.items():
-            if name == "position_embeddings" and value is not None:
-                kwargs[name] = tuple(t[..., s:e, :] for t in value)
-            elif name in _PER_TOKEN and value is not None:
-                kwargs[name] = value[..., s:e]
+    def run(self, x: torch.Tensor, s: int, e: int, cache: _ChunkCache, leaves: dict | None = None) -> torch.Tensor:
+        """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
+        ``leaves`` replaces the chunk's slices of the gradient-carrying arguments."""
+        kwargs = dict(self.kwargs)
+        if self.mask is not None:
+            kwargs["attention_mask"] = self.mask.at(s, s - cache.prefix_len)
+        for name, dims in self.per_token.items():
+            kwargs[name] = _slice(kwargs[name], dims, s, e)
+        kwargs.update(leaves or {})
         kwargs[self.cache_name] = cache
         with torch.autocast(**self.autocast), streaming(self.configs):
-            out = self.forward.func(self.layer, x, **kwargs)
+            out = self.func(self.layer, x, **kwargs)
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"StreamBP expects {type(self.layer).__name__} to return a tensor, got {type(out).__name__}."
             )
         return out
 
-    def forward_chunks(
-        self, x: torch.Tensor, keep_kv: bool, record_rng: bool
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Prefill, first chunk to last, under no grad; returns the output and, if ``keep_kv``, K and V."""
+    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, _KVStore]:
+        """Prefill, first chunk to last, under no grad; returns the output and the keys/values (if ``keep_kv``).
+
+        ``rng``: ``"record"`` each chunk's random state, ``"replay"`` the recorded ones, or ``"none"``.
+        """
         y = None
-        kv = _KVBuffer(self.seq_len)
+        kv = _KVStore(self.seq_len)
         with torch.no_grad():
-            for s, e in self.chunks():
-                if record_rng:
+            for i, (s, e) in enumerate(self.chunks()):
+                if rng == "record":
                     self.rng.append(_RngState(x.device))
-                cache = _ChunkCache(s, *kv.range(self.prefix_start(s), s))
+                elif rng == "replay":
+                    self.rng[i].restore()
+                p = self.prefix_start(s)
+                cache = _ChunkCache(s, s - p, kv.range(p, s))
                 out = self.run(x[:, s:e], s, e, cache)
                 kv.write(s, e, cache)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
                 y[:, s:e] = out
-        return y, (kv.k, kv.v) if keep_kv else ()
+        self.slots = sorted(kv.kv)
+        return y, kv
 
-    def collect_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every position, running each chunk (from its recorded random state) up to its cache update."""
-        kv = _KVBuffer(self.seq_len)
+    def collect_kv(self, x: torch.Tensor) -> _KVStore:
+        """Keys/values of every position, each chunk replaying its recorded random state.
+
+        One cache slot: each chunk runs only up to its cache update. Several slots (a later one depends on an earlier
+        one's attention): a no-grad chunked forward.
+        """
+        if len(self.slots) != 1:
+            return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
+        kv = _KVStore(self.seq_len)
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
@@ -218,93 +286,94 @@ class _LayerCall:
                 else:
                     raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
                 kv.write(s, e, cache)
-        return kv.k, kv.v
+        return kv
 
     def backward_chunks(
         self,
         x: torch.Tensor,
         dy: torch.Tensor,
-        kv: tuple[torch.Tensor, ...],
+        kv: _KVStore | None,
         params: list[nn.Parameter],
         need_dx: bool,
-    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        need_extra: tuple[bool, ...],
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         with _rng_fork(x.device):
-            return self._backward_chunks(x, dy, kv, params, need_dx)
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra)
 
-    def _backward_chunks(self, x, dy, kv, params, need_dx):
-        k_all, v_all = kv if kv else self.collect_kv(x)
-        dk, dv = torch.zeros_like(k_all), torch.zeros_like(v_all)
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra):
+        kv = kv if kv is not None else self.collect_kv(x)
+        dkv = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in kv.kv.items()}
         dx = torch.empty_like(x) if need_dx else None
+        extra = [
+            (n, self.kwargs[n], self.per_token[n])
+            for n, need in zip(self.grad_inputs, need_extra, strict=True)
+            if need
+        ]
+        dextra = [torch.zeros_like(t) for _, t, _ in extra]
         dparams: list[torch.Tensor | None] = [None] * len(params)
-        for i, (s, e) in reversed(list(enumerate(self.chunks()))):
+        for n, (s, e) in reversed(list(enumerate(self.chunks()))):
             p = self.prefix_start(s)
             xc = x[:, s:e].detach().requires_grad_(need_dx)
-            kp = k_all[:, :, p:s].detach().requires_grad_(s > p)
-            vp = v_all[:, :, p:s].detach().requires_grad_(s > p)
-            cache = _ChunkCache(s, kp, vp)
-            self.rng[i].restore()
+            prefix = {
+                i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
+                for i, (k, v) in kv.range(p, s).items()
+            }
+            cache = _ChunkCache(s, s - p, prefix)
+            leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
+            self.rng[n].restore()
             with torch.enable_grad():
-                yc = self.run(xc, s, e, cache)
+                yc = self.run(xc, s, e, cache, leaves)
             outputs, grad_outputs = [yc], [dy[:, s:e]]
             if e < self.seq_len:  # later chunks attended to this chunk's keys and values
-                outputs += [cache.chunk_k, cache.chunk_v]
-                grad_outputs += [dk[:, :, s:e], dv[:, :, s:e]]
+                for i, (k, v) in cache.chunk.items():
+                    outputs += [k, v]
+                    grad_outputs += [dkv[i][0][:, :, s:e], dkv[i][1][:, :, s:e]]
             # keys/values computed only from frozen weights and a gradient-free input carry no gradient
             keep = [j for j, out in enumerate(outputs) if out.requires_grad]
             outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
-            inputs = [xc] if need_dx else []
-            inputs += [kp, vp] if s > p else []
+            prefix_leaves = [t for i in sorted(prefix) for t in prefix[i]] if s > p else []
+            inputs = ([xc] if need_dx else []) + list(leaves.values()) + prefix_leaves
             grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
             it: Iterator = iter(grads)
             if need_dx:
                 dx[:, s:e] = next(it)
-            if s > p:
-                for acc in (dk, dv):
+            for (_, _, dim), acc in zip(extra, dextra, strict=True):
+                g = next(it)
+                if g is not None:
+                    acc.narrow(dim, s, e - s).copy_(g)
+            for i in sorted(prefix) if s > p else []:
+                for acc in dkv[i]:
                     g = next(it)
                     if g is not None:
                         acc[:, :, p:s] += g
             for j, g in enumerate(it):
                 if g is not None:
                     dparams[j] = g if dparams[j] is None else dparams[j].add_(g)
-        return dx, dparams
-
-
-class _KVBuffer:
-    """Keys/values of all positions of one layer, filled chunk by chunk: (batch, kv_heads, T, head_dim) each."""
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def range(self, start: int, end: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if self.k is None:
-            return None, None
-        return self.k[:, :, start:end], self.v[:, :, start:end]
-
-    def write(self, s: int, e: int, cache: _ChunkCache) -> None:
-        if self.k is None:
-            k, v = cache.chunk_k, cache.chunk_v
-            self.k = k.new_empty(k.shape[:2] + (self.seq_len,) + k.shape[3:])
-            self.v = v.new_empty(v.shape[:2] + (self.seq_len,) + v.shape[3:])
-        self.k[:, :, s:e] = cache.chunk_k
-        self.v[:, :, s:e] = cache.chunk_v
+        return dx, dextra, dparams
 
 
 class _StreamLayerFunction(torch.autograd.Function):
+    """Inputs: the call, the hidden states x, the gradient-carrying per-token arguments (``call.grad_inputs``, also
+    held in ``call.kwargs``), then the layer's trainable parameters."""
+
     @staticmethod
-    def forward(ctx, call: _LayerCall, x: torch.Tensor, *params: nn.Parameter) -> torch.Tensor:
+    def forward(ctx, call: _LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         capture = call.settings.kv_mode == "capture"
-        y, kv = call.forward_chunks(x, keep_kv=capture, record_rng=True)
-        ctx.call, ctx.params = call, params
-        ctx.save_for_backward(x, *kv)
+        y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
+        ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
+        ctx.save_for_backward(x, *(kv.flat() if capture else ()))
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, *kv = ctx.saved_tensors
-        dx, dparams = ctx.call.backward_chunks(x, dy, tuple(kv), list(ctx.params), ctx.needs_input_grad[1])
-        return (None, dx, *dparams)
+        x, *flat = ctx.saved_tensors
+        call = ctx.call
+        kv = _KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
+        n_extra = len(call.grad_inputs)
+        need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
+        dx, dextra, dparams = call.backward_chunks(x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra)
+        it = iter(dextra)
+        return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -316,41 +385,34 @@ def _autocast_state(device_type: str) -> dict:
     }
 
 
-def _check_kwargs(layer: nn.Module, kwargs: dict, seq_len: int) -> None:
-    """Refuse per-token inputs the stream decoder does not know how to slice, and inputs that carry gradient."""
+def _per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[dict, tuple[str, ...]]:
+    """Which arguments to slice per chunk, and along which dimension, and which of them carry gradient (only a
+    per-token tensor argument may)."""
+    per_token, grad_inputs = {}, []
     for name, value in kwargs.items():
+        if name in ("attention_mask", *_CACHE_KWARGS) or name in _PASS_THROUGH:
+            continue
         tensors = value if isinstance(value, (tuple, list)) else (value,)
+        dims = []
         for t in tensors:
             if not isinstance(t, torch.Tensor):
+                dims.append(None)
                 continue
-            if t.requires_grad:
+            dims.append(_sequence_dim(name, t, batch, seq_len))
+            if t.requires_grad and not (isinstance(value, torch.Tensor) and dims[-1] is not None):
                 raise ValueError(
-                    f"StreamBP: {type(layer).__name__} receives `{name}` with gradient; only the hidden states and "
-                    "the layer's parameters can carry gradient through a streamed layer."
+                    f"StreamBP: {type(layer).__name__} receives `{name}` with gradient; only the hidden states, "
+                    "per-token tensor arguments and the layer's parameters can carry gradient through a stream layer."
                 )
-            known = name in ("attention_mask", "position_embeddings") or name in _PER_TOKEN | _PASS_THROUGH
-            if not known and t.dim() >= 2 and seq_len in t.shape:
-                raise ValueError(
-                    f"StreamBP does not know how to split the per-token argument `{name}` of "
-                    f"{type(layer).__name__} along the sequence."
-                )
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and (mask.dim() != 4 or mask.shape[-1] != seq_len):
-        raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
-    if mask is None:
-        raise ValueError(f"StreamBP: {type(layer).__name__} was called without an attention mask.")
+        if any(d is not None for d in dims):
+            per_token[name] = dims[0] if isinstance(value, torch.Tensor) else tuple(dims)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                grad_inputs.append(name)
+    return per_token, tuple(grad_inputs)
 
 
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
-
-
-def _cache_name(layer: nn.Module) -> str:
-    """The keyword under which ``layer`` takes its key/value cache."""
-    params = inspect.signature(type(layer).forward).parameters
-    name = next((k for k in _CACHE_KWARGS if k in params), None)
-    if name is None:
-        raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
-    return name
+def _parameters(layer: nn.Module) -> list[str]:
+    return list(inspect.signature(type(layer).forward).parameters)[1:]  # without self
 
 
 def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
@@ -361,31 +423,39 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
     Hugging Face gradient checkpointing does.
     """
     layer = forward.args[0]
-    kwargs = dict(forward.keywords)
+    names = _parameters(layer)
+    kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     if cache is not None and not isinstance(cache, _ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
-    if len(args) != 1:
-        raise ValueError(
-            f"StreamBP expects a decoder layer called with the hidden states only, got {len(args)} inputs."
-        )
-    (x,) = args
-    seq_len = x.shape[1]
+    cache_name = next((k for k in _CACHE_KWARGS if k in names), None)
+    if cache_name is None:
+        raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
+    x = args[0]
+    batch, seq_len = x.shape[:2]
     for k in _CACHE_KWARGS:
         kwargs.pop(k, None)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):  # a user-given 4D mask: sliced per chunk
-        kwargs["attention_mask"] = StreamMask(batch_size=x.shape[0], dense=mask)
-    _check_kwargs(layer, kwargs, seq_len)
+        if mask.dim() != 4 or mask.shape[-1] != seq_len:
+            raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
+        kwargs["attention_mask"] = StreamMask(batch_size=batch, dense=mask)
+    elif not isinstance(mask, StreamMask):
+        raise ValueError(f"StreamBP: {type(layer).__name__} was called without an attention mask.")
+    per_token, grad_inputs = _per_token(layer, kwargs, batch, seq_len)
     call = _LayerCall(
-        functools.partial(forward.func, layer, **kwargs),
+        layer,
+        forward.func,
+        kwargs,
+        per_token,
         settings,
         seq_len,
         _autocast_state(x.device.type),
         stream_configs(layer),
-        _cache_name(layer),
+        cache_name,
+        grad_inputs,
     )
     params = [p for p in layer.parameters() if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or params):
-        return call.forward_chunks(x, keep_kv=False, record_rng=False)[0]
-    return _StreamLayerFunction.apply(call, x, *params)
+    if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
+        return call.forward_chunks(x, keep_kv=False, rng="none")[0]
+    return _StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)

@@ -11,6 +11,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+_CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
 
 
 def refuse(model: nn.Module, why: str) -> None:
@@ -43,7 +44,13 @@ def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers
             "the MoE load-balancing loss (output_router_logits=True) would take gradient from router logits "
             "computed inside the streamed layers; set config.output_router_logits=False",
         )
+    if getattr(config, "num_kv_shared_layers", 0):
+        refuse(lm, "its last layers reuse the keys/values of earlier layers (num_kv_shared_layers > 0)")
+    if getattr(config, "altup_num_inputs", None):
+        refuse(lm, "its layers carry several stacked hidden-state streams (AltUp), not one sequence of hidden states")
     for layer in layers:
-        for module in layer.modules():
+        for name, module in layer.named_modules():
+            if any(part in name for part in _CROSS_ATTENTION):
+                continue  # attends to encoder states, which a causal LM call never has
             if getattr(module, "is_causal", True) is False:
                 refuse(lm, f"{type(module).__name__} is not causal")
