@@ -86,10 +86,11 @@ class StreamMask:
         )
 
 
-def stream_configs(module: torch.nn.Module) -> tuple:
-    """The transformers configs the attention and mask code of ``module``'s submodules read (deduplicated)."""
+def stream_configs(module: torch.nn.Module, *layers: torch.nn.Module) -> tuple:
+    """The transformers configs the mask code of ``module`` (its own config) and the attention code of the streamed
+    ``layers`` read (all of ``module``'s submodules when no layers are given), deduplicated."""
     configs = {}
-    for m in module.modules():
+    for m in (module, *(sub for layer in layers for sub in layer.modules())) if layers else module.modules():
         config = getattr(m, "config", None)
         if isinstance(config, PreTrainedConfig):
             configs.setdefault(id(config), config)

@@ -35,10 +35,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
+from . import probe
 from .attention import stream_configs, streaming
 from .logits import STAT_OUTPUTS, chunked_logprobs
 from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
-from .support import check_supported
+from .support import check_supported, refuse, takes_cache
 
 _PATCHES = "_streambp_patches"
 
@@ -145,7 +146,11 @@ def _decoder(lm: PreTrainedModel) -> PreTrainedModel | None:
 
 
 def _decoder_layers(decoder: nn.Module) -> list[GradientCheckpointingLayer]:
-    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer)]
+    """The layers to stream: those of ``decoder`` that take a key/value cache (causal self-attention layers).
+
+    Other checkpointable layers (a vision or audio encoder inside a multimodal decoder) are left as they are.
+    """
+    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer) and takes_cache(m)]
 
 
 def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:
@@ -156,11 +161,11 @@ def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:
         use_original = head.disable_adapters or not active or active[0] not in head.modules_to_save
         head = head.original_module if use_original else head.modules_to_save[active[0]]
     if type(head) is not nn.Linear:
-        raise ValueError(
-            f"StreamBP's logit kernel needs the LM head of {type(lm).__name__} to be a plain nn.Linear, got "
-            f"{type(head).__name__} (an adapter on lm_head? keep lm_head out of LoRA's target_modules, or list it "
-            "in modules_to_save)."
-        )
+        why = f"its LM head is a {type(head).__module__}.{type(head).__name__}, not the torch.nn.Linear the chunked "
+        why += "logit kernel applies"
+        if hasattr(head, "base_layer"):
+            why += " (an adapter on lm_head: keep lm_head out of target_modules, or list it in modules_to_save)"
+        refuse(lm, why)
     return head
 
 
@@ -182,10 +187,13 @@ def enable_streambp(
     kv_mode: str = "recompute",
     temperature: float = 1.0,
     fused_outputs: tuple[str, ...] = ("log_probs",),
+    verify: bool = True,
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
-    Raises ``ValueError`` naming the model class and the reason when the model cannot be streamed exactly.
+    Raises ``ValueError`` naming the model class and the reason when the model cannot be streamed exactly: by its
+    configuration and structure, and (``verify=True``) by running a short probe input through the model's own
+    forward and through the engine (see :mod:`streambp_trl.probe`).
 
     Args:
         model: a transformers causal LM, or a PEFT model wrapping one.
@@ -195,6 +203,7 @@ def enable_streambp(
         temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
             ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``.
+        verify: run the probe (two forward passes of 11 tokens) before returning.
     """
     _positive("stream_chunk_size", stream_chunk_size)
     logits_chunk_size = _positive("logits_chunk_size", logits_chunk_size or stream_chunk_size)
@@ -212,8 +221,30 @@ def enable_streambp(
     layers = _decoder_layers(decoder) if decoder is not None else []
     check_supported(lm, decoder, layers)
     lm_head_linear(lm)
+    reference = None
+    if verify:
+        reference = probe.reference(lm, decoder, functools.partial(_head_logits, lm), functools.partial(refuse, lm))
 
     settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode)
+    _install(lm, decoder, layers, StreamSettings(probe.PROBE_CHUNK, kv_mode) if reference else settings)
+    lm._streambp = StreamState(
+        settings=settings,
+        logits_chunk_size=logits_chunk_size,
+        temperature=float(temperature),
+        fused_outputs=tuple(dict.fromkeys(("log_probs", *fused_outputs))),
+    )
+    if reference is not None:
+        try:
+            probe.check_streamed(lm, decoder, reference, functools.partial(refuse, lm))
+        except ValueError:
+            disable_streambp(lm)
+            raise
+        for layer in layers:
+            _patch(layer, "_gradient_checkpointing_func", functools.partial(stream_checkpoint, settings))
+    return model
+
+
+def _install(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list, settings: StreamSettings) -> None:
     hook = functools.partial(stream_checkpoint, settings)
     for layer in layers:
         _patch(layer, "gradient_checkpointing", True)
@@ -224,13 +255,6 @@ def enable_streambp(
             _patch(module, "_set_gradient_checkpointing", _bind(_guarded_set_gradient_checkpointing, module))
     _patch(decoder, "forward", _bind(_stream_decoder_forward, decoder, wraps=type(decoder).forward))
     _patch(lm, "forward", _bind(_stream_forward, lm, wraps=type(lm).forward))
-    lm._streambp = StreamState(
-        settings=settings,
-        logits_chunk_size=logits_chunk_size,
-        temperature=float(temperature),
-        fused_outputs=tuple(dict.fromkeys(("log_probs", *fused_outputs))),
-    )
-    return model
 
 
 def disable_streambp(model: nn.Module) -> nn.Module:
@@ -284,7 +308,8 @@ def _stream_decoder_forward(self, *args, **kwargs):
     for k in _CACHE_KWARGS:
         kwargs.pop(k, None)
     kwargs["use_cache"] = False
-    with streaming(stream_configs(self)):
+    layers = _decoder_layers(self)
+    with streaming(stream_configs(self, *layers)):
         return forward(*args, **kwargs)
 
 
@@ -295,6 +320,14 @@ def _logit_transform(config) -> tuple[float | None, float]:
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = 1.0 / config.logits_scaling
     return softcap, 1.0 if scale is None else float(scale)
+
+
+def _head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits the logit kernel computes from ``hidden`` (temperature 1), as one tensor: for the probe only."""
+    head = lm_head_linear(lm)
+    softcap, scale = _logit_transform(lm.config.get_text_config())
+    logits = torch.nn.functional.linear(hidden.to(head.weight.device), head.weight, head.bias) * scale
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:

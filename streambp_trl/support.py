@@ -7,11 +7,20 @@ causal LM of the installed transformers in ``tests/test_every_causal_lm.py``.
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 from transformers import PreTrainedModel
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
+
+
+def takes_cache(layer: nn.Module) -> bool:
+    """Whether ``layer``'s forward takes a key/value cache: what marks a causal self-attention decoder layer."""
+    parameters = inspect.signature(type(layer).forward).parameters
+    return any(name in parameters for name in _CACHE_KWARGS)
 
 
 def refuse(model: nn.Module, why: str) -> None:
@@ -30,7 +39,11 @@ def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers
     if decoder is None:
         refuse(lm, "get_decoder() does not return a separate transformers decoder model")
     if not layers:
-        refuse(lm, "its decoder has no transformers GradientCheckpointingLayer layers to stream")
+        refuse(
+            lm,
+            "its decoder has no transformers GradientCheckpointingLayer layers that take a key/value cache "
+            "(causal self-attention layers) to stream",
+        )
     if not lm._can_set_attn_implementation():
         refuse(lm, "its attention does not go through transformers' AttentionInterface")
     if getattr(config, "attn_logit_softcapping", None) is not None:

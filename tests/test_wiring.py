@@ -161,7 +161,7 @@ def test_lora_with_lm_head_in_modules_to_save():
 def test_lora_on_the_lm_head_is_refused_at_enable():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
-    with pytest.raises(ValueError, match="LM head of Qwen3ForCausalLM to be a plain nn.Linear"):
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM exactly: its LM head is a peft.tuners.lora.layer.Linear"):
         enable_streambp(model, stream_chunk_size=4)
 
 

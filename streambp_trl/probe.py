@@ -1,0 +1,154 @@
+"""The check ``enable_streambp`` runs on the model itself: a short input through the model's own path and through the
+stream engine must agree, so a model the engine cannot run exactly is refused before training, not at step one.
+
+It catches what no list of known architectures can: an LM head that transforms hidden states before its output
+projection, attention code that reads the mask tensor itself, token mixing outside attention, layer arguments the
+engine cannot split. It costs two short forward passes (batch 2, 11 tokens, one row left-padded) under no grad, on
+the model's device and dtype, with the global random state left as it was. Models whose weights are not
+materialised (meta tensors, ZeRO-3 partitions) are not probed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+PROBE_TOKENS = 11
+PROBE_CHUNK = 4  # several chunks, the last one shorter
+_PADDING = 3
+# relative difference allowed between the model's own forward and the streamed one, by parameter dtype
+_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3}
+_LOW_PRECISION_TOLERANCE = 5e-2
+
+
+@dataclasses.dataclass
+class ProbeReference:
+    """The model's own results on the probe input, taken before the engine is installed."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    hidden: torch.Tensor  # the decoder's last hidden state, training mode, randomness off
+    random: bool  # the decoder's training-mode output still changes with the seed: compare nothing
+
+
+def _probe_able(lm: nn.Module) -> bool:
+    return all(not p.is_meta and p.numel() > 0 for p in lm.parameters())
+
+
+@contextmanager
+def _eval(lm: nn.Module) -> Iterator[None]:
+    modes = {m: m.training for m in lm.modules()}
+    lm.eval()
+    try:
+        with torch.random.fork_rng(devices=[] if _device(lm).type == "cpu" else [_device(lm)]), torch.no_grad():
+            yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+@contextmanager
+def _training_without_randomness(lm: nn.Module, decoder: nn.Module) -> Iterator[None]:
+    """Decoder and its layers in training mode (which is what streams), every other module in eval mode (so
+    dropout, jitter and sampled routing are off), the random state and the modes restored afterwards."""
+    modes = {m: m.training for m in lm.modules()}
+    lm.eval()
+    decoder.training = True
+    for m in decoder.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m.training = True
+    try:
+        with torch.random.fork_rng(devices=[] if _device(lm).type == "cpu" else [_device(lm)]), torch.no_grad():
+            yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def _device(lm: nn.Module) -> torch.device:
+    return lm.get_input_embeddings().weight.device
+
+
+def _dtype(lm: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in lm.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _relative_difference(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor) -> float:
+    a, b = a[valid].double(), b[valid].double()
+    finite = torch.isfinite(b).all(-1) & torch.isfinite(a).all(-1)
+    a, b = a[finite], b[finite]
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else math.inf
+
+
+def _tolerance(lm: nn.Module) -> float:
+    return _TOLERANCE.get(_dtype(lm), _LOW_PRECISION_TOLERANCE)
+
+
+def _hidden(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return decoder(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).last_hidden_state
+
+
+def reference(
+    lm: PreTrainedModel,
+    decoder: PreTrainedModel,
+    head_logits: Callable[[torch.Tensor], torch.Tensor],
+    refuse: Callable[[str], None],
+) -> ProbeReference | None:
+    """Run the probe input through the unmodified model; refuse a head the logit kernel does not reproduce."""
+    if not _probe_able(lm):
+        return None
+    device = _device(lm)
+    vocab = lm.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(3, vocab - 1), vocab, (2, PROBE_TOKENS), generator=g).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :_PADDING] = 0
+    valid = mask.bool()
+    try:
+        with _eval(lm):
+            logits = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).logits
+            own = head_logits(_hidden(decoder, ids, mask))
+        with _training_without_randomness(lm, decoder):
+            hidden = _hidden(decoder, ids, mask)
+        with _training_without_randomness(lm, decoder):
+            torch.manual_seed(1)
+            random = not torch.equal(hidden, _hidden(decoder, ids, mask))
+    except Exception as error:  # any failure of the model's own forward is the reason to refuse
+        refuse(
+            f"its own forward does not run on input_ids and an attention mask alone ({type(error).__name__}: {error})"
+        )
+    if logits is None or logits.shape[:2] != ids.shape:
+        refuse("its forward returns no per-token logits")
+    diff = _relative_difference(own, logits.to(own.dtype), valid)
+    if not diff <= _tolerance(lm):
+        refuse(
+            "its logits are not a linear LM head of the decoder's last hidden state (the model transforms the hidden "
+            f"states before the output projection; relative difference {diff:.1e})"
+        )
+    return ProbeReference(ids, mask, hidden, random)
+
+
+def check_streamed(
+    lm: PreTrainedModel, decoder: PreTrainedModel, ref: ProbeReference, refuse: Callable[[str], None]
+) -> None:
+    """Run the probe input through the streamed decoder (chunks of ``PROBE_CHUNK``) and compare."""
+    try:
+        with _training_without_randomness(lm, decoder):
+            hidden = _hidden(decoder, ref.input_ids, ref.attention_mask)
+    except Exception as error:  # any failure of the streamed forward is the reason to refuse
+        refuse(f"its layers fail when streamed chunk by chunk ({type(error).__name__}: {error})")
+    if ref.random:
+        return
+    diff = _relative_difference(hidden, ref.hidden, ref.attention_mask.bool())
+    if not diff <= _tolerance(lm):
+        refuse(
+            "its layers give a different result when streamed chunk by chunk (relative difference "
+            f"{diff:.1e}): they mix tokens outside the key/value cache (e.g. convolution or recurrent state)"
+        )
