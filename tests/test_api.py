@@ -132,3 +132,37 @@ def test_refuses_encoder_decoder():
 def test_refuses_non_transformers_model():
     with pytest.raises(TypeError, match="PreTrainedModel"):
         enable_streambp(torch.nn.Linear(2, 2), stream_chunk_size=4)
+
+
+class _CumulativeMix(torch.nn.Module):
+    """Mixes each token with all earlier ones outside attention: what chunking cannot see."""
+
+    def forward(self, x):
+        return x + 0.1 * x.cumsum(dim=1)
+
+
+def test_probe_refuses_token_mixing_outside_attention():
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.act_fn = _CumulativeMix()
+    with pytest.raises(ValueError, match="LlamaForCausalLM exactly: its layers give a different result when streamed"):
+        enable_streambp(model, stream_chunk_size=4)
+    assert "_streambp_patches" not in vars(model.model.layers[0]) and getattr(model, "_streambp", None) is None
+    enable_streambp(model, stream_chunk_size=4, verify=False)  # the caller's responsibility then
+
+
+def test_probe_refuses_a_head_that_is_not_linear_in_the_last_hidden_state():
+    model = tiny_model("qwen3")
+    model.lm_head.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM exactly: its logits are not a linear LM head"):
+        enable_streambp(model, stream_chunk_size=4)
+
+
+def test_probe_leaves_random_state_and_modes_as_they_were():
+    model = tiny_model("llama", attention_dropout=0.1)
+    model.model.layers[1].eval()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    enable_streambp(model, stream_chunk_size=4)
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training and not model.model.layers[1].training and model.model.layers[0].training

