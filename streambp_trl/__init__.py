@@ -2,8 +2,7 @@
 
 from .engine import disable_streambp, enable_streambp
 from .logits import chunked_logprobs
-from .sft_config import StreamSFTConfig
-from .sft_trainer import StreamSFTTrainer
+from .trainers import StreamSFTConfig, StreamSFTTrainer
 
 __all__ = ["StreamSFTConfig", "StreamSFTTrainer", "chunked_logprobs", "disable_streambp", "enable_streambp"]
 __version__ = "0.1.0"

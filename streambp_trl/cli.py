@@ -15,7 +15,7 @@ from collections.abc import Callable
 def _sft(argv: list[str]) -> None:
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-    from .sft_config import StreamSFTConfig
+    from .trainers import StreamSFTConfig
 
     parser = TrlParser((ScriptArguments, StreamSFTConfig, ModelConfig, DatasetMixtureConfig), prog="streambp-trl sft")
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(argv)
@@ -37,7 +37,7 @@ def train_sft(script_args, training_args, model_args, dataset_args) -> str:
     """Train as ``trl sft`` does, with :class:`StreamSFTTrainer`; returns the output directory."""
     from trl import get_peft_config, get_quantization_config
 
-    from .sft_trainer import StreamSFTTrainer
+    from .trainers import StreamSFTTrainer
 
     model_init_kwargs = {
         "revision": model_args.model_revision,

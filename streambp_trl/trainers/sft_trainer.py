@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
+from .mixin import StreamTrainerMixin, take_over_checkpointing
 from .sft_config import StreamSFTConfig
-from .trainer_mixin import StreamTrainerMixin, take_over_checkpointing
 
 
 class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .stream_layer import KV_MODES
+from ..stream_layer import KV_MODES
 
 AUTO = "auto"
 _AUTO_DEFAULT_CHUNK = 2048

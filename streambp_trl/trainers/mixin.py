@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from .engine import enable_streambp
+from ..engine import enable_streambp
 from .stream_config import resolve_stream_options
 
 logger = logging.getLogger(__name__)
