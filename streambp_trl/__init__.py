@@ -2,7 +2,24 @@
 
 from .engine import disable_streambp, enable_streambp
 from .logits import chunked_logprobs
-from .trainers import StreamSFTConfig, StreamSFTTrainer
+from .trainers import (
+    StreamDPOConfig,
+    StreamDPOTrainer,
+    StreamKTOConfig,
+    StreamKTOTrainer,
+    StreamSFTConfig,
+    StreamSFTTrainer,
+)
 
-__all__ = ["StreamSFTConfig", "StreamSFTTrainer", "chunked_logprobs", "disable_streambp", "enable_streambp"]
+__all__ = [
+    "StreamDPOConfig",
+    "StreamDPOTrainer",
+    "StreamKTOConfig",
+    "StreamKTOTrainer",
+    "StreamSFTConfig",
+    "StreamSFTTrainer",
+    "chunked_logprobs",
+    "disable_streambp",
+    "enable_streambp",
+]
 __version__ = "0.1.0"

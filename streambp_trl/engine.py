@@ -24,9 +24,11 @@ uses the kernel, as TRL's own head does). Generation works in either mode. Nothi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -187,6 +189,7 @@ def enable_streambp(
     kv_mode: str = "recompute",
     temperature: float = 1.0,
     fused_outputs: tuple[str, ...] = ("log_probs",),
+    stream_eval: bool = False,
     verify: bool = True,
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
@@ -203,6 +206,8 @@ def enable_streambp(
         temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
             ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``.
+        stream_eval: stream the decoder in eval mode too (calls without a key/value cache), as the no-grad passes of
+            a frozen reference model need to reach the training length; otherwise eval mode is the model's own.
         verify: run the probe (two forward passes of 11 tokens) before returning.
     """
     _positive("stream_chunk_size", stream_chunk_size)
@@ -227,6 +232,7 @@ def enable_streambp(
 
     settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode)
     _install(lm, decoder, layers, StreamSettings(probe.PROBE_CHUNK, kv_mode) if reference else settings)
+    _patch(decoder, "_streambp_eval", bool(stream_eval))
     lm._streambp = StreamState(
         settings=settings,
         logits_chunk_size=logits_chunk_size,
@@ -290,11 +296,13 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
 def _stream_decoder_forward(self, *args, **kwargs):
-    """The decoder's forward; in training, a streamed call (masks as descriptions, layers chunked)."""
+    """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call: masks as
+    descriptions, layers chunked. Calls that bring a key/value cache without grad (generation) are the model's own."""
     forward = _original(self, "forward")
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-    if not self.training or (cache is not None and not torch.is_grad_enabled()):
-        return forward(*args, **kwargs)  # eval, or generation in training mode: the model's own path
+    streams = self.training or vars(self).get("_streambp_eval", False)
+    if not streams or (cache is not None and not torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
             f"StreamBP cannot train {type(self).__name__} on top of a filled key/value cache (past_key_values); "
@@ -309,8 +317,22 @@ def _stream_decoder_forward(self, *args, **kwargs):
         kwargs.pop(k, None)
     kwargs["use_cache"] = False
     layers = _decoder_layers(self)
-    with streaming(stream_configs(self, *layers)):
+    with streaming(stream_configs(self, *layers)), _layers_in_training_mode(layers):
         return forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _layers_in_training_mode(layers: list[nn.Module]) -> Iterator[None]:
+    """The decoder layers' own ``training`` flag (not their submodules'), which is what makes transformers call the
+    stream hook: set for an eval-mode streamed call, so dropout and the like stay off."""
+    modes = [layer.training for layer in layers]
+    for layer in layers:
+        layer.training = True
+    try:
+        yield
+    finally:
+        for layer, mode in zip(layers, modes, strict=True):
+            layer.training = mode
 
 
 def _logit_transform(config) -> tuple[float | None, float]:

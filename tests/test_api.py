@@ -166,3 +166,23 @@ def test_probe_leaves_random_state_and_modes_as_they_were():
     enable_streambp(model, stream_chunk_size=4)
     assert torch.equal(torch.rand(3), expected)
     assert model.training and not model.model.layers[1].training and model.model.layers[0].training
+
+
+def test_stream_eval_streams_reference_passes_in_eval_mode():
+    """A frozen reference model (TRL keeps it in eval mode) streams its no-grad passes with stream_eval=True."""
+    reference = tiny_model("qwen3").eval()
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=3, stream_eval=True)
+    calls = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(kw["hidden_states"].shape[1]), with_kwargs=True
+    )
+    ids, mask, labels = batch(padding="left")
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        logits = reference(input_ids=ids, attention_mask=mask).logits
+    assert calls == [3] * 7 + [2]  # chunk by chunk
+    ref = torch.log_softmax(logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(out.log_probs, ref.masked_fill(labels[:, 1:] == -100, 0), rtol=1e-12, atol=1e-12)
+    assert not model.training and not model.model.layers[0].training
+    with torch.no_grad():  # generation in eval mode is the model's own
+        assert torch.equal(model.generate(ids[:1], max_new_tokens=3), reference.generate(ids[:1], max_new_tokens=3))

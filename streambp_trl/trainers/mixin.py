@@ -24,12 +24,39 @@ def take_over_checkpointing(args):
     return args
 
 
-class StreamTrainerMixin:
-    """Installs StreamBP on ``self.model`` and logs the stream settings and, on CUDA, the peak memory of each step."""
+def default_args(config_cls, model, suffix: str):
+    """The config a trainer builds when given none, as TRL's trainers do: output directory ``<model>-<suffix>``."""
+    name = model if isinstance(model, str) else model.config._name_or_path
+    return config_cls(f"{name.split('/')[-1]}-{suffix}")
 
-    def _install_stream_engine(self, max_length: int | None, **engine_kwargs) -> None:
-        self.stream_options = resolve_stream_options(self.args, max_length)
-        enable_streambp(self.model, **self.stream_options, **engine_kwargs)
+
+class StreamTrainerMixin:
+    """Installs StreamBP on the policy ``self.model`` and on a separate ``self.ref_model`` (eval-mode passes stream
+    too, so reference and evaluation passes reach the training length), and logs the stream settings and, on CUDA,
+    the peak memory of each step.
+
+    Subclasses set ``_max_length()`` and ``_fused_outputs()`` (the ``FusedCausalLMOutput`` fields TRL's trainer reads
+    from the policy). Installing is idempotent: a trainer that computes reference log-probs inside TRL's
+    ``__init__`` (``precompute_ref_log_probs``) installs the engine first.
+    """
+
+    stream_options: dict | None = None
+
+    def _max_length(self) -> int | None:
+        return getattr(self.args, "max_length", None)
+
+    def _fused_outputs(self) -> tuple[str, ...]:
+        return ("log_probs",)
+
+    def _install_stream_engine(self) -> None:
+        if self.stream_options is not None:
+            return
+        options = resolve_stream_options(self.args, self._max_length())
+        enable_streambp(self.model, **options, fused_outputs=self._fused_outputs(), stream_eval=True)
+        ref_model = getattr(self, "ref_model", None)
+        if ref_model is not None:
+            enable_streambp(self.accelerator.unwrap_model(ref_model), **options, stream_eval=True)
+        self.stream_options = options
 
     def training_step(self, *args, **kwargs):
         cuda = torch.cuda.is_available() and self.args.device.type == "cuda"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
-from .mixin import StreamTrainerMixin, take_over_checkpointing
+from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
 from .sft_config import StreamSFTConfig
 
 
@@ -17,10 +17,10 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
     """
 
     def __init__(self, model, args=None, *pos, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = StreamSFTConfig(f"{name.split('/')[-1]}-SFT")
-        args = take_over_checkpointing(args)
+        args = take_over_checkpointing(args if args is not None else default_args(StreamSFTConfig, model, "SFT"))
         super().__init__(model, args, *pos, **kwargs)
         # after TRL's own fused head: the same `fused_lm_head=True` call, served by the stream engine
-        self._install_stream_engine(args.max_length, fused_outputs=("log_probs", "entropy", "is_top1"))
+        self._install_stream_engine()
+
+    def _fused_outputs(self) -> tuple[str, ...]:
+        return ("log_probs", "entropy", "is_top1")
