@@ -1,8 +1,8 @@
 """The ``streambp-trl`` command: one subcommand per objective, each parsed by TRL's ``TrlParser``.
 
-``streambp-trl sft --config configs/sft_tiny.yaml [--any_config_field value ...]`` reads TRL's script, model and
-dataset arguments and a :class:`~streambp_trl.StreamSFTConfig`, as ``trl sft`` does, and trains with
-:class:`~streambp_trl.StreamSFTTrainer`. Unknown fields in the YAML file or on the command line are errors.
+``streambp-trl {sft,dpo,kto} --config FILE.yaml [--any_config_field value ...]`` reads TRL's script, model and
+dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` / ``trl kto`` do, and trains
+with the objective's ``Stream*Trainer``. Unknown fields in the YAML file or on the command line are errors.
 """
 
 from __future__ import annotations
@@ -12,14 +12,25 @@ import sys
 from collections.abc import Callable
 
 
-def _sft(argv: list[str]) -> None:
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+def _objective(name: str) -> tuple[type, type]:
+    """The (config, trainer) classes of an objective."""
+    from . import trainers
 
-    from .trainers import StreamSFTConfig
+    upper = name.upper()
+    return getattr(trainers, f"Stream{upper}Config"), getattr(trainers, f"Stream{upper}Trainer")
 
-    parser = TrlParser((ScriptArguments, StreamSFTConfig, ModelConfig, DatasetMixtureConfig), prog="streambp-trl sft")
-    script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(argv)
-    train_sft(script_args, training_args, model_args, dataset_args)
+
+def _command(name: str) -> Callable[[list[str]], None]:
+    def run(argv: list[str]) -> None:
+        from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+        config_cls, _ = _objective(name)
+        parser = TrlParser(
+            (ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}"
+        )
+        train(name, *parser.parse_args_and_config(argv))
+
+    return run
 
 
 def _load_dataset(script_args, dataset_args):
@@ -33,11 +44,11 @@ def _load_dataset(script_args, dataset_args):
     raise ValueError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
 
 
-def train_sft(script_args, training_args, model_args, dataset_args) -> str:
-    """Train as ``trl sft`` does, with :class:`StreamSFTTrainer`; returns the output directory."""
+def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
+    """Train as ``trl <objective>`` does, with the objective's ``Stream*Trainer``; returns the output directory."""
     from trl import get_peft_config, get_quantization_config
 
-    from .trainers import StreamSFTTrainer
+    _, trainer_cls = _objective(objective)
 
     model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -59,7 +70,7 @@ def train_sft(script_args, training_args, model_args, dataset_args) -> str:
                 "test split to the dataset, or set `eval_strategy: 'no'`."
             )
         eval_dataset = dataset[split]
-    trainer = StreamSFTTrainer(
+    trainer = trainer_cls(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
@@ -77,7 +88,18 @@ def train_sft(script_args, training_args, model_args, dataset_args) -> str:
 
 # name -> (one-line help, entry point taking the remaining arguments)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
-    "sft": ("Supervised fine-tuning with StreamSFTTrainer (TRL's `trl sft` arguments plus the stream options).", _sft),
+    "sft": (
+        "Supervised fine-tuning with StreamSFTTrainer (TRL's `trl sft` arguments plus the stream options).",
+        _command("sft"),
+    ),
+    "dpo": (
+        "Preference training with StreamDPOTrainer (TRL's `trl dpo` arguments plus the stream options).",
+        _command("dpo"),
+    ),
+    "kto": (
+        "Unpaired preference training with StreamKTOTrainer (TRL's `trl kto` arguments plus the stream options).",
+        _command("kto"),
+    ),
 }
 
 
