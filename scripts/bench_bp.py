@@ -405,8 +405,9 @@ def engine_hash() -> str:
     import streambp_trl
 
     digest = hashlib.sha256()
-    for path in sorted(Path(streambp_trl.__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    root = Path(streambp_trl.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
 
@@ -429,9 +430,10 @@ def worker_main(spec_json: str) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def measure(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-    """Run one measurement in a fresh subprocess; returns its record (status "error" if the child failed)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+def measure(spec: dict[str, Any], timeout: float | None, script: str = __file__) -> dict[str, Any]:
+    """Run one measurement in a fresh subprocess of ``script --worker SPEC`` (this file by default); returns its
+    record (status "error" if the child failed)."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     if spec["device"] == "cpu":
