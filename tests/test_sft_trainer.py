@@ -213,3 +213,23 @@ def test_refused_model_fails_before_training(tmp_path):
 def test_bad_chunk_size_in_config(tmp_path, value):
     with pytest.raises(ValueError, match="stream_chunk_size"):
         StreamSFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, stream_chunk_size=value)
+
+
+def test_moe_load_balancing_loss_is_refused_at_construction_and_trains_without_it(tmp_path):
+    from models import tiny_model
+
+    def build(**overrides):
+        return StreamSFTTrainer(
+            model=tiny_model("qwen3_moe", dtype=torch.float32, vocab_size=512),
+            args=_args(StreamSFTConfig, tmp_path, **overrides),
+            train_dataset=_dataset("chat"),
+            processing_class=AutoTokenizer.from_pretrained(MODEL),
+        )
+
+    with pytest.raises(
+        ValueError, match=r"load-balancing loss \(router_aux_loss_coef=0.001\).*router_aux_loss_coef=0.0"
+    ):
+        build()
+    trainer = build(router_aux_loss_coef=0.0)
+    trainer.train()
+    assert is_streaming(trainer.model)

@@ -51,6 +51,13 @@ class StreamTrainerMixin:
     def _install_stream_engine(self) -> None:
         if self.stream_options is not None:
             return
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(
+                f"{type(self).__name__}: the MoE load-balancing loss (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}) takes gradient from router logits computed inside the streamed decoder "
+                "layers, which StreamBP does not backpropagate. Set `router_aux_loss_coef=0.0` in the config to train "
+                "without it."
+            )
         options = resolve_stream_options(self.args, self._max_length())
         enable_streambp(self.model, **options, fused_outputs=self._fused_outputs(), stream_eval=True)
         ref_model = getattr(self, "ref_model", None)
