@@ -5,8 +5,12 @@ from .logits import chunked_logprobs
 from .trainers import (
     StreamDPOConfig,
     StreamDPOTrainer,
+    StreamGRPOConfig,
+    StreamGRPOTrainer,
     StreamKTOConfig,
     StreamKTOTrainer,
+    StreamRLOOConfig,
+    StreamRLOOTrainer,
     StreamSFTConfig,
     StreamSFTTrainer,
 )
@@ -14,8 +18,12 @@ from .trainers import (
 __all__ = [
     "StreamDPOConfig",
     "StreamDPOTrainer",
+    "StreamGRPOConfig",
+    "StreamGRPOTrainer",
     "StreamKTOConfig",
     "StreamKTOTrainer",
+    "StreamRLOOConfig",
+    "StreamRLOOTrainer",
     "StreamSFTConfig",
     "StreamSFTTrainer",
     "chunked_logprobs",

@@ -48,6 +48,10 @@ class StreamTrainerMixin:
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs",)
 
+    def _engine_options(self) -> dict:
+        """Further ``enable_streambp`` options for the policy and the reference (e.g. the sampling temperature)."""
+        return {}
+
     def _install_stream_engine(self) -> None:
         if self.stream_options is not None:
             return
@@ -59,10 +63,11 @@ class StreamTrainerMixin:
                 "without it."
             )
         options = resolve_stream_options(self.args, self._max_length())
-        enable_streambp(self.model, **options, fused_outputs=self._fused_outputs(), stream_eval=True)
+        extra = self._engine_options()
+        enable_streambp(self.model, **options, **extra, fused_outputs=self._fused_outputs(), stream_eval=True)
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
-            enable_streambp(self.accelerator.unwrap_model(ref_model), **options, stream_eval=True)
+            enable_streambp(self.accelerator.unwrap_model(ref_model), **options, **extra, stream_eval=True)
         self.stream_options = options
 
     def training_step(self, *args, **kwargs):

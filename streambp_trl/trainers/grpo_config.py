@@ -1,0 +1,16 @@
+"""``StreamGRPOConfig``: TRL's ``GRPOConfig`` plus the stream options."""
+
+from dataclasses import dataclass
+
+from trl import GRPOConfig
+
+from .stream_config import StreamArguments
+
+
+@dataclass
+class StreamGRPOConfig(StreamArguments, GRPOConfig):
+    """[`~trl.GRPOConfig`] with the options of [`StreamArguments`].
+
+    `gradient_checkpointing` (TRL's default `True`) is taken over by the stream engine, which checkpoints and streams
+    every decoder layer of the policy (and streams the old-policy and reference no-grad passes) itself.
+    """

@@ -1,0 +1,30 @@
+"""``StreamGRPOTrainer``: TRL's ``GRPOTrainer`` with the policy, old-policy and reference passes streamed."""
+
+from __future__ import annotations
+
+from trl import GRPOTrainer
+
+from .grpo_config import StreamGRPOConfig
+from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+
+
+class StreamGRPOTrainer(StreamTrainerMixin, GRPOTrainer):
+    """Drop-in for [`~trl.GRPOTrainer`]; accepts a [`StreamGRPOConfig`] or a plain [`~trl.GRPOConfig`].
+
+    Generation, rewards and advantages are TRL's own (the engine leaves generation, which brings a key/value cache,
+    to the model's own code, in training mode too). Every loss type is TRL's code on the per-token log-probs and
+    entropies of `model(..., labels=..., fused_lm_head=True)` at the sampling temperature, which the stream engine
+    serves exactly for the policy, the old policy and the reference (a separate model in eval mode, or the PEFT
+    policy with its adapter disabled).
+    """
+
+    def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
+        args = take_over_checkpointing(args if args is not None else default_args(StreamGRPOConfig, model, "GRPO"))
+        super().__init__(model, reward_funcs, args, *pos, **kwargs)
+        self._install_stream_engine()
+
+    def _fused_outputs(self) -> tuple[str, ...]:
+        return ("log_probs", "entropy")  # what TRL's GRPOTrainer asks of its fused head
+
+    def _engine_options(self) -> dict:
+        return {"temperature": self.temperature}

@@ -1,0 +1,121 @@
+"""StreamGRPOTrainer and StreamRLOOTrainer against TRL's GRPOTrainer and RLOOTrainer on the same inputs and seed: the
+same completions generated, the same parameter update, the same logged metrics, for every loss type and option."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from datasets import load_dataset
+from trainer_parity import CHUNK, MODEL, ROOT, RecordUpdate, args, model
+from transformers import AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+from streambp_trl import StreamGRPOConfig, StreamGRPOTrainer, StreamRLOOConfig, StreamRLOOTrainer
+from streambp_trl.engine import is_streaming
+
+GRPO_LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+RL = dict(
+    num_generations=4,
+    per_device_train_batch_size=4,
+    max_completion_length=8,
+    temperature=0.7,
+    logging_steps=1,
+)
+
+
+class _Completions:
+    """A reward (completion length in characters) that records every completion it scores."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self.__name__ = "length_reward"
+
+    def __call__(self, completions, **kwargs):
+        self.seen += list(completions)
+        return [float(len(c)) for c in completions]
+
+
+def _dataset():
+    data = load_dataset("json", data_files=str(ROOT / "configs/data/tiny_prompt_completion.jsonl"), split="train[:8]")
+    return data.remove_columns("completion")
+
+
+def _train(trainer_cls, config_cls, output_dir, stream, peft_config=None, **overrides):
+    record, reward = RecordUpdate(), _Completions()
+    trainer = trainer_cls(
+        model=model(),
+        reward_funcs=[reward],
+        args=args(config_cls, Path(output_dir) / trainer_cls.__name__, stream, **{**RL, **overrides}),
+        train_dataset=_dataset(),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        peft_config=copy.deepcopy(peft_config),
+        callbacks=[record],
+    )
+    trainer.train()
+    return trainer, record.update, reward.seen
+
+
+def _same(trl_pair, stream_pair, tmp_path, peft_config=None, **overrides):
+    ref_trainer, ref_update, ref_completions = _train(*trl_pair, tmp_path, False, peft_config, **overrides)
+    ours, update, completions = _train(*stream_pair, tmp_path, True, peft_config, **overrides)
+    assert completions == ref_completions and len(set(completions)) > 1  # the same samples, and not all equal
+    assert ours.stream_options["stream_chunk_size"] == CHUNK and is_streaming(ours.model)
+    if ours.ref_model is not None:
+        assert is_streaming(ours.accelerator.unwrap_model(ours.ref_model))
+    assert set(update) == set(ref_update) and update
+    for name, delta_ref in ref_update.items():
+        err = ((update[name] - delta_ref).norm() / delta_ref.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, f"{name}: relative error of the update {err:.2e}"
+    ref_logs = [h for h in ref_trainer.state.log_history if "loss" in h]
+    logs = [h for h in ours.state.log_history if "loss" in h]
+    assert len(logs) == len(ref_logs)
+    for r, h in zip(ref_logs, logs, strict=True):
+        for key, value in r.items():
+            if key in ("epoch", "step", "learning_rate", "grad_norm", "step_time") or not isinstance(value, float):
+                continue
+            if key.endswith("_time") or key.startswith("profiling/"):
+                continue
+            assert abs(h[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, h[key], value)
+    return ref_trainer, ours
+
+
+GRPO = ((GRPOTrainer, GRPOConfig), (StreamGRPOTrainer, StreamGRPOConfig))
+RLOO = ((RLOOTrainer, RLOOConfig), (StreamRLOOTrainer, StreamRLOOConfig))
+
+
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+def test_grpo_one_step_equals_for_every_loss_type(tmp_path, loss_type):
+    extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
+    _same(*GRPO, tmp_path, loss_type=loss_type, **extra)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"beta": 0.04},  # a reference model, streamed in eval mode
+        {"importance_sampling_level": "sequence", "loss_type": "grpo"},
+        {"num_iterations": 2, "max_steps": 2},
+        {"gradient_accumulation_steps": 2, "steps_per_generation": 2, "per_device_train_batch_size": 2},
+        {"epsilon": 0.1, "epsilon_high": 0.3, "delta": 1.5},
+        {"top_entropy_quantile": 0.5},
+    ],
+    ids=["beta", "sequence_is", "num_iterations2", "accum2_spg2", "epsilons_delta", "top_entropy"],
+)
+def test_grpo_one_step_equals_with_options(tmp_path, overrides):
+    _same(*GRPO, tmp_path, **overrides)
+
+
+def test_grpo_lora_with_reference_from_the_disabled_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    _, ours = _same(*GRPO, tmp_path, peft_config=lora, beta=0.04, learning_rate=0.5)
+    assert ours.ref_model is None
+
+
+@pytest.mark.parametrize(
+    "overrides", [{}, {"beta": 0.04}, {"num_iterations": 2, "max_steps": 2}], ids=["plain", "beta", "iter2"]
+)
+def test_rloo_one_step_equals(tmp_path, overrides):
+    _same(*RLOO, tmp_path, **overrides)
