@@ -8,8 +8,58 @@ with the objective's ``Stream*Trainer``. Unknown fields in the YAML file or on t
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trl import ScriptArguments
+
+# objectives whose trainers score generated completions with reward functions
+_RL = ("grpo", "rloo")
+
+
+@dataclass
+class RewardScriptArguments(ScriptArguments):
+    """TRL's script arguments plus the rewards of ``grpo`` / ``rloo`` runs, as TRL's own scripts take them."""
+
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A reward model (Hub name or local directory), scored with the functions."}
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: names from streambp_trl.rewards (length_reward, sentence_format_reward) or "
+            "trl.rewards (accuracy_reward, think_format_reward, reasoning_accuracy_reward), or dotted import paths."
+        },
+    )
+
+
+def reward_functions(script_args: RewardScriptArguments) -> list:
+    """The reward models and functions a config names; unknown names fail before any model is loaded."""
+    import trl.rewards
+
+    from .rewards import REWARDS
+
+    rewards: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for name in script_args.reward_funcs or []:
+        if name in REWARDS:
+            rewards.append(REWARDS[name])
+        elif "." not in name and callable(getattr(trl.rewards, name, None)):
+            rewards.append(getattr(trl.rewards, name))
+        elif "." in name:
+            module, attribute = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            rewards.append(getattr(importlib.import_module(module), attribute))
+        else:
+            raise ValueError(
+                f"Unknown reward function {name!r}: give one of {sorted(REWARDS)}, a function of trl.rewards, or a "
+                "dotted import path (my_lib.rewards.my_reward)."
+            )
+    if not rewards:
+        raise ValueError("Give the rewards to train on: `reward_funcs` (names or import paths) and/or a reward model.")
+    return rewards
 
 
 def _objective(name: str) -> tuple[type, type]:
@@ -22,12 +72,11 @@ def _objective(name: str) -> tuple[type, type]:
 
 def _command(name: str) -> Callable[[list[str]], None]:
     def run(argv: list[str]) -> None:
-        from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+        from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
         config_cls, _ = _objective(name)
-        parser = TrlParser(
-            (ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}"
-        )
+        script_cls = RewardScriptArguments if name in _RL else ScriptArguments
+        parser = TrlParser((script_cls, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}")
         train(name, *parser.parse_args_and_config(argv))
 
     return run
@@ -49,6 +98,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
     from trl import get_peft_config, get_quantization_config
 
     _, trainer_cls = _objective(objective)
+    rewards = {"reward_funcs": reward_functions(script_args)} if objective in _RL else {}
 
     model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -77,6 +127,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
         eval_dataset=eval_dataset,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
+        **rewards,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
@@ -99,6 +150,14 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
     "kto": (
         "Unpaired preference training with StreamKTOTrainer (TRL's `trl kto` arguments plus the stream options).",
         _command("kto"),
+    ),
+    "grpo": (
+        "Online RL with StreamGRPOTrainer (TRL's `trl grpo` arguments, `reward_funcs`, the stream options).",
+        _command("grpo"),
+    ),
+    "rloo": (
+        "Online RL with StreamRLOOTrainer (TRL's `trl rloo` arguments, `reward_funcs`, the stream options).",
+        _command("rloo"),
     ),
 }
 

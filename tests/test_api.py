@@ -186,3 +186,11 @@ def test_stream_eval_streams_reference_passes_in_eval_mode():
     assert not model.training and not model.model.layers[0].training
     with torch.no_grad():  # generation in eval mode is the model's own
         assert torch.equal(model.generate(ids[:1], max_new_tokens=3), reference.generate(ids[:1], max_new_tokens=3))
+
+
+def test_shipped_rewards():
+    from streambp_trl.rewards import length_reward, sentence_format_reward
+
+    assert length_reward(["x" * 40, "x" * 20, "x" * 200]) == [1.0, 0.5, -1.0]
+    assert length_reward([[{"role": "assistant", "content": "x" * 40}]]) == [1.0]
+    assert sentence_format_reward([" It is 4.", " It is 4. And 5.", "no period\nhere."]) == [1.0, 0.0, 0.0]

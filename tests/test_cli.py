@@ -77,28 +77,35 @@ def test_eval_without_a_test_split_says_what_to_do(tmp_path):
     assert "dataset_test_split" in out.stderr and "KeyError" not in out.stderr
 
 
-@pytest.mark.parametrize("objective", ["dpo", "kto"])
-def test_tiny_preference_configs_train_and_save(tmp_path, objective):
+@pytest.mark.parametrize("objective", ["dpo", "kto", "grpo", "rloo"])
+def test_tiny_configs_of_every_objective_train_and_save(tmp_path, objective):
     out = _cli(
         objective, "--config", f"configs/{objective}_tiny.yaml", "--output_dir", str(tmp_path), "--max_steps", "4",
         "--logging_steps", "2",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"Model saved to {tmp_path}" in out.stdout + out.stderr
-    assert "'rewards/margins'" in out.stdout + out.stderr and "'stream_chunk_size': 16" in out.stdout + out.stderr
+    logged = "'rewards/margins'" if objective in ("dpo", "kto") else "'rewards/length_reward/mean'"
+    assert logged in out.stdout + out.stderr and "'stream_chunk_size': 16" in out.stdout + out.stderr
     AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("config", ["dpo_qwen3_8b.yaml", "sft_qwen3_8b.yaml"])
+@pytest.mark.parametrize("config", ["dpo_qwen3_8b.yaml", "sft_qwen3_8b.yaml", "grpo_qwen3_4b.yaml"])
 def test_hub_example_configs_parse(config):
     """The Hub examples cannot run offline; their fields must still all be known to the parser."""
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
-    from streambp_trl.cli import _objective
+    from streambp_trl.cli import RewardScriptArguments, _objective
 
     config_cls, _ = _objective(config.split("_")[0])
-    parser = TrlParser((ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig))
+    parser = TrlParser((RewardScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig))
     _, training_args, model_args, _ = parser.parse_args_and_config(
         ["--config", str(ROOT / "configs" / config), "--use_cpu", "true", "--bf16", "false"]
     )
     assert model_args.model_name_or_path.startswith("Qwen/") and training_args.stream_chunk_size == 4096
+
+
+def test_unknown_reward_function_fails_before_training(tmp_path):
+    out = _cli("grpo", "--config", "configs/grpo_tiny.yaml", "--output_dir", str(tmp_path), "--reward_funcs", "nope")
+    assert out.returncode != 0 and "Unknown reward function 'nope'" in out.stderr
+    assert "'loss'" not in out.stdout + out.stderr
