@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from datasets import load_dataset
-from trainer_parity import CHUNK, MODEL, ROOT, RecordUpdate, args, model
+from trainer_parity import CHUNK, MODEL, ROOT, RecordUpdate, ShapesEveryStep, args, model
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -119,3 +119,41 @@ def test_grpo_lora_with_reference_from_the_disabled_adapter(tmp_path):
 )
 def test_rloo_one_step_equals(tmp_path, overrides):
     _same(*RLOO, tmp_path, **overrides)
+
+
+def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_included(tmp_path):
+    """Prompts of ~60 tokens and completions of 200 (prompt + completion ~260) in chunks of 16, with an old-policy
+    pass (num_iterations 2) and a reference (beta 0.04): no tensor with two dimensions of at least 150 in any of
+    three steps (generation included), so no (T x T) mask or score and no (tokens x vocab) logits."""
+    from datasets import Dataset
+
+    sentence = " The first letter of the word is the one it starts with, and we count from there."
+    record = ShapesEveryStep()
+    trainer = StreamGRPOTrainer(
+        model=model(),
+        reward_funcs=[_Completions()],
+        args=args(
+            StreamGRPOConfig,
+            tmp_path,
+            True,
+            max_steps=3,
+            num_generations=2,
+            per_device_train_batch_size=2,
+            max_completion_length=200,
+            generation_kwargs={"min_new_tokens": 200},
+            num_iterations=2,
+            beta=0.04,
+            stream_chunk_size=16,
+            logits_chunk_size=16,
+            logging_steps=1,
+        ),  # fmt: skip
+        train_dataset=Dataset.from_list([{"prompt": f"Question {i}:{sentence * 3}\nAnswer:"} for i in range(4)]),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        callbacks=[record],
+    )
+    trainer.train()
+    assert record.streaming == [True] * 3 and is_streaming(trainer.accelerator.unwrap_model(trainer.ref_model))
+    lengths = [shape[1] for op, shape in record.recorder.shapes if op == "aten.embedding.default"]
+    # long rows: three policy passes, and an old-policy and a reference pass at each of the two generations
+    assert sum(n >= 250 for n in lengths) == 3 + 2 * 2
+    assert [(op, s) for op, s in record.recorder.shapes if sum(d >= 150 for d in s) >= 2] == []
