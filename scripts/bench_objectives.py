@@ -1,9 +1,14 @@
-"""Memory and time of one DPO step (reference pass + policy forward/backward) with TRL's defaults and with the
-stream engine, each measurement in a fresh process (the measuring machinery of ``scripts/bench_bp.py``).
+"""Memory and time of one step of a preference or RL objective with TRL's defaults and with the stream engine,
+each measurement in a fresh process (the measuring machinery of ``scripts/bench_bp.py``).
 
-A DPO step as TRL's ``DPOTrainer`` runs it: the batch is [chosen; rejected], two sequences of ``--seq-len`` tokens;
-the frozen reference model (eval mode, no grad) and the policy both compute per-token log-probs through
-``model(..., labels=..., fused_lm_head=True)``; the sigmoid loss is backpropagated through the policy.
+* ``--objective dpo``: a DPO step as TRL's ``DPOTrainer`` runs it: the batch is [chosen; rejected], two sequences of
+  ``--seq-len`` tokens (the first eighth a shared prompt); the frozen reference model (eval mode, no grad) and the
+  policy both compute per-token log-probs through ``model(..., labels=..., fused_lm_head=True)``; the sigmoid loss
+  is backpropagated through the policy.
+* ``--objective grpo``: the policy-update part of a GRPO step as TRL's ``GRPOTrainer`` runs it (generation and
+  rewards excluded, beta 0): two sequences of ``--seq-len`` tokens, the first eighth the prompt, per-token
+  log-probs of the completions at the sampling temperature through the fused head, the token-level clipped
+  surrogate with advantages +1 and -1, backpropagated through the policy.
 
 * ``trl``: DPOTrainer's defaults: Hugging Face gradient checkpointing on the policy, TRL's fused LM head on both
   models (its token tile set to ``--logits-chunk-size``, so both modes hold the same logit tile).
@@ -12,7 +17,7 @@ the frozen reference model (eval mode, no grad) and the policy both compute per-
 Memory is the peak above both loaded models (CPU: peak RSS with ``MALLOC_MMAP_THRESHOLD_=131072``; CUDA: peak
 allocated); the figure of merit is its growth per extra token (KiB/token) between the two lengths.
 
-    python scripts/bench_dpo.py --seq-len 2048 4096 --out cpu_dpo_qwen3_4l_fp32
+    python scripts/bench_objectives.py --objective dpo --seq-len 2048 4096 --out cpu_dpo_qwen3_4l_fp32
 """
 
 from __future__ import annotations
@@ -29,33 +34,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_bp  # noqa: E402  (the shared measuring machinery)
 
 MODES = ("trl", "stream")
+OBJECTIVES = ("dpo", "grpo")
+TEMPERATURE = {"dpo": 1.0, "grpo": 0.7}
+TITLE = {"dpo": "One DPO step (reference + policy)", "grpo": "The policy update of a GRPO step (temperature 0.7)"}
 RESULT_PREFIX = bench_bp.RESULT_PREFIX
 TARGET_MEM_RATIO = 0.4  # stream KiB per extra token <= 0.4 x TRL's (reported, never enforced)
 
 
 def prepare(spec: dict[str, Any]) -> tuple[Any, Any]:
-    """The policy and the reference model for ``spec["mode"]``."""
+    """The policy and the reference model (DPO) for ``spec["mode"]``."""
     import torch
 
     device = torch.device(spec["device"])
+    temperature = TEMPERATURE[spec["objective"]]
     policy = bench_bp.build_model(spec["model"], spec["dtype"], device, spec["seed"])
-    reference = bench_bp.build_model(spec["model"], spec["dtype"], device, spec["seed"]).eval()
-    for p in reference.parameters():
-        p.requires_grad_(False)
+    reference = None
+    if spec["objective"] == "dpo":
+        reference = bench_bp.build_model(spec["model"], spec["dtype"], device, spec["seed"]).eval()
+        for p in reference.parameters():
+            p.requires_grad_(False)
+    models = [m for m in (policy, reference) if m is not None]
     if spec["mode"] == "trl":
         import trl.kernels.chunked_logprob as trl_kernel
         from trl.trainer.utils import add_fused_lm_head
 
         trl_kernel.TOKEN_CHUNK_SIZE = spec["logits_chunk_size"]
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        add_fused_lm_head(policy)
-        add_fused_lm_head(reference)
+        for m in models:
+            add_fused_lm_head(m, temperature=temperature, outputs=("log_probs", "entropy"))
     else:
         from streambp_trl import enable_streambp
 
         options = {"stream_chunk_size": spec["stream_chunk_size"], "logits_chunk_size": spec["logits_chunk_size"]}
-        enable_streambp(policy, **options)
-        enable_streambp(reference, **options, stream_eval=True)
+        for m in models:
+            enable_streambp(
+                m, **options, temperature=temperature, fused_outputs=("log_probs", "entropy"), stream_eval=True
+            )
     return policy, reference
 
 
@@ -70,14 +84,20 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, vocab, (2, spec["seq_len"]), generator=g).to(device)  # [chosen; rejected]
     labels = ids.clone()
     labels[:, : spec["seq_len"] // 8] = -100  # the shared prompt
-    beta = 0.1
+    beta, advantages = 0.1, torch.tensor([[1.0], [-1.0]], device=device)
+    completion = (labels[:, 1:] != -100).float()
 
     def step() -> float:
-        with torch.no_grad():
-            ref_logps = reference(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum(1)
-        logps = policy(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum(1)
-        margin = (logps[0] - ref_logps[0]) - (logps[1] - ref_logps[1])
-        loss = -F.logsigmoid(beta * margin)
+        out = policy(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False)
+        if spec["objective"] == "dpo":
+            with torch.no_grad():
+                ref = reference(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum(1)
+            logps = out.log_probs.sum(1)
+            loss = -F.logsigmoid(beta * ((logps[0] - ref[0]) - (logps[1] - ref[1])))
+        else:  # GRPO's token-level clipped surrogate at the first iteration (ratio 1), per-sequence token mean
+            ratio = torch.exp(out.log_probs - out.log_probs.detach())
+            per_token = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
+            loss = ((per_token * completion).sum(1) / completion.sum(1)).mean()
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -95,7 +115,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         peaks.append(probe.peak_above_baseline())
         policy.zero_grad(set_to_none=True)
     return {
-        **{k: spec[k] for k in ("mode", "seq_len", "model", "dtype")},
+        **{k: spec[k] for k in ("objective", "mode", "seq_len", "model", "dtype")},
         "status": "ok",
         "peak_mb": max(peaks) / 2**20,
         "time_s": statistics.median(times),
@@ -126,7 +146,7 @@ def render(meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[st
     head = "| mode | " + " | ".join(f"peak MiB at 2x{n}" for n in lengths) + " | KiB per extra token | "
     head += " | ".join(f"time s at 2x{n}" for n in lengths) + " |"
     lines = [
-        f"# One DPO step (reference + policy), {meta['model']}, {meta['dtype']}, {meta['device_name']}",
+        f"# {TITLE[meta['objective']]}, {meta['model']}, {meta['dtype']}, {meta['device_name']}",
         "",
         f"Command: `{meta['command']}`  ",
         f"Versions: {json.dumps(meta['versions'])}; git {meta['git']}; engine {meta['engine_sha256']}  ",
@@ -155,6 +175,7 @@ def _fmt(value, spec: str = ".1f") -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--objective", choices=OBJECTIVES, default="dpo")
     parser.add_argument("--model", default="qwen3-cpu-bench", help="named size of bench_bp.py, Hub name or dir")
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048, 4096], help="tokens per sequence")
@@ -175,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     for seq_len in args.seq_len:
         for mode in args.mode:
             spec = {
+                "objective": args.objective,
                 "mode": mode,
                 "seq_len": seq_len,
                 "batch_size": 2,
@@ -188,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
             }
             records.append(bench_bp.measure(spec, args.timeout, script=__file__))
     meta_args = argparse.Namespace(**vars(args), batch_size=2, kv_mode="recompute", same_logits_tile=True)
-    meta = bench_bp.metadata(meta_args, args.device)
+    meta = {**bench_bp.metadata(meta_args, args.device), "objective": args.objective}
     summary = summarize(records, args.seq_len)
     print(render(meta, records, summary))
     if args.out:
