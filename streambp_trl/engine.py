@@ -353,9 +353,9 @@ def _head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
-    bad = (labels != -100) & ((labels < 0) | (labels >= vocab_size))
-    if bool(bad.any()):
-        value = labels[bad][0].item()
+    valid = (labels == -100) | ((labels >= 0) & (labels < vocab_size))
+    if not bool(valid.all()):
+        value = labels[~valid][0].item()
         raise ValueError(
             f"labels must be token ids in [0, {vocab_size}) or -100 (ignored), got {value}. Mark positions "
             "without a loss with -100."

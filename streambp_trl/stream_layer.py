@@ -47,6 +47,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils import checkpoint
 from transformers.cache_utils import Cache
 
 from .attention import StreamMask, stream_configs, streaming
@@ -143,24 +144,24 @@ class _KVStore:
 
 
 class _RngState:
-    """The CPU generator's state and that of the tensor's device (if not the CPU), as captured before a chunk."""
+    """The CPU generator's state and that of the devices of ``x`` (as ``torch.utils.checkpoint`` captures them),
+    taken before a chunk runs."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, x: torch.Tensor):
+        self.device_type = checkpoint._infer_device_type(x)
         self.cpu = torch.get_rng_state()
-        self.dev = None if device.type == "cpu" else torch.get_device_module(device.type).get_rng_state(device)
+        self.devices, self.states = checkpoint.get_device_states(x)
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
-        if self.dev is not None:
-            torch.get_device_module(self.device.type).set_rng_state(self.dev, self.device)
+        checkpoint.set_device_states(self.devices, self.states, device_type=self.device_type)
 
 
 @contextlib.contextmanager
-def _rng_fork(device: torch.device) -> Iterator[None]:
+def _rng_fork(x: torch.Tensor) -> Iterator[None]:
     """Leave the global random state as it was, whatever the recompute draws (like ``torch.utils.checkpoint``)."""
-    devices = [] if device.type == "cpu" else [device]
-    with torch.random.fork_rng(devices=devices, device_type=device.type):
+    devices, _ = checkpoint.get_device_states(x)
+    with torch.random.fork_rng(devices=devices, device_type=checkpoint._infer_device_type(x)):
         yield
 
 
@@ -253,7 +254,7 @@ class _LayerCall:
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if rng == "record":
-                    self.rng.append(_RngState(x.device))
+                    self.rng.append(_RngState(x))
                 elif rng == "replay":
                     self.rng[i].restore()
                 p = self.prefix_start(s)
@@ -297,7 +298,7 @@ class _LayerCall:
         need_dx: bool,
         need_extra: tuple[bool, ...],
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        with _rng_fork(x.device):
+        with _rng_fork(x):
             return self._backward_chunks(x, dy, kv, params, need_dx, need_extra)
 
     def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra):
