@@ -100,8 +100,21 @@ def test_grpo_one_step_equals_for_every_loss_type(tmp_path, loss_type):
         {"gradient_accumulation_steps": 2, "steps_per_generation": 2, "per_device_train_batch_size": 2},
         {"epsilon": 0.1, "epsilon_high": 0.3, "delta": 1.5},
         {"top_entropy_quantile": 0.5},
+        {"entropy_coef": 0.01},
+        {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 3.0},
+        {"cast_lm_head_to_fp32": True},
     ],
-    ids=["beta", "sequence_is", "num_iterations2", "accum2_spg2", "epsilons_delta", "top_entropy"],
+    ids=[
+        "beta",
+        "sequence_is",
+        "num_iterations2",
+        "accum2_spg2",
+        "epsilons_delta",
+        "top_entropy",
+        "entropy_bonus",
+        "adaptive_entropy",
+        "lm_head_fp32",
+    ],  # fmt: skip
 )
 def test_grpo_one_step_equals_with_options(tmp_path, overrides):
     _same(*GRPO, tmp_path, **overrides)
