@@ -43,29 +43,20 @@ def _probe_able(lm: nn.Module) -> bool:
 
 
 @contextmanager
-def _eval(lm: nn.Module) -> Iterator[None]:
+def _quiet(lm: nn.Module, streaming_decoder: nn.Module | None = None) -> Iterator[None]:
+    """Every module in eval mode (so dropout, jitter and sampled routing are off), except, if given, the decoder and
+    its layers, whose training mode is what makes them stream; no grad; the random state and the modes restored
+    afterwards."""
     modes = {m: m.training for m in lm.modules()}
     lm.eval()
+    if streaming_decoder is not None:
+        streaming_decoder.training = True
+        for m in streaming_decoder.modules():
+            if isinstance(m, GradientCheckpointingLayer):
+                m.training = True
+    device = _device(lm)
     try:
-        with torch.random.fork_rng(devices=[] if _device(lm).type == "cpu" else [_device(lm)]), torch.no_grad():
-            yield
-    finally:
-        for m, mode in modes.items():
-            m.training = mode
-
-
-@contextmanager
-def _training_without_randomness(lm: nn.Module, decoder: nn.Module) -> Iterator[None]:
-    """Decoder and its layers in training mode (which is what streams), every other module in eval mode (so
-    dropout, jitter and sampled routing are off), the random state and the modes restored afterwards."""
-    modes = {m: m.training for m in lm.modules()}
-    lm.eval()
-    decoder.training = True
-    for m in decoder.modules():
-        if isinstance(m, GradientCheckpointingLayer):
-            m.training = True
-    try:
-        with torch.random.fork_rng(devices=[] if _device(lm).type == "cpu" else [_device(lm)]), torch.no_grad():
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
             yield
     finally:
         for m, mode in modes.items():
@@ -112,12 +103,12 @@ def reference(
     mask[1, :_PADDING] = 0
     valid = mask.bool()
     try:
-        with _eval(lm):
+        with _quiet(lm):
             logits = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).logits
             own = head_logits(_hidden(decoder, ids, mask))
-        with _training_without_randomness(lm, decoder):
+        with _quiet(lm, decoder):
             hidden = _hidden(decoder, ids, mask)
-        with _training_without_randomness(lm, decoder):
+        with _quiet(lm, decoder):
             torch.manual_seed(1)
             random = not torch.equal(hidden, _hidden(decoder, ids, mask))
     except Exception as error:  # any failure of the model's own forward is the reason to refuse
@@ -140,7 +131,7 @@ def check_streamed(
 ) -> None:
     """Run the probe input through the streamed decoder (chunks of ``PROBE_CHUNK``) and compare."""
     try:
-        with _training_without_randomness(lm, decoder):
+        with _quiet(lm, decoder):
             hidden = _hidden(decoder, ref.input_ids, ref.attention_mask)
     except Exception as error:  # any failure of the streamed forward is the reason to refuse
         refuse(f"its layers fail when streamed chunk by chunk ({type(error).__name__}: {error})")

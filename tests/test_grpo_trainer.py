@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from datasets import load_dataset
-from trainer_parity import CHUNK, MODEL, ROOT, RecordUpdate, ShapesEveryStep, args, model
+from trainer_parity import MODEL, ROOT, RecordUpdate, ShapesEveryStep, args, compare, model
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -61,23 +61,7 @@ def _same(trl_pair, stream_pair, tmp_path, peft_config=None, **overrides):
     ref_trainer, ref_update, ref_completions = _train(*trl_pair, tmp_path, False, peft_config, **overrides)
     ours, update, completions = _train(*stream_pair, tmp_path, True, peft_config, **overrides)
     assert completions == ref_completions and len(set(completions)) > 1  # the same samples, and not all equal
-    assert ours.stream_options["stream_chunk_size"] == CHUNK and is_streaming(ours.model)
-    if ours.ref_model is not None:
-        assert is_streaming(ours.accelerator.unwrap_model(ours.ref_model))
-    assert set(update) == set(ref_update) and update
-    for name, delta_ref in ref_update.items():
-        err = ((update[name] - delta_ref).norm() / delta_ref.norm().clamp_min(1e-30)).item()
-        assert err < 1e-5, f"{name}: relative error of the update {err:.2e}"
-    ref_logs = [h for h in ref_trainer.state.log_history if "loss" in h]
-    logs = [h for h in ours.state.log_history if "loss" in h]
-    assert len(logs) == len(ref_logs)
-    for r, h in zip(ref_logs, logs, strict=True):
-        for key, value in r.items():
-            if key in ("epoch", "step", "learning_rate", "grad_norm", "step_time") or not isinstance(value, float):
-                continue
-            if key.endswith("_time") or key.startswith("profiling/"):
-                continue
-            assert abs(h[key] - value) <= 1e-5 * max(1.0, abs(value)), (key, h[key], value)
+    compare(ref_trainer, ref_update, ours, update)
     return ref_trainer, ours
 
 

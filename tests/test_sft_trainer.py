@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trainer_parity import CHUNK, MODEL, ROOT, RecordUpdate, args
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer
 from streambp_trl.engine import is_streaming
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = ROOT / "configs" / "tiny_model"
 DATA = ROOT / "configs" / "data"
-CHUNK = 8  # far below the sequence lengths, so every layer really streams
 
 
 def _dataset(kind: str, n: int = 16):
@@ -25,54 +23,16 @@ def _dataset(kind: str, n: int = 16):
 
 
 def _args(config_cls, tmp_path, **overrides):
-    base = dict(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=4,
-        learning_rate=1.0,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        bf16=False,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        max_length=128,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    if config_cls is StreamSFTConfig:
-        base.update(stream_chunk_size=CHUNK, logits_chunk_size=5)
-    return config_cls(**{**base, **overrides})
+    return args(config_cls, tmp_path, config_cls is StreamSFTConfig, **{"max_length": 128, **overrides})
 
 
 def _model():
     return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
 
 
-class _RecordUpdate(TrainerCallback):
-    """The update SGD applies, -lr * grad, taken before it is added to the float32 weights.
-
-    Stored float32 weights round p + dp to the spacing of p (about 1e-7 for a norm weight of 1), which is 1e-4 of
-    a typical one-step update here, above the 1e-5 bar; the update itself is what the two trainers compute.
-    """
-
-    def __init__(self):
-        self.update: dict[str, torch.Tensor] = {}
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.update = {
-            n.replace("base_model.model.", ""): -args.learning_rate * p.grad.detach().clone()
-            for n, p in model.named_parameters()
-            if p.grad is not None
-        }
-
-
 def _train(trainer_cls, config_cls, tmp_path, kind="chat", peft_config=None, **overrides):
     model = _model()
-    record = _RecordUpdate()
+    record = RecordUpdate()
     trainer = trainer_cls(
         model=model,
         args=_args(config_cls, tmp_path / trainer_cls.__name__, **overrides),

@@ -5,10 +5,10 @@ from __future__ import annotations
 from trl import GRPOTrainer
 
 from .grpo_config import StreamGRPOConfig
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamOnlineRLMixin, default_args, take_over_checkpointing
 
 
-class StreamGRPOTrainer(StreamTrainerMixin, GRPOTrainer):
+class StreamGRPOTrainer(StreamOnlineRLMixin, GRPOTrainer):
     """Drop-in for [`~trl.GRPOTrainer`]; accepts a [`StreamGRPOConfig`] or a plain [`~trl.GRPOConfig`].
 
     Generation, rewards and advantages are TRL's own (the engine leaves generation, which brings a key/value cache,
@@ -22,9 +22,3 @@ class StreamGRPOTrainer(StreamTrainerMixin, GRPOTrainer):
         args = take_over_checkpointing(args if args is not None else default_args(StreamGRPOConfig, model, "GRPO"))
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         self._install_stream_engine()
-
-    def _fused_outputs(self) -> tuple[str, ...]:
-        return ("log_probs", "entropy")  # what TRL's GRPOTrainer asks of its fused head
-
-    def _engine_options(self) -> dict:
-        return {"temperature": self.temperature}

@@ -85,3 +85,13 @@ class StreamTrainerMixin:
             logs["stream_chunk_size"] = self.stream_options["stream_chunk_size"]
             logs["logits_chunk_size"] = self.stream_options["logits_chunk_size"]
         super().log(logs, *args, **kwargs)
+
+
+class StreamOnlineRLMixin(StreamTrainerMixin):
+    """What GRPO and RLOO read from their fused head, at the sampling temperature."""
+
+    def _fused_outputs(self) -> tuple[str, ...]:
+        return ("log_probs", "entropy")
+
+    def _engine_options(self) -> dict:
+        return {"temperature": self.temperature}

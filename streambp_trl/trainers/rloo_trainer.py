@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from trl import RLOOTrainer
 
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamOnlineRLMixin, default_args, take_over_checkpointing
 from .rloo_config import StreamRLOOConfig
 
 
-class StreamRLOOTrainer(StreamTrainerMixin, RLOOTrainer):
+class StreamRLOOTrainer(StreamOnlineRLMixin, RLOOTrainer):
     """Drop-in for [`~trl.RLOOTrainer`]; accepts a [`StreamRLOOConfig`] or a plain [`~trl.RLOOConfig`].
 
     Generation, rewards and advantages are TRL's own (the engine leaves generation, which brings a key/value cache,
@@ -22,9 +22,3 @@ class StreamRLOOTrainer(StreamTrainerMixin, RLOOTrainer):
         args = take_over_checkpointing(args if args is not None else default_args(StreamRLOOConfig, model, "RLOO"))
         super().__init__(model, reward_funcs, args, *pos, **kwargs)
         self._install_stream_engine()
-
-    def _fused_outputs(self) -> tuple[str, ...]:
-        return ("log_probs", "entropy")  # what TRL's RLOOTrainer asks of its fused head
-
-    def _engine_options(self) -> dict:
-        return {"temperature": self.temperature}
