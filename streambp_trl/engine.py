@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import types
 from collections.abc import Iterator
 
 import torch
@@ -40,10 +39,9 @@ from trl.trainer.utils import FusedCausalLMOutput
 from . import probe
 from .attention import stream_configs, streaming
 from .logits import STAT_OUTPUTS, chunked_logprobs
+from .patching import bind, guarded_set_gradient_checkpointing, original, patch, unpatch
 from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from .support import check_supported, refuse, takes_cache
-
-_PATCHES = "_streambp_patches"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,72 +52,6 @@ class StreamState:
     logits_chunk_size: int
     temperature: float
     fused_outputs: tuple[str, ...]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Instance patches, recorded on the module they change
-
-
-def _patch(module: nn.Module, name: str, value) -> None:
-    """Set ``module.<name> = value`` as an instance attribute, remembering what the instance had before."""
-    patches = vars(module).setdefault(_PATCHES, {"saved": {}, "applied": {}})
-    if name not in patches["saved"]:
-        patches["saved"][name] = (name in vars(module), vars(module).get(name))
-    patches["applied"][name] = value
-    setattr(module, name, value)
-
-
-def _bind(function, module: nn.Module, wraps=None) -> types.MethodType:
-    """``function`` as a method of ``module`` (with the signature and docs of ``wraps``, if given)."""
-    return types.MethodType(functools.wraps(wraps)(function) if wraps else function, module)
-
-
-def _unpatch(module: nn.Module) -> None:
-    if _PATCHES in vars(module):
-        _put_back(module)
-        del vars(module)[_PATCHES]
-
-
-def _original(module: nn.Module, name: str):
-    """``module.<name>`` as it was before the engine patched it (bound to ``module``)."""
-    had, previous = vars(module)[_PATCHES]["saved"][name]
-    return previous if had else getattr(type(module), name).__get__(module)
-
-
-def _streamed_layers(root: nn.Module) -> list[nn.Module]:
-    return [m for m in root.modules() if isinstance(m, GradientCheckpointingLayer) and _PATCHES in vars(m)]
-
-
-def _put_back(module: nn.Module) -> None:
-    """Give ``module`` the attributes it had before the engine's patches, keeping the records."""
-    for name, (had, previous) in vars(module)[_PATCHES]["saved"].items():
-        if had:
-            setattr(module, name, previous)
-        else:
-            vars(module).pop(name, None)
-
-
-def _reapply(module: nn.Module) -> None:
-    """Remember ``module``'s current attributes as those to restore, then set the engine's again."""
-    patches = vars(module)[_PATCHES]
-    for name, value in patches["applied"].items():
-        patches["saved"][name] = (name in vars(module), vars(module).get(name))
-        setattr(module, name, value)
-
-
-def _guarded_set_gradient_checkpointing(self, *args, **kwargs):
-    """transformers' ``_set_gradient_checkpointing``, after which the streamed decoder layers keep their hook.
-
-    It runs on the layers as they were before the engine, so what it sets is what :func:`disable_streambp` restores.
-    """
-    layers = _streamed_layers(self)
-    for layer in layers:
-        _put_back(layer)
-    try:
-        _original(self, "_set_gradient_checkpointing")(*args, **kwargs)
-    finally:
-        for layer in layers:
-            _reapply(layer)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,7 +164,7 @@ def enable_streambp(
 
     settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode)
     _install(lm, decoder, layers, StreamSettings(probe.PROBE_CHUNK, kv_mode) if reference else settings)
-    _patch(decoder, "_streambp_eval", bool(stream_eval))
+    patch(decoder, "_streambp_eval", bool(stream_eval))
     lm._streambp = StreamState(
         settings=settings,
         logits_chunk_size=logits_chunk_size,
@@ -246,21 +178,21 @@ def enable_streambp(
             disable_streambp(lm)
             raise
         for layer in layers:
-            _patch(layer, "_gradient_checkpointing_func", functools.partial(stream_checkpoint, settings))
+            patch(layer, "_gradient_checkpointing_func", functools.partial(stream_checkpoint, settings))
     return model
 
 
 def _install(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list, settings: StreamSettings) -> None:
     hook = functools.partial(stream_checkpoint, settings)
     for layer in layers:
-        _patch(layer, "gradient_checkpointing", True)
-        _patch(layer, "_gradient_checkpointing_func", hook)
-        _patch(layer, "_can_checkpoint_with_cache", True)  # a generation cache reaches the hook, which keeps it
+        patch(layer, "gradient_checkpointing", True)
+        patch(layer, "_gradient_checkpointing_func", hook)
+        patch(layer, "_can_checkpoint_with_cache", True)  # a generation cache reaches the hook, which keeps it
     for module in lm.modules():
         if isinstance(module, PreTrainedModel):
-            _patch(module, "_set_gradient_checkpointing", _bind(_guarded_set_gradient_checkpointing, module))
-    _patch(decoder, "forward", _bind(_stream_decoder_forward, decoder, wraps=type(decoder).forward))
-    _patch(lm, "forward", _bind(_stream_forward, lm, wraps=type(lm).forward))
+            patch(module, "_set_gradient_checkpointing", bind(guarded_set_gradient_checkpointing, module))
+    patch(decoder, "forward", bind(_stream_decoder_forward, decoder, wraps=type(decoder).forward))
+    patch(lm, "forward", bind(_stream_forward, lm, wraps=type(lm).forward))
 
 
 def disable_streambp(model: nn.Module) -> nn.Module:
@@ -269,7 +201,7 @@ def disable_streambp(model: nn.Module) -> nn.Module:
     if getattr(lm, "_streambp", None) is None:
         return model
     for module in lm.modules():
-        _unpatch(module)
+        unpatch(module)
     lm._streambp = None
     return model
 
@@ -298,7 +230,7 @@ _CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 def _stream_decoder_forward(self, *args, **kwargs):
     """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call: masks as
     descriptions, layers chunked. Calls that bring a key/value cache without grad (generation) are the model's own."""
-    forward = _original(self, "forward")
+    forward = original(self, "forward")
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
     streams = self.training or vars(self).get("_streambp_eval", False)
     if not streams or (cache is not None and not torch.is_grad_enabled()):
@@ -375,7 +307,7 @@ def _stream_forward(
         ):
             if value is not None:
                 kwargs[name] = value
-        return _original(self, "forward")(*args, **kwargs)
+        return original(self, "forward")(*args, **kwargs)
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
     if kwargs.get("output_router_logits"):

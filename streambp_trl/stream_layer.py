@@ -4,7 +4,7 @@ Installed as each Hugging Face decoder layer's ``_gradient_checkpointing_func`` 
 ``GradientCheckpointingLayer`` calls in training mode with ``partial(layer.forward, **kwargs)`` and the hidden
 states), so the model's own layer code runs, unpatched, on one chunk of the sequence at a time.
 
-Forward (no grad): the layer runs chunk by chunk, first to last, as a prefill against a :class:`_ChunkCache`
+Forward (no grad): the layer runs chunk by chunk, first to last, as a prefill against a :class:`ChunkCache`
 that serves the keys/values of earlier chunks. Only the layer input ``x`` (batch, T, hidden) is saved, as with
 gradient checkpointing; the forward never holds more than one chunk's activations.
 
@@ -48,9 +48,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.utils import checkpoint
-from transformers.cache_utils import Cache
 
 from .attention import StreamMask, stream_configs, streaming
+from .kv_cache import ChunkCache, KVCollected, KVStore
 
 KV_MODES = ("recompute", "capture")
 
@@ -73,74 +73,6 @@ class StreamSettings:
 
     chunk_size: int
     kv_mode: str = "recompute"
-
-
-class _KVCollected(Exception):
-    """Raised by a collecting cache to stop a layer once its keys/values are known."""
-
-
-KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values
-
-
-class _ChunkCache(Cache):
-    """A ``transformers.Cache`` for one layer call on the chunk of positions starting at ``start``.
-
-    ``update()`` records the chunk's own keys/values of each slot and returns them after the prefix ones (positions
-    ``[start - prefix_len, start)``). With ``stop`` it raises :class:`_KVCollected` instead, so the layer runs only
-    as far as its key/value projections. Queries answer as a cache holding the ``start`` earlier tokens would:
-    ``get_seq_length()`` (and so ``get_query_offset()``) is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
-    """
-
-    def __init__(self, start: int, prefix_len: int = 0, prefix: KV | None = None, stop: bool = False):
-        super().__init__(layers=[])
-        self.start, self.prefix_len, self.prefix, self.stop = start, prefix_len, prefix or {}, stop
-        self.chunk: KV = {}
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.start
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.prefix_len + query_length, self.start - self.prefix_len
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.chunk[layer_idx] = (key_states, value_states)
-        if self.stop:
-            raise _KVCollected
-        if self.prefix_len == 0:
-            return key_states, value_states
-        k, v = self.prefix[layer_idx]
-        return torch.cat([k, key_states], dim=-2), torch.cat([v, value_states], dim=-2)
-
-
-class _KVStore:
-    """Keys/values of all positions for each cache slot of one layer, filled chunk by chunk:
-    (batch, kv_heads, T, head_dim) each."""
-
-    def __init__(self, seq_len: int, kv: KV | None = None):
-        self.seq_len = seq_len
-        self.kv: KV = kv or {}
-
-    def range(self, start: int, end: int) -> KV:
-        return {i: (k[:, :, start:end], v[:, :, start:end]) for i, (k, v) in self.kv.items()}
-
-    def write(self, s: int, e: int, cache: _ChunkCache) -> None:
-        for i, (k, v) in cache.chunk.items():
-            if i not in self.kv:
-                shape = k.shape[:2] + (self.seq_len,) + k.shape[3:]
-                self.kv[i] = (k.new_empty(shape), v.new_empty(v.shape[:2] + (self.seq_len,) + v.shape[3:]))
-            self.kv[i][0][:, :, s:e] = k
-            self.kv[i][1][:, :, s:e] = v
-
-    def flat(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for i in sorted(self.kv) for t in self.kv[i])
-
-    @classmethod
-    def from_flat(cls, seq_len: int, slots: list[int], flat: tuple[torch.Tensor, ...]) -> _KVStore:
-        return cls(seq_len, {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)})
 
 
 class _RngState:
@@ -224,7 +156,7 @@ class _LayerCall:
         window = self.mask.local_size if self.mask is not None else None
         return max(0, s - window + 1) if window else 0
 
-    def run(self, x: torch.Tensor, s: int, e: int, cache: _ChunkCache, leaves: dict | None = None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, s: int, e: int, cache: ChunkCache, leaves: dict | None = None) -> torch.Tensor:
         """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
         ``leaves`` replaces the chunk's slices of the gradient-carrying arguments."""
         kwargs = dict(self.kwargs)
@@ -244,13 +176,13 @@ class _LayerCall:
             )
         return out
 
-    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, _KVStore]:
+    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, KVStore]:
         """Prefill, first chunk to last, under no grad; returns the output and the keys/values (if ``keep_kv``).
 
         ``rng``: ``"record"`` each chunk's random state, ``"replay"`` the recorded ones, or ``"none"``.
         """
         y = None
-        kv = _KVStore(self.seq_len)
+        kv = KVStore(self.seq_len)
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if rng == "record":
@@ -258,7 +190,7 @@ class _LayerCall:
                 elif rng == "replay":
                     self.rng[i].restore()
                 p = self.prefix_start(s)
-                cache = _ChunkCache(s, s - p, kv.range(p, s))
+                cache = ChunkCache(s, s - p, kv.range(p, s))
                 out = self.run(x[:, s:e], s, e, cache)
                 kv.write(s, e, cache)
                 if y is None:
@@ -267,7 +199,7 @@ class _LayerCall:
         self.slots = sorted(kv.kv)
         return y, kv
 
-    def collect_kv(self, x: torch.Tensor) -> _KVStore:
+    def collect_kv(self, x: torch.Tensor) -> KVStore:
         """Keys/values of every position, each chunk replaying its recorded random state.
 
         One cache slot: each chunk runs only up to its cache update. Several slots (a later one depends on an earlier
@@ -275,14 +207,14 @@ class _LayerCall:
         """
         if len(self.slots) != 1:
             return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
-        kv = _KVStore(self.seq_len)
+        kv = KVStore(self.seq_len)
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
-                cache = _ChunkCache(s, stop=True)
+                cache = ChunkCache(s, stop=True)
                 try:
                     self.run(x[:, s:e], s, e, cache)  # stops before attention: no prefix needed
-                except _KVCollected:
+                except KVCollected:
                     pass
                 else:
                     raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
@@ -293,7 +225,7 @@ class _LayerCall:
         self,
         x: torch.Tensor,
         dy: torch.Tensor,
-        kv: _KVStore | None,
+        kv: KVStore | None,
         params: list[nn.Parameter],
         need_dx: bool,
         need_extra: tuple[bool, ...],
@@ -319,7 +251,7 @@ class _LayerCall:
                 i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
                 for i, (k, v) in kv.range(p, s).items()
             }
-            cache = _ChunkCache(s, s - p, prefix)
+            cache = ChunkCache(s, s - p, prefix)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
             with torch.enable_grad():
@@ -369,7 +301,7 @@ class _StreamLayerFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, *flat = ctx.saved_tensors
         call = ctx.call
-        kv = _KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
+        kv = KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
         dx, dextra, dparams = call.backward_chunks(x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra)
@@ -427,7 +359,7 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
     names = _parameters(layer)
     kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
     cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
-    if cache is not None and not isinstance(cache, _ChunkCache) and not torch.is_grad_enabled():
+    if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
     cache_name = next((k for k in _CACHE_KWARGS if k in names), None)
     if cache_name is None:
