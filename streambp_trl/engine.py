@@ -146,6 +146,9 @@ def enable_streambp(
     logits_chunk_size = _positive("logits_chunk_size", logits_chunk_size or stream_chunk_size)
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}.")
+    for name, flag in (("stream_eval", stream_eval), ("verify", verify)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}.")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature!r}.")
     unknown = set(fused_outputs) - set(STAT_OUTPUTS)

@@ -79,6 +79,9 @@ def test_bad_chunk_size(value):
 
 
 def test_bad_options():
+    for name in ("stream_eval", "verify"):
+        with pytest.raises(ValueError, match=f"{name} must be True or False, got 'yes'"):
+            enable_streambp(tiny_model("llama"), stream_chunk_size=4, **{name: "yes"})
     with pytest.raises(ValueError, match="kv_mode"):
         enable_streambp(tiny_model("llama"), stream_chunk_size=4, kv_mode="offload")
     with pytest.raises(ValueError, match="fused_outputs"):

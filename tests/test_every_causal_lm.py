@@ -159,3 +159,18 @@ def test_exact_or_refused(model_type):
 def test_support_table_covers_every_model_type():
     """The table the README is generated from lists exactly the causal LMs of the installed transformers."""
     assert set(_expected()) == set(ZOO_TYPES) - set(NOT_BUILDABLE)
+
+
+@pytest.mark.parametrize("model_type", ["longcat_flash", "gemma4_text", "gpt_oss", "gpt2", "deepseek_v2"])
+def test_capture_mode_for_the_new_layer_shapes(model_type):
+    """kv_mode="capture" (keys/values kept from the forward) on several cache slots per layer (LongCat),
+    gradient-carrying per-layer inputs (Gemma 4), sinks (GPT-OSS), positional arguments (GPT-2), one-tensor rotary
+    embeddings (DeepSeek-V2)."""
+    reference = tiny_causal_lm(model_type)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK, kv_mode="capture")
+    ids, mask, labels = batch(padding="none" if model_type in UNPADDED else "right")
+    _plain_loss(reference, ids, mask, labels).backward()
+    streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    bound = FLOAT32_INTERNAL if _float32_ops_in_layers(reference, ids, mask) else EXACT
+    err, where = _relative_errors(reference, streamed)
+    assert err <= bound, f"{err:.2e} at {where}"
