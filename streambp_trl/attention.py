@@ -31,6 +31,8 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from .patching import temporarily
+
 IMPLEMENTATION = "streambp"
 
 
@@ -106,14 +108,8 @@ def streaming(configs: tuple) -> Iterator[None]:
     ``save_pretrained``, ``copy.deepcopy`` and other models sharing the config see no change.
     """
     _register()
-    previous = [c._attn_implementation_internal for c in configs]
-    for c in configs:
-        c._attn_implementation_internal = IMPLEMENTATION
-    try:
+    with temporarily(configs, "_attn_implementation_internal", IMPLEMENTATION):
         yield
-    finally:
-        for c, impl in zip(configs, previous, strict=True):
-            c._attn_implementation_internal = impl
 
 
 def stream_mask(**kwargs) -> StreamMask:

@@ -24,10 +24,8 @@ uses the kernel, as TRL's own head does). Generation works in either mode. Nothi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -39,7 +37,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 from . import probe
 from .attention import stream_configs, streaming
 from .logits import STAT_OUTPUTS, chunked_logprobs
-from .patching import bind, guarded_set_gradient_checkpointing, original, patch, unpatch
+from .patching import bind, guarded_set_gradient_checkpointing, original, patch, temporarily, unpatch
 from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from .support import check_supported, refuse, takes_cache
 
@@ -252,22 +250,10 @@ def _stream_decoder_forward(self, *args, **kwargs):
         kwargs.pop(k, None)
     kwargs["use_cache"] = False
     layers = _decoder_layers(self)
-    with streaming(stream_configs(self, *layers)), _layers_in_training_mode(layers):
+    # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
+    # for an eval-mode streamed call, so dropout and the like stay off
+    with streaming(stream_configs(self, *layers)), temporarily(layers, "training", True):
         return forward(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _layers_in_training_mode(layers: list[nn.Module]) -> Iterator[None]:
-    """The decoder layers' own ``training`` flag (not their submodules'), which is what makes transformers call the
-    stream hook: set for an eval-mode streamed call, so dropout and the like stay off."""
-    modes = [layer.training for layer in layers]
-    for layer in layers:
-        layer.training = True
-    try:
-        yield
-    finally:
-        for layer, mode in zip(layers, modes, strict=True):
-            layer.training = mode
 
 
 def _logit_transform(config) -> tuple[float | None, float]:

@@ -9,13 +9,29 @@ the streamed layers keep their hook.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+from collections.abc import Iterable, Iterator
 
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 _PATCHES = "_streambp_patches"
+
+
+@contextlib.contextmanager
+def temporarily(objects: Iterable, name: str, value) -> Iterator[None]:
+    """Set ``obj.<name> = value`` on each object for the duration of a ``with`` block, then restore each one's own."""
+    objects = list(objects)
+    previous = [getattr(obj, name) for obj in objects]
+    for obj in objects:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, old in zip(objects, previous, strict=True):
+            setattr(obj, name, old)
 
 
 def patch(module: nn.Module, name: str, value) -> None:
