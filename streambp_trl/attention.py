@@ -8,7 +8,9 @@ not a (T x T) tensor. The stream decoder calls each layer on one chunk of querie
 ``[q_start, q_start + q_len)`` against keys ``[kv_start, kv_start + kv_len)`` and hands the layer
 ``mask.at(q_start, kv_start)``; :func:`stream_attention` then builds at most the (q_len x kv_len) block with
 ``masking_utils.sdpa_mask``, or uses PyTorch's bottom-right-aligned causal kernel when the block is plainly
-causal (no padding, packing or window), which dispatches to the flash / memory-efficient kernels on CUDA.
+causal (no padding, packing or window). On CUDA the kernel is chosen explicitly (flash, else memory-efficient; see
+:func:`_cuda_attention`) and SDPA's math kernel, which would hold a (chunk x prefix x heads) score tensor, is never
+used: where no fused kernel applies, a ``RuntimeError`` says why.
 
 Everything the model's mask function encodes (padding, packed sequences, sliding windows, custom overlays)
 is evaluated with absolute indices, so a chunk sees exactly the rows of the full mask it needs.
@@ -26,6 +28,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -156,6 +160,8 @@ def stream_attention(
         raise ValueError(f"StreamBP cannot compute attention with `softcap` exactly for {type(module).__name__}.")
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if query.device.type == "cuda":
+        return _cuda_attention(module, query, key, value, block, sinks, scaling, dropout), None
     if sinks is not None:
         return _attention_with_sinks(query, key, value, block, sinks, scaling, dropout), None
     if block is not None:
@@ -194,6 +200,21 @@ def _attention_with_sinks(
     [scores, sink] is the model's. Keys and values are expanded to the query heads (one sink per query head).
     Holds the expanded (batch, heads, kv_len + 1, head_dim + 8) keys and a (q_len x kv_len + 1) boolean mask.
     """
+    query, key, value, mask, scale = _sink_inputs(query, key, value, block, sinks, scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.transpose(1, 2).contiguous()
+
+
+def _sink_inputs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scaling: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """Query, keys, values and boolean mask of :func:`_attention_with_sinks` (the sink as one extra key), and the
+    scale."""
     b, heads, q_len, d = query.shape
     kv_len = key.shape[2]
     scale = scaling if scaling is not None else d**-0.5
@@ -211,8 +232,201 @@ def _attention_with_sinks(
         block = block.view(1, 1, q_len, kv_len)
     block = block.expand(b, 1, q_len, kv_len)
     mask = torch.cat([block, block.new_ones(b, 1, q_len, 1)], dim=-1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)
-    return out.transpose(1, 2).contiguous()
+    return query, key, value, mask, scale
+
+
+# CUDA: fused kernels only. The math kernel would materialise a (batch, heads, q_len, kv_len) score tensor (and its
+# softmax, and their gradients): at a chunk of 4096 after a prefix of 128k, 32 heads, bf16, that is 32 GiB.
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+_MASK_ALIGN = 16  # the memory-efficient kernel wants each mask row to start 16-element aligned (else torch pads)
+_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _cuda_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """:func:`stream_attention` on CUDA tensors, through an explicitly chosen fused SDPA kernel, never math.
+
+    * flash attention (float16/bfloat16, no mask block, head_dim <= 256, equal q/k/v head dims): the plain chunk is
+      bottom-right causal (``causal_lower_right``), which flash computes natively;
+    * memory-efficient attention otherwise (float32; padding, packing, sliding window, user masks, passed as one
+      additive mask; attention sinks), or when flash is not available on the GPU.
+
+    Grouped-query heads run one key/value head group at a time (:class:`_GroupedHeads`): flash's backward expands
+    dK/dV to the query heads in a (batch, kv_len, heads, head_dim) workspace, the memory-efficient kernel needs equal
+    head counts; per group that is one group's heads (expanded as a view), not all of them.
+    Raises ``RuntimeError`` naming the model, dtype and head dimension when no fused kernel applies.
+    """
+    if sinks is not None:  # the sink is an extra key with its own mask column: memory-efficient, equal heads
+        q, k, v, mask, scale = _sink_inputs(query, key, value, block, sinks, scaling)
+        mask = _additive_mask(mask, q.dtype)
+        tried = []
+        if q.dtype in _FUSED_DTYPES:
+            try:
+                with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+                return out.transpose(1, 2).contiguous()
+            except RuntimeError as e:
+                if not _no_kernel(e):
+                    raise
+                tried.append(f"efficient: {_first_line(e)}")
+        raise RuntimeError(_no_kernel_message(module, query, value, "attention sinks (a mask block)", dropout, tried))
+    kernels = []
+    if (
+        query.dtype in _FLASH_DTYPES
+        and block is None
+        and query.shape[-1] <= _FLASH_MAX_HEAD_DIM
+        and value.shape[-1] == query.shape[-1]
+    ):
+        kernels.append("flash")
+    if query.dtype in _FUSED_DTYPES:
+        kernels.append("efficient")
+    tried = []
+    for kernel in kernels:  # flash falls back to efficient only where the GPU or build has no flash kernel
+        try:
+            out = _fused_attention(kernel, query, key, value, block, scaling, dropout)
+        except RuntimeError as e:
+            if not _no_kernel(e):
+                raise
+            tried.append(f"{kernel}: {_first_line(e)}")
+            continue
+        return out.transpose(1, 2).contiguous()
+    what = "causal" if block is None else "a mask block (padding, packing, sliding window or a user mask)"
+    raise RuntimeError(_no_kernel_message(module, query, value, what, dropout, tried))
+
+
+def _fused_attention(
+    kernel: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block: torch.Tensor | None,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """(batch, heads, q_len, d_v) attention through ``kernel`` (``"flash"`` or ``"efficient"``) only."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if kernel == "flash":
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=causal_lower_right(q_len, kv_len),
+                dropout_p=dropout,
+                scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )
+
+    else:
+        mask = causal_lower_right(q_len, kv_len) if block is None else _additive_mask(block, query.dtype)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if k.shape[1] != q.shape[1]:  # one key/value head against its query heads: a stride-0 view, no copy
+                k = k.expand(-1, q.shape[1], -1, -1)
+                v = v.expand(-1, q.shape[1], -1, -1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+
+    with sdpa_kernel([_BACKENDS[kernel]]):
+        if key.shape[1] in (1, query.shape[1]):  # multi-head (one group per head) or multi-query (one group)
+            return attend(query, key, value)
+        return _GroupedHeads.apply(query, key, value, attend)
+
+
+class _GroupedHeads(torch.autograd.Function):
+    """Attention of query heads ``[g * G, (g + 1) * G)`` against key/value head ``g``, one group ``g`` at a time.
+
+    Forward runs ``attend`` per group and keeps each group's own autograd graph (the kernel's saved tensors: views
+    of q, k, v, its output and log-sum-exp, what one call over all heads keeps); backward runs the groups' backwards
+    one after another and writes each group's dQ, dK, dV into one gradient tensor each, so the only transient of a
+    group's backward is that group's workspace (flash: dK/dV expanded to G heads; memory-efficient: dK/dV of G
+    heads), and dK/dV are not assembled from per-group full-size zero tensors. Without gradients it is just the
+    per-group calls, which draw dropout in the same order, so a no-grad forward and its recompute agree.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, attend):
+        kv_heads = key.shape[1]
+        group = query.shape[1] // kv_heads
+        groups = [
+            (query[:, g * group : (g + 1) * group], key[:, g : g + 1], value[:, g : g + 1]) for g in range(kv_heads)
+        ]
+        need = ctx.needs_input_grad[:3]
+        if not any(need):
+            return torch.cat([attend(*t) for t in groups], dim=1)
+        with torch.enable_grad():
+            leaves = [[t.detach().requires_grad_(n) for t, n in zip(ts, need, strict=True)] for ts in groups]
+            outs = [attend(*ts) for ts in leaves]
+        ctx.graphs = list(zip(leaves, outs, strict=True))
+        ctx.shapes = [(t.shape, t.dtype) for t in (query, key, value)]
+        return torch.cat([o.detach() for o in outs], dim=1)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        graphs, ctx.graphs = ctx.graphs, None
+        need = ctx.needs_input_grad[:3]
+        grads = [grad.new_empty(s, dtype=d) if n else None for (s, d), n in zip(ctx.shapes, need, strict=True)]
+        group = grad.shape[1] // len(graphs)
+        for g in range(len(graphs)):
+            leaves, out = graphs[g]
+            graphs[g] = None  # the group's graph and output go as soon as its backward has run
+            inputs = [t for t, n in zip(leaves, need, strict=True) if n]
+            parts = iter(torch.autograd.grad(out, inputs, grad[:, g * group : (g + 1) * group]))
+            del leaves, out, inputs
+            for full, width in zip(grads, (group, 1, 1), strict=True):
+                if full is not None:
+                    full[:, g * width : (g + 1) * width].copy_(next(parts))
+            del parts
+        return (*grads, None)
+
+
+def _additive_mask(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean (True = attend) or additive mask block as one additive mask in ``dtype`` (what SDPA converts a
+    boolean mask to), with 16-element aligned rows, so every kernel call (and each head group) shares it."""
+    *lead, kv_len = block.shape
+    mask = torch.zeros(*lead, -(-kv_len // _MASK_ALIGN) * _MASK_ALIGN, dtype=dtype, device=block.device)[..., :kv_len]
+    if block.dtype == torch.bool:
+        return mask.masked_fill_(block.logical_not(), float("-inf"))
+    return mask.copy_(block)
+
+
+def _no_kernel(error: RuntimeError) -> bool:
+    return "No available kernel" in str(error)
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _no_kernel_message(
+    module: torch.nn.Module, query: torch.Tensor, value: torch.Tensor, what: str, dropout: float, tried: list[str]
+) -> str:
+    config = getattr(module, "config", None)
+    model = getattr(config, "model_type", None) or "this model"
+    head_dim = query.shape[-1]
+    return (
+        f"StreamBP found no fused CUDA attention kernel for {model} ({type(module).__name__}): dtype "
+        f"{str(query.dtype).removeprefix('torch.')}, head_dim {head_dim} (value head_dim {value.shape[-1]}), "
+        f"{query.shape[1]} query heads, {what}, dropout {dropout}"
+        + (f"; tried {'; '.join(tried)}" if tried else "")
+        + ". StreamBP does not fall back to SDPA's math kernel, which would hold a (chunk x prefix x heads) score "
+        "tensor. Flash attention needs float16/bfloat16, head_dim <= 256 (equal for values) and an sm80+ GPU; "
+        "memory-efficient attention needs float16, bfloat16 or float32. Load the model in bfloat16 "
+        "(dtype=torch.bfloat16, or bf16=True in the trainer config) or float32, on a GPU and torch build with these "
+        "kernels."
+    )
 
 
 _registered = False

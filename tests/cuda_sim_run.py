@@ -1,0 +1,225 @@
+"""Run the stream engine on fake CUDA tensors (``../shared/cudasim``) and report which SDPA kernels it used.
+
+A script, run in a subprocess by ``tests/test_cuda_paths.py``: the simulator's ``fakecuda`` must be imported before
+torch (it loads a small compiled library that registers a fake CUDA device guard), which the pytest process has
+long done. Usage::
+
+    python tests/cuda_sim_run.py CUDASIM_DIR CASE [CASE ...]      # one JSON line per case on stdout
+    python tests/cuda_sim_run.py CUDASIM_DIR --attention-layer [PREFIX CHUNK]  # one chunk's attention backward
+
+Each case is a forward + backward of ``enable_streambp(model, stream_chunk_size=..., verify=False)`` on a tiny model
+whose parameters and activations are FakeTensors on device ``cuda`` (no data), with the simulator's ``CudaSdpa``
+counting the kernels SDPA would take on an sm80+ GPU (``flash`` > ``efficient`` > ``math``). The JSON line has the
+counts, and the error (type and first line) if the step raised, e.g. ``FakeTensorDeviceMismatchError`` when a CPU
+tensor is mixed into CUDA work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import weakref
+
+sys.path.insert(0, sys.argv[1])
+import fakecuda  # noqa: E402, F401  (before torch)
+import sim  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+import streambp_trl.attention as attention  # noqa: E402
+from streambp_trl import enable_streambp  # noqa: E402
+
+_SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    attention_dropout=0.0,
+)
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, {}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 48}),
+    "qwen2-sliding": (
+        transformers.Qwen2Config,
+        {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1, "layer_types": None},
+    ),
+}
+
+# name: (family, dtype, config overrides, batch, right padding, patch)
+CASES = {
+    "causal-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, None),
+    "causal-mha-bf16": ("qwen3", "bfloat16", {"num_key_value_heads": 8}, 1, 0, None),
+    "causal-mqa-bf16": ("qwen3", "bfloat16", {"num_key_value_heads": 1}, 1, 0, None),
+    "causal-gqa-fp32": ("qwen3", "float32", {}, 1, 0, None),
+    "causal-mha-fp32": ("qwen3", "float32", {"num_key_value_heads": 8}, 1, 0, None),
+    "padded-gqa-bf16": ("qwen3", "bfloat16", {}, 2, 37, None),
+    "padded-mha-bf16": ("qwen3", "bfloat16", {"num_key_value_heads": 8}, 2, 37, None),
+    "sliding-gqa-bf16": ("mistral", "bfloat16", {}, 1, 0, None),
+    "sliding-mha-fp32": ("mistral", "float32", {"num_key_value_heads": 8}, 1, 0, None),
+    "sliding-layers-bf16": ("qwen2-sliding", "bfloat16", {}, 1, 0, None),
+    "head-dim-512-bf16": ("qwen3", "bfloat16", {"head_dim": 512}, 1, 0, None),
+    "float64": ("qwen3", "float64", {}, 1, 0, None),
+    # deliberately broken engines: the simulation must catch them
+    "bug-cpu-mask": ("mistral", "bfloat16", {}, 1, 0, "cpu_mask"),
+    "bug-math-attention": ("qwen3", "float32", {}, 1, 0, "math_attention"),
+}
+SEQ_LEN, CHUNK = 160, 64
+
+
+class PaddingOracle(sim.Oracle):
+    """The simulator's Oracle answers every data-dependent boolean question True, which would call a padded mask
+    'all ones' and drop it: here any question about a tensor computed from the attention mask is answered False
+    (the padded mask does have zeros), everything else as the Oracle does."""
+
+    def __init__(self, padding: torch.Tensor | None):
+        super().__init__()
+        self.tainted: dict[int, weakref.ref] = {}  # by identity (a WeakSet would compare tensors with ==)
+        if padding is not None:
+            self.taint(padding)
+
+    def taint(self, t: torch.Tensor) -> None:
+        self.tainted[id(t)] = weakref.ref(t)
+
+    def is_tainted(self, t: torch.Tensor) -> bool:
+        ref = self.tainted.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default and self.is_tainted(args[0]):
+            return False
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if any(self.is_tainted(t) for t in inputs):
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.taint(t)
+        return out
+
+
+def _cpu_additive_mask(block, dtype):  # BUG: the additive mask is allocated without device=
+    mask = torch.zeros(block.shape, dtype=dtype)
+    return mask.masked_fill_(block.logical_not(), float("-inf"))
+
+
+def _math_attention(module, query, key, value, block, sinks, scaling, dropout):  # BUG: lets SDPA choose
+    """The CPU path on CUDA (this module's code before it picked kernels): grouped heads with
+    ``enable_gqa=True`` and float32 leave SDPA nothing but math."""
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if block is not None:
+        return sdpa_attention_forward(module, query, key, value, block, scaling=scaling, dropout=dropout)[0]
+    mask = attention.causal_lower_right(query.shape[2], key.shape[2])
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, mask, dropout, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous()
+
+
+PATCHES = {
+    "cpu_mask": (attention, "_additive_mask", _cpu_additive_mask),
+    "math_attention": (attention, "_cuda_attention", _math_attention),
+}
+
+
+def build(family: str, dtype: torch.dtype, overrides: dict, fake: FakeTensorMode):
+    config_cls, extra = FAMILIES[family]
+    config = config_cls(**{**_SMALL, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    fake.allow_non_fake_inputs = True
+    with fake:
+        model.to_empty(device="cuda")
+    fake.allow_non_fake_inputs = False
+    return model.train()
+
+
+def run_case(name: str) -> dict:
+    family, dtype, overrides, batch, pad, patch = CASES[name]
+    fake = FakeTensorMode()
+    model = build(family, getattr(torch, dtype), overrides, fake)
+    enable_streambp(model, stream_chunk_size=CHUNK, verify=False)
+    saved = None
+    if patch:
+        owner, attr, replacement = PATCHES[patch]
+        saved = (owner, attr, getattr(owner, attr))
+        setattr(owner, attr, replacement)
+    sdpa, result = sim.CudaSdpa(), {"case": name}
+    try:
+        with fake:
+            ids = torch.empty(batch, SEQ_LEN, dtype=torch.long, device="cuda")
+            mask = torch.empty(batch, SEQ_LEN, dtype=torch.long, device="cuda") if pad else None
+        with fake, sdpa, PaddingOracle(mask):
+            out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
+            out.loss.backward()
+        grads = [p for p in model.parameters() if p.grad is not None]
+        result["grads"] = len(grads)
+        result["grad_devices"] = sorted({p.grad.device.type for p in grads})
+    except Exception as e:  # reported, not raised: the test decides what was expected
+        result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    finally:
+        if saved:
+            setattr(*saved)
+    result["sdpa"] = sdpa.counts
+    return result
+
+
+def attention_layer(prefix: int = 32768, chunk: int = 4096, heads: int = 32, kv_heads: int = 8, d: int = 128) -> dict:
+    """Peak bytes above its inputs of one chunk's attention forward + backward on fake CUDA (Qwen3-8B's heads,
+    bf16), with the keys/values as (prefix leaf, chunk) concatenated as the stream layer's recompute has them."""
+    fake, tracker, sdpa = FakeTensorMode(), sim.LiveBytes(), sim.CudaSdpa()
+    sim.real_causal_bias()
+    module = torch.nn.Module()
+    mask = attention.StreamMask(batch_size=1, mask_function=attention.causal_mask_function).at(prefix, 0)
+    with fake:
+        q = torch.empty(1, heads, chunk, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+        kp, vp, kc, vc = (
+            torch.empty(1, kv_heads, n, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+            for n in (prefix, prefix, chunk, chunk)
+        )
+        dy = torch.empty(1, chunk, heads, d, dtype=torch.bfloat16, device="cuda")
+    for t in (q, kp, vp, kc, vc, dy):
+        tracker.track(t, "inputs")
+    base = tracker.current["cuda"]
+    with fake, sdpa, tracker:
+        k, v = torch.cat([kp, kc], dim=2), torch.cat([vp, vc], dim=2)
+        out, _ = attention.stream_attention(module, q, k, v, mask, scaling=d**-0.5)
+        del k, v
+        torch.autograd.grad(out, (q, kp, vp, kc, vc), dy)
+    mib = 2**20
+    return {
+        "prefix": prefix,
+        "chunk": chunk,
+        "peak_above_inputs_mib": (tracker.peak["cuda"] - base) / mib,
+        "at_peak": tracker.at_peak.get("cuda"),
+        "sdpa": sdpa.counts,
+    }
+
+
+def main() -> None:
+    sim.untrace_transformers()
+    sim.real_causal_bias()
+    sim.stub_trl_triton()
+    import torch.utils.checkpoint as cp
+
+    cp.get_device_states = lambda *args: ([], [])  # no CUDA RNG state to save (fake CUDA has none)
+    if sys.argv[2] == "--attention-layer":
+        print(json.dumps(attention_layer(*map(int, sys.argv[3:]))), flush=True)
+        return
+    for name in sys.argv[2:] if sys.argv[2:] != ["all"] else list(CASES):
+        print(json.dumps(run_case(name)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stderr.flush()
+    # Skip interpreter teardown: with the fake CUDA device, the autograd engine's device thread sometimes aborts
+    # the process at exit ("terminate called without an active exception") after all output is written.
+    os._exit(0)

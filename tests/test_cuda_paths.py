@@ -1,0 +1,106 @@
+"""The engine on (simulated) CUDA: SDPA never takes the math kernel, and no CPU tensor enters CUDA work.
+
+Runs ``tests/cuda_sim_run.py`` in a subprocess under the CUDA simulator of ``../shared/cudasim`` (FakeTensors on device
+``cuda``, SDPA dispatched by sm80 rules: flash > memory-efficient > math). The simulator must be imported before
+torch, hence the subprocess. The math kernel would hold a (chunk x prefix x heads) score tensor; a CPU tensor mixed
+into CUDA work raises ``FakeTensorDeviceMismatchError`` there, as it would fail on a GPU. Deliberately broken engines
+check that both failures are caught.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CUDASIM = Path(__file__).parents[2] / "shared" / "cudasim"
+RUNNER = Path(__file__).with_name("cuda_sim_run.py")
+
+if not (CUDASIM / "fakecuda.py").is_file():
+    pytest.skip(f"the CUDA simulator is not at {CUDASIM}", allow_module_level=True)
+if shutil.which("g++") is None:
+    pytest.skip("g++ is missing: the CUDA simulator compiles a small fake-CUDA library", allow_module_level=True)
+
+
+def _run(*args: str) -> list[dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), str(CUDASIM), *args],
+        cwd=Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"simulation failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, dict]:
+    return {r["case"]: r for r in _run("all")}
+
+
+# case -> the kernels it must use (and nothing else)
+EXPECTED = {
+    "causal-gqa-bf16": {"flash"},
+    "causal-mha-bf16": {"flash"},
+    "causal-mqa-bf16": {"flash"},
+    "causal-gqa-fp32": {"efficient"},
+    "causal-mha-fp32": {"efficient"},
+    "padded-gqa-bf16": {"efficient"},  # right-padded batch: a mask block
+    "padded-mha-bf16": {"efficient"},
+    "sliding-gqa-bf16": {"efficient"},  # Mistral, sliding window 48 < sequence
+    "sliding-mha-fp32": {"efficient"},
+    "sliding-layers-bf16": {"flash", "efficient"},  # Qwen2: one full-attention layer, one sliding-window layer
+    "head-dim-512-bf16": {"efficient"},  # past flash's head_dim limit
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_fused_kernels_only(cases, name):
+    r = cases[name]
+    assert "error" not in r, r["error"]
+    assert set(r["sdpa"]) == EXPECTED[name], r["sdpa"]
+    assert r["grads"] > 0 and r["grad_devices"] == ["cuda"]
+
+
+def test_grouped_heads_run_per_key_value_head(cases):
+    """Grouped-query attention runs one call per key/value head (2 here), multi-head and multi-query one call."""
+    mha = cases["causal-mha-bf16"]["sdpa"]["flash"]
+    assert cases["causal-mqa-bf16"]["sdpa"]["flash"] == mha
+    assert cases["causal-gqa-bf16"]["sdpa"]["flash"] == 2 * mha
+    assert cases["causal-gqa-fp32"]["sdpa"]["efficient"] == 2 * cases["causal-mha-fp32"]["sdpa"]["efficient"]
+
+
+def test_no_fused_kernel_is_a_clear_error(cases):
+    error = cases["float64"]["error"]
+    assert error.startswith("RuntimeError: StreamBP found no fused CUDA attention kernel for qwen3"), error
+    assert "dtype float64" in error and "head_dim 16" in error and "bfloat16" in error
+    assert cases["float64"]["sdpa"] == {}
+
+
+def test_simulation_catches_a_cpu_tensor_in_cuda_work(cases):
+    """A mask block allocated without ``device=`` (on the CPU) and filled from a CUDA block."""
+    assert cases["bug-cpu-mask"]["error"].startswith("FakeTensorDeviceMismatchError"), cases["bug-cpu-mask"]
+
+
+def test_simulation_catches_the_math_kernel(cases):
+    """The attention before it chose kernels (SDPA's own choice, enable_gqa=True in float32) takes math."""
+    assert "math" in cases["bug-math-attention"]["sdpa"], cases["bug-math-attention"]
+
+
+def test_grouped_heads_backward_workspace():
+    """One chunk's attention forward + backward at Qwen3-8B's heads (32 query, 8 key/value, head_dim 128, bf16):
+    what grows with the prefix is the keys/values (2 x 2 KiB per token, the stream layer's concatenation), their
+    gradients (2 x 2 KiB) and one group's flash workspace (dK/dV expanded to 4 heads: 2 KiB) and dK/dV (0.5 KiB),
+    10.5 KiB per prefix token; one call over all heads would add flash's all-head workspace (16 KiB per token)."""
+    short, long = _run("--attention-layer", "4096", "512"), _run("--attention-layer", "12288", "512")
+    per_token = (long[0]["peak_above_inputs_mib"] - short[0]["peak_above_inputs_mib"]) * 2**20 / 8192
+    assert per_token <= 10.5 * 1024 + 64, per_token / 1024
+    assert set(long[0]["sdpa"]) == {"flash"}
