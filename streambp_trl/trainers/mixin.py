@@ -30,6 +30,22 @@ def default_args(config_cls, model, suffix: str):
     return config_cls(f"{name.split('/')[-1]}-{suffix}")
 
 
+def _refuse_unsupported_parallelism(trainer) -> None:
+    """Context and sequence parallelism shard each sequence across ranks; StreamBP already splits it chunk by chunk
+    in one process, and its layers need every earlier position's keys/values there. Refuse them at construction."""
+    configs = (getattr(trainer.args, "parallelism_config", None), getattr(trainer, "accelerator", None))
+    for config in (configs[0], getattr(configs[1], "parallelism_config", None)):
+        cp, sp = getattr(config, "cp_size", None) or 1, getattr(config, "sp_size", None) or 1
+        if cp > 1 or sp > 1:
+            raise ValueError(
+                f"{type(trainer).__name__}: context/sequence parallelism (parallelism_config cp_size={cp}, "
+                f"sp_size={sp}) shards each sequence across ranks, which StreamBP cannot train: it streams the whole "
+                "sequence chunk by chunk in one process (every chunk attends to all earlier keys/values there). Set "
+                "cp_size=1 and sp_size=1 (in the accelerate config or `parallelism_config`) and shard the model "
+                "instead (DDP, FSDP2 or DeepSpeed ZeRO); lower `stream_chunk_size` to fit longer sequences."
+            )
+
+
 class StreamTrainerMixin:
     """Installs StreamBP on the policy ``self.model`` and on a separate ``self.ref_model`` (eval-mode passes stream
     too, so reference and evaluation passes reach the training length), and logs the stream settings and, on CUDA,
@@ -55,6 +71,7 @@ class StreamTrainerMixin:
     def _install_stream_engine(self) -> None:
         if self.stream_options is not None:
             return
+        _refuse_unsupported_parallelism(self)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(
                 f"{type(self).__name__}: the MoE load-balancing loss (router_aux_loss_coef="

@@ -1,0 +1,95 @@
+"""The shipped accelerate / DeepSpeed configs (configs/accelerate) parse and say what the README says, and context or
+sequence parallelism is refused when a stream trainer is built."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import ClusterConfig
+from accelerate.parallelism_config import ParallelismConfig
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+from datasets import load_dataset
+from trainer_parity import MODEL, ROOT, args, model
+from transformers import AutoTokenizer
+
+from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+from streambp_trl.trainers.mixin import _refuse_unsupported_parallelism
+
+CONFIGS = ROOT / "configs" / "accelerate"
+
+
+def _load(name: str) -> ClusterConfig:
+    return ClusterConfig.from_yaml_file(str(CONFIGS / f"{name}.yaml"))
+
+
+def test_every_config_file_is_tested():
+    assert sorted(p.name for p in CONFIGS.iterdir()) == sorted(
+        [f"{n}.yaml" for n in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload")]
+        + [f"{n}.json" for n in ("zero2", "zero3", "zero3_offload")]
+    )
+
+
+def test_ddp_and_fsdp2_configs():
+    assert _load("ddp").distributed_type == DistributedType.MULTI_GPU
+    fsdp = _load("fsdp2")
+    assert fsdp.distributed_type == DistributedType.FSDP
+    assert fsdp.fsdp_config["fsdp_version"] == 2
+    assert fsdp.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp.fsdp_config["fsdp_activation_checkpointing"] is False  # the engine checkpoints the layers
+
+
+@pytest.mark.parametrize(
+    "name, stage, offload, processes",
+    [("zero2", 2, False, 8), ("zero3", 3, False, 8), ("zero3_offload", 3, True, 1)],
+)
+def test_deepspeed_configs(monkeypatch, name, stage, offload, processes):
+    config = _load(name)
+    assert config.distributed_type == DistributedType.DEEPSPEED and config.num_processes == processes
+    path = config.deepspeed_config["deepspeed_config_file"]
+    assert (ROOT / path).resolve() == (CONFIGS / f"{name}.json").resolve()
+    assert config.deepspeed_config["zero3_init_flag"] is (stage == 3)
+    monkeypatch.chdir(ROOT)  # the file path is relative to the repository root, where the README launches from
+    plugin = DeepSpeedPlugin(hf_ds_config=path)
+    zero = plugin.deepspeed_config["zero_optimization"]
+    assert plugin.zero_stage == stage and zero["stage"] == stage
+    for key in ("offload_param", "offload_optimizer"):
+        assert (zero.get(key, {}).get("device") == "cpu") is offload
+    assert plugin.deepspeed_config["gradient_clipping"] == "auto"  # the Trainer fills in max_grad_norm etc.
+    shipped = json.loads(Path(CONFIGS / f"{name}.json").read_text())
+    assert shipped.items() <= plugin.deepspeed_config.items()  # accelerate only adds its defaults
+
+
+def test_readme_launches_the_shipped_configs():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Multi-GPU", 1)[1].split("\n## ", 1)[0]
+    for name in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload"):
+        assert f"accelerate launch --config_file configs/accelerate/{name}.yaml" in section, name
+    assert yaml.safe_load((ROOT / "configs" / "sft_qwen3_8b.yaml").read_text())  # the config the commands name
+
+
+@pytest.mark.parametrize("sizes", [{"cp_size": 2}, {"sp_size": 2}], ids=["context", "sequence"])
+def test_context_and_sequence_parallelism_are_refused_at_construction(tmp_path, sizes):
+    # on a CPU, accelerate cannot build a cp/sp mesh at all: set the config on a built trainer and install again
+    trainer = StreamSFTTrainer(
+        model=model(),
+        args=args(StreamSFTConfig, tmp_path, True, max_length=64),
+        train_dataset=load_dataset("json", data_files=str(ROOT / "configs/data/tiny_chat.jsonl"), split="train[:4]"),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+    )
+    trainer.stream_options = None
+    trainer.args.parallelism_config = ParallelismConfig(**sizes)
+    with pytest.raises(
+        ValueError, match=r"StreamSFTTrainer: context/sequence parallelism .* Set cp_size=1 and sp_size=1"
+    ):
+        trainer._install_stream_engine()
+    # the same from the accelerator's config (an accelerate YAML sets it there)
+    fake = SimpleNamespace(
+        args=SimpleNamespace(), accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(**sizes))
+    )
+    with pytest.raises(ValueError, match="shards each sequence across ranks"):
+        _refuse_unsupported_parallelism(fake)
+    _refuse_unsupported_parallelism(SimpleNamespace(args=SimpleNamespace(parallelism_config=ParallelismConfig())))
