@@ -1,32 +1,18 @@
 #!/usr/bin/env python
 """Benchmark the memory and time of ONE forward+backward of a causal LM under different backprop strategies.
 
-Modes (``--mode``, one or more):
+Modes (``--mode``, one or more): ``plain`` (no checkpointing, full logits), ``checkpoint`` (HF gradient
+checkpointing), ``checkpoint+chunked-loss`` (TRL 1.16's default: checkpointing + ``add_fused_lm_head``),
+``stream`` (``enable_streambp(model, stream_chunk_size=..., logits_chunk_size=..., kv_mode=...)`` and the same
+``fused_lm_head=True`` call) and ``stream+offload`` (the same with ``offload_checkpoints=True``).
 
-* ``plain``: no checkpointing, the Hugging Face loss over the full logits:
-  ``model(input_ids, labels=labels).loss.backward()``.
-* ``checkpoint``: HF gradient checkpointing (``use_reentrant=False``), full-logit HF loss.
-* ``checkpoint+chunked-loss``: what TRL 1.16 does by default: HF gradient checkpointing plus
-  ``trl.trainer.utils.add_fused_lm_head(model)``, then ``model(input_ids, labels=labels, fused_lm_head=True).loss``.
-* ``stream``: ``streambp_trl.enable_streambp(model, stream_chunk_size=..., logits_chunk_size=..., kv_mode=...)``,
-  then the same ``fused_lm_head=True`` call.
-
-Every (mode, seq_len) measurement runs in a fresh subprocess (this script re-invoked with the hidden ``--worker``
-flag; it prints one JSON line back), so no allocator cache, peak counter or patched model leaks between them.
-In the worker, the model is built with random weights, one warm-up forward+backward runs, the gradients are
-dropped (``zero_grad(set_to_none=True)``) and then the measured forward+backward runs ``--repeats`` times:
-
-* CPU: the child runs with ``MALLOC_MMAP_THRESHOLD_=131072`` so that glibc returns large frees to the OS. Before
-  each measured step the kernel's peak-RSS counter is reset (``5`` written to ``/proc/self/clear_refs``) and the
-  current ``VmRSS`` is the baseline; after it, ``peak = VmHWM - baseline``.
-* CUDA: ``torch.cuda.reset_peak_memory_stats()``, baseline ``torch.cuda.memory_allocated()``, and
-  ``peak = torch.cuda.max_memory_allocated() - baseline``.
-
-So ``peak_mb`` is the peak memory ABOVE the loaded model (its parameters; buffers), in MiB (2**20 bytes); it
-includes the parameter gradients, which are the same for every mode. The time is the wall-clock seconds of the
-measured forward+backward (synchronised on CUDA), median over the repeats; the peak is the largest over them.
-``cpu_s`` is the process CPU time of the step (all threads): on a shared machine a wall time far above
-``cpu_s / threads`` means the step was waiting for a CPU.
+The measuring lives in ``streambp_trl.sizing.measure`` (shared with ``streambp-trl max-len``; its docstring
+describes it exactly): every (mode, seq_len) runs in a fresh subprocess, one warm-up step, then ``--repeats``
+measured forward+backward steps; ``peak_mb`` is the peak above the loaded model in MiB (CPU: peak RSS with
+``MALLOC_MMAP_THRESHOLD_=131072`` and ``/proc/self/clear_refs``; CUDA: ``max_memory_allocated``), parameter
+gradients included; the time is the median wall-clock seconds (synchronised on CUDA); ``cpu_s`` is the process
+CPU time of the step (all threads): on a shared machine a wall time far above ``cpu_s / threads`` means the step
+was waiting for a CPU.
 
 ``--phases`` also splits the measured step at the decoder layers' gradient boundaries (forward; loss + LM head +
 final norm backward; each layer's backward; the rest) and records each phase's peak and time; the summary then
@@ -45,7 +31,8 @@ memory) and to ``checkpoint`` (time at each length). ``--baseline FILE`` takes r
 this run from an earlier JSON output (e.g. to compare ``--kv-mode capture`` against an earlier full run).
 
 ``--find-max-seq`` (CUDA only) searches, per mode, for the longest sequence (a multiple of 1024) whose
-forward+backward fits in GPU memory: doubling from 1024, then bisecting, every probe in a fresh subprocess.
+forward+backward fits in GPU memory: doubling from 1024, then bisecting, every probe in a fresh subprocess
+(``streambp-trl max-len`` does the same for the four training modes, with a progress bar).
 
 Examples::
 
@@ -58,469 +45,47 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
-import os
-import platform
 import shlex
-import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
-RESULT_PREFIX = "BENCH_BP_RESULT "
-
-MODES = ("plain", "checkpoint", "checkpoint+chunked-loss", "stream")
-KV_MODES = ("recompute", "capture")
-DTYPES = ("float32", "bfloat16", "float64")
+sys.path.insert(0, str(REPO_ROOT))
+from streambp_trl.sizing.measure import (  # noqa: E402
+    DTYPES,
+    KV_MODES,
+    MODES,
+    NAMED_MODELS,
+    bisect_max_len,
+    environment,
+    measure,
+    trl_token_chunk,
+)
 
 # Acceptance targets of the CPU benchmark (reported, never enforced).
 TARGET_MEM_RATIO = 0.35  # stream KiB per extra token <= 0.35 x checkpoint+chunked-loss's
 TARGET_TIME_RATIO = 1.3  # stream time <= 1.3 x checkpoint's
 
-_QWEN3_COMMON: dict[str, Any] = {
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-}
-
-# Named sizes: Qwen3Config keyword arguments (random weights). The published Qwen3 shapes; the small
-# "qwen3-cpu-bench" is a 4-layer model for the CPU acceptance benchmark.
-NAMED_MODELS: dict[str, dict[str, Any]] = {
-    "qwen3-cpu-bench": {
-        **_QWEN3_COMMON,
-        "num_hidden_layers": 4,
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "vocab_size": 8000,
-        "tie_word_embeddings": False,
-    },
-    "qwen3-0.6b": {
-        **_QWEN3_COMMON,
-        "num_hidden_layers": 28,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-4b": {
-        **_QWEN3_COMMON,
-        "num_hidden_layers": 36,
-        "hidden_size": 2560,
-        "intermediate_size": 9728,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": True,
-    },
-    "qwen3-8b": {
-        **_QWEN3_COMMON,
-        "num_hidden_layers": 36,
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-    },
-    "qwen3-14b": {
-        **_QWEN3_COMMON,
-        "num_hidden_layers": 40,
-        "hidden_size": 5120,
-        "intermediate_size": 17408,
-        "num_attention_heads": 40,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-    },
-}
-
 
 # --------------------------------------------------------------------------------------------------------------
-# Worker: one (mode, seq_len) measurement, in its own process.
+# Metadata, summary, output files (the measuring itself: streambp_trl.sizing.measure).
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _read_status_kib(field: str) -> int:
-    """A ``kB`` field (e.g. ``VmRSS``, ``VmHWM``) of /proc/self/status."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field} field")
-
-
-class _MemoryProbe:
-    """Peak memory above a baseline: peak RSS on CPU, peak allocated memory on CUDA."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.baseline = 0
-
-    def reset(self) -> int:
-        """Reset the peak counter; returns (and keeps) the current memory in bytes as the baseline."""
-        import torch
-
-        gc.collect()
-        self.reset_peak()
-        if self.device.type == "cuda":
-            self.baseline = torch.cuda.memory_allocated(self.device)
-        else:
-            self.baseline = _read_status_kib("VmRSS") * 1024
-        return self.baseline
-
-    def reset_peak(self) -> None:
-        """Restart the peak counter from the current memory, keeping the baseline."""
-        import torch
-
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-
-    def peak_above_baseline(self) -> int:
-        """Bytes of the peak since :meth:`reset`, above the baseline."""
-        import torch
-
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device) - self.baseline
-        return _read_status_kib("VmHWM") * 1024 - self.baseline
-
-
-class _PhaseMarks:
-    """Splits the measured step into phases and records each one's peak (above the baseline) and duration.
-
-    Boundaries are gradient hooks on the decoder layers' hidden states, registered by module forward hooks while
-    armed: ``forward``; ``head backward`` (loss, LM head, final norm: until dL/d(last layer output) exists);
-    ``layer i backward`` (until dL/d(layer i input) exists); ``rest`` (embedding backward, gradient accumulation).
-    Each mark restarts the peak counter, so the step's peak is the largest phase peak. The phase slopes over
-    sequence length show which part of the step grows with it, independent of fixed costs such as logit tiles.
-    """
-
-    def __init__(self, model: Any, probe: _MemoryProbe) -> None:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-
-        self.probe = probe
-        self.armed = False
-        self.phases: list[dict[str, Any]] = []
-        self.start = 0.0
-        layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-        for i, layer in enumerate(layers):
-            layer.register_forward_hook(self._layer_hook(i, last=i == len(layers) - 1), with_kwargs=True)
-
-    def _layer_hook(self, i: int, last: bool) -> Callable:
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-            if not self.armed:
-                return
-            x = args[0] if args else kwargs.get("hidden_states")
-            y = output[0] if isinstance(output, (tuple, list)) else output
-            if last and getattr(y, "requires_grad", False):
-                y.register_hook(lambda grad: self.mark("head backward"))
-            if getattr(x, "requires_grad", False):
-                x.register_hook(lambda grad: self.mark(f"layer {i} backward"))
-
-        return hook
-
-    def begin(self) -> None:
-        self.phases, self.start = [], time.perf_counter()
-
-    def mark(self, name: str) -> None:
-        import torch
-
-        if self.probe.device.type == "cuda":
-            torch.cuda.synchronize(self.probe.device)
-        now = time.perf_counter()
-        self.phases.append(
-            {"phase": name, "peak_mb": self.probe.peak_above_baseline() / 2**20, "time_s": now - self.start}
-        )
-        self.probe.reset_peak()
-        self.start = time.perf_counter()
-
-
-def build_config(name: str) -> Any:
-    """A named Qwen3 size, or the config of a Hub name / local directory (config only, never weights)."""
-    from transformers import AutoConfig, Qwen3Config
-
-    if name in NAMED_MODELS:
-        return Qwen3Config(**NAMED_MODELS[name])
-    return AutoConfig.from_pretrained(name)
-
-
-def _zero_dropout(config: Any) -> None:
-    for cfg in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
-        for key, value in list(vars(cfg).items()):
-            if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
-                setattr(cfg, key, 0.0)
-
-
-def build_model(name: str, dtype_name: str, device: Any, seed: int) -> Any:
-    """The causal LM with random weights (fixed seed), sdpa attention, in train mode on ``device``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    config = build_config(name)
-    _zero_dropout(config)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name), attn_implementation="sdpa")
-    model.train()
-    return model
-
-
-def prepare_mode(model: Any, spec: dict[str, Any]) -> Callable[[Any, Any], Any]:
-    """Set ``model`` up for ``spec["mode"]``; returns ``forward(input_ids, labels) -> loss``."""
-    mode = spec["mode"]
-    if mode in ("checkpoint", "checkpoint+chunked-loss"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if mode == "checkpoint+chunked-loss":
-        import trl.kernels.chunked_logprob as trl_kernel
-        from trl.trainer.utils import add_fused_lm_head
-
-        if spec.get("same_logits_tile"):  # TRL's kernel reads its token tile from this module constant
-            trl_kernel.TOKEN_CHUNK_SIZE = spec["logits_chunk_size"]
-        add_fused_lm_head(model)
-    elif mode == "stream":
-        from streambp_trl import enable_streambp
-
-        enable_streambp(
-            model,
-            stream_chunk_size=spec["stream_chunk_size"],
-            logits_chunk_size=spec["logits_chunk_size"],
-            kv_mode=spec["kv_mode"],
-        )
-    fused = mode in ("checkpoint+chunked-loss", "stream")
-
-    def forward(input_ids: Any, labels: Any) -> Any:
-        if fused:
-            return model(input_ids=input_ids, labels=labels, fused_lm_head=True, use_cache=False).loss
-        return model(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-    return forward
-
-
-def _is_oom(exc: BaseException) -> bool:
-    import torch
-
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build the model, warm up, measure; returns the record (``status`` "ok" or "oom")."""
-    import torch
-
-    device = torch.device(spec["device"])
-    record: dict[str, Any] = {k: spec[k] for k in ("mode", "seq_len", "batch_size", "dtype", "model")}
-    if spec["mode"] == "stream":
-        record.update({k: spec[k] for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
-    if spec["mode"] == "checkpoint+chunked-loss":
-        record["logits_chunk_size"] = spec["logits_chunk_size"] if spec.get("same_logits_tile") else _trl_token_chunk()
-    try:
-        model = build_model(spec["model"], spec["dtype"], device, spec["seed"])
-        forward = prepare_mode(model, spec)
-        vocab = model.config.get_text_config().vocab_size
-        generator = torch.Generator().manual_seed(spec["seed"] + 1)
-        input_ids = torch.randint(0, vocab, (spec["batch_size"], spec["seq_len"]), generator=generator).to(device)
-        labels = input_ids.clone()
-
-        probe = _MemoryProbe(device)
-        marks = _PhaseMarks(model, probe) if spec.get("phases") else None
-
-        def step() -> float:
-            if marks is not None:
-                marks.armed = True
-                marks.begin()
-            loss = forward(input_ids, labels)
-            if marks is not None:
-                marks.armed = False
-                marks.mark("forward")
-            loss.backward()
-            value = loss.item()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if marks is not None:
-                marks.mark("rest")
-            return value
-
-        step()  # warm-up: first-touch pages, lazy initialisation, kernel selection
-        model.zero_grad(set_to_none=True)
-        times, cpu_times, peaks, losses, baselines = [], [], [], [], []
-        grad_norm = None
-        for i in range(spec["repeats"]):
-            baselines.append(probe.reset())
-            start, cpu_start = time.perf_counter(), time.process_time()
-            losses.append(step())
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
-            # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
-            peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else probe.peak_above_baseline())
-            if i == spec["repeats"] - 1:
-                norms = [p.grad.detach().double().norm() for p in model.parameters() if p.grad is not None]
-                grad_norm = float(torch.stack(norms).norm()) if norms else None
-            model.zero_grad(set_to_none=True)
-    except Exception as exc:  # OOM is a result (for --find-max-seq); anything else propagates
-        if not _is_oom(exc):
-            raise
-        record.update(status="oom", error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        return record
-    tokens = spec["batch_size"] * spec["seq_len"]
-    time_s = statistics.median(times)
-    record.update(
-        status="ok",
-        peak_mb=max(peaks) / 2**20,
-        time_s=time_s,
-        time_min_s=min(times),
-        cpu_s=statistics.median(cpu_times),
-        tokens_per_s=tokens / time_s,
-        times_s=times,
-        loss=losses[-1],
-        grad_norm=grad_norm,
-        baseline_mb=baselines[-1] / 2**20,
-        num_params=sum(p.numel() for p in model.parameters()),
-        engine_sha256=engine_hash(),
-        torch_threads=torch.get_num_threads(),
-    )
-    if marks is not None:
-        record["phases"] = marks.phases  # of the last repeat
-    return record
-
-
-def engine_hash() -> str:
-    """First 12 hex digits of a SHA-256 over the imported ``streambp_trl`` sources: which engine code ran."""
-    import hashlib
-
-    import streambp_trl
-
-    digest = hashlib.sha256()
-    root = Path(streambp_trl.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:12]
-
-
-def _trl_token_chunk() -> int | None:
-    try:
-        from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
-    except ImportError:
-        return None
-    return TOKEN_CHUNK_SIZE
-
-
-def worker_main(spec_json: str) -> None:
-    sys.path.insert(0, str(REPO_ROOT))
-    record = run_worker(json.loads(spec_json))
-    print(RESULT_PREFIX + json.dumps(record), flush=True)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Parent: subprocesses, metadata, summary, output files.
-# --------------------------------------------------------------------------------------------------------------
-
-
-def measure(spec: dict[str, Any], timeout: float | None, script: str = __file__) -> dict[str, Any]:
-    """Run one measurement in a fresh subprocess of ``script --worker SPEC`` (this file by default); returns its
-    record (status "error" if the child failed)."""
-    cmd = [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    if spec["device"] == "cpu":
-        env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    label = f"mode={spec['mode']} seq_len={spec['seq_len']}"
-    print(f"[bench_bp] {label} ...", file=sys.stderr, flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        record = {"status": "error", "error": f"timed out after {timeout} s"}
-    else:
-        lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-        if proc.returncode == 0 and lines:
-            record = json.loads(lines[-1][len(RESULT_PREFIX) :])
-        else:
-            tail = proc.stderr.strip().splitlines()[-15:]
-            oom = proc.returncode != 0 and "out of memory" in proc.stderr.lower()
-            why = "killed by the OS (out of memory?)" if proc.returncode in (-9, 137) else "\n".join(tail)
-            record = {"status": "oom" if oom else "error", "returncode": proc.returncode, "error": why[-2000:]}
-            print(f"[bench_bp] {label} failed (rc={proc.returncode}):\n" + "\n".join(tail), file=sys.stderr)
-    for key in ("mode", "seq_len", "batch_size", "dtype", "model"):
-        record.setdefault(key, spec[key])
-    if record["status"] == "ok":
-        done = f"peak {record['peak_mb']:.1f} MiB, {record['time_s']:.2f} s, loss {record['loss']:.6f}"
-        print(f"[bench_bp] {label}: {done}", file=sys.stderr, flush=True)
-    return record
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return out.stdout.strip() or None
 
 
 def metadata(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    import torch
-    import transformers
-    import trl
-
-    sys.path.insert(0, str(REPO_ROOT))
-    import streambp_trl
-
-    if device == "cuda":
-        device_name = torch.cuda.get_device_name(0)
-    else:
-        device_name = _cpu_name()
     return {
-        "device": device,
-        "device_name": device_name,
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "versions": {
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "streambp_trl": streambp_trl.__version__,
-        },
-        "git": _git_commit(),
-        "engine_sha256": engine_hash(),
+        **environment(device),
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": args.model,
         "model_config": NAMED_MODELS.get(args.model),
         "dtype": args.dtype,
         "batch_size": args.batch_size,
         "stream_chunk_size": args.stream_chunk_size,
         "logits_chunk_size": args.logits_chunk_size,
-        "trl_token_chunk_size": args.logits_chunk_size if args.same_logits_tile else _trl_token_chunk(),
+        "trl_token_chunk_size": args.logits_chunk_size if args.same_logits_tile else trl_token_chunk(),
         "kv_mode": args.kv_mode,
         "repeats": args.repeats,
         "memory": "peak RSS above the loaded model (VmHWM - VmRSS baseline)"
@@ -751,45 +316,25 @@ def load_baseline(path: str, meta: dict[str, Any], modes: list[str]) -> list[dic
 
 
 def find_max_seq(base_spec: dict[str, Any], limit: int, timeout: float | None) -> tuple[dict[str, Any], list]:
-    """Longest multiple of 1024 that fits for ``base_spec["mode"]``: doubling, then bisection; fresh process each."""
+    """Longest multiple of 1024 that fits in GPU memory for ``base_spec["mode"]``; a fresh process per probe."""
     probes: list[dict[str, Any]] = []
 
-    def fits(seq_len: int) -> bool:
+    def probe(seq_len: int) -> float | None:
         record = measure({**base_spec, "seq_len": seq_len}, timeout)
         probes.append(record)
         if record["status"] == "error":
             raise SystemExit(f"--find-max-seq: probe {base_spec['mode']} @ {seq_len} failed:\n{record['error']}")
-        return record["status"] == "ok"
+        return record["peak_mb"] if record["status"] == "ok" else None
 
-    unit = 1024
-    good, bad = 0, None
-    n = 1
-    while n * unit <= limit:
-        if not fits(n * unit):
-            bad = n
-            break
-        good, n = n, n * 2
-    if bad is None and good * unit < limit and good:  # the doubling stopped at the limit: try the limit itself
-        top = limit // unit
-        if top > good:
-            if fits(top * unit):
-                good = top
-            else:
-                bad = top
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        if fits(mid * unit):
-            good = mid
-        else:
-            bad = mid
-    best = next((p for p in probes if p["status"] == "ok" and p["seq_len"] == good * unit), {})
+    best, first_failure, _ = bisect_max_len(probe, step=1024, limit=limit)
+    at_best = next((p for p in probes if p["status"] == "ok" and p["seq_len"] == best), {})
     return {
         "mode": base_spec["mode"],
-        "max_seq_len": good * unit if good else None,
-        "first_failure": bad * unit if bad is not None else None,
+        "max_seq_len": best or None,
+        "first_failure": first_failure,
         "limit": limit,
-        "peak_mb": best.get("peak_mb"),
-        "time_s": best.get("time_s"),
+        "peak_mb": at_best.get("peak_mb"),
+        "time_s": at_best.get("time_s"),
     }, probes
 
 
@@ -836,7 +381,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-seq-limit", type=int, default=1 << 20, help="--find-max-seq: largest length tried")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per measurement subprocess")
-    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     return parser
 
 
@@ -848,9 +392,6 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if any(n < 2 for n in args.seq_len):
         parser.error("--seq-len values must be at least 2")
-    if args.worker is not None:
-        worker_main(args.worker)
-        return
     import torch
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

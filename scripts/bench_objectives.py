@@ -1,5 +1,6 @@
 """Memory and time of one step of a preference or RL objective with TRL's defaults and with the stream engine,
-each measurement in a fresh process (the measuring machinery of ``scripts/bench_bp.py``).
+each measurement in a fresh process (``streambp_trl.sizing.measure``, the measuring code of ``bench_bp.py`` and
+``streambp-trl max-len``, which runs these objectives too).
 
 * ``--objective dpo``: a DPO step as TRL's ``DPOTrainer`` runs it: the batch is [chosen; rejected], two sequences of
   ``--seq-len`` tokens (the first eighth a shared prompt); the frozen reference model (eval mode, no grad) and the
@@ -24,104 +25,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_bp  # noqa: E402  (the shared measuring machinery)
+import bench_bp  # noqa: E402  (metadata and output directory)
+
+from streambp_trl.sizing.measure import measure  # noqa: E402
 
 MODES = ("trl", "stream")
+MEASURE_MODE = {"trl": "checkpoint+chunked-loss", "stream": "stream"}  # streambp_trl.sizing.measure's names
 OBJECTIVES = ("dpo", "grpo")
-TEMPERATURE = {"dpo": 1.0, "grpo": 0.7}
 TITLE = {"dpo": "One DPO step (reference + policy)", "grpo": "The policy update of a GRPO step (temperature 0.7)"}
-RESULT_PREFIX = bench_bp.RESULT_PREFIX
 TARGET_MEM_RATIO = 0.4  # stream KiB per extra token <= 0.4 x TRL's (reported, never enforced)
-
-
-def prepare(spec: dict[str, Any]) -> tuple[Any, Any]:
-    """The policy and the reference model (DPO) for ``spec["mode"]``."""
-    import torch
-
-    device = torch.device(spec["device"])
-    temperature = TEMPERATURE[spec["objective"]]
-    policy = bench_bp.build_model(spec["model"], spec["dtype"], device, spec["seed"])
-    reference = None
-    if spec["objective"] == "dpo":
-        reference = bench_bp.build_model(spec["model"], spec["dtype"], device, spec["seed"]).eval()
-        for p in reference.parameters():
-            p.requires_grad_(False)
-    models = [m for m in (policy, reference) if m is not None]
-    if spec["mode"] == "trl":
-        import trl.kernels.chunked_logprob as trl_kernel
-        from trl.trainer.utils import add_fused_lm_head
-
-        trl_kernel.TOKEN_CHUNK_SIZE = spec["logits_chunk_size"]
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for m in models:
-            add_fused_lm_head(m, temperature=temperature, outputs=("log_probs", "entropy"))
-    else:
-        from streambp_trl import enable_streambp
-
-        options = {"stream_chunk_size": spec["stream_chunk_size"], "logits_chunk_size": spec["logits_chunk_size"]}
-        for m in models:
-            enable_streambp(
-                m, **options, temperature=temperature, fused_outputs=("log_probs", "entropy"), stream_eval=True
-            )
-    return policy, reference
-
-
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    import torch
-    import torch.nn.functional as F
-
-    device = torch.device(spec["device"])
-    policy, reference = prepare(spec)
-    vocab = policy.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(spec["seed"] + 1)
-    ids = torch.randint(0, vocab, (2, spec["seq_len"]), generator=g).to(device)  # [chosen; rejected]
-    labels = ids.clone()
-    labels[:, : spec["seq_len"] // 8] = -100  # the shared prompt
-    beta, advantages = 0.1, torch.tensor([[1.0], [-1.0]], device=device)
-    completion = (labels[:, 1:] != -100).float()
-
-    def step() -> float:
-        out = policy(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False)
-        if spec["objective"] == "dpo":
-            with torch.no_grad():
-                ref = reference(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum(1)
-            logps = out.log_probs.sum(1)
-            loss = -F.logsigmoid(beta * ((logps[0] - ref[0]) - (logps[1] - ref[1])))
-        else:  # GRPO's token-level clipped surrogate at the first iteration (ratio 1), per-sequence token mean
-            ratio = torch.exp(out.log_probs - out.log_probs.detach())
-            per_token = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
-            loss = ((per_token * completion).sum(1) / completion.sum(1)).mean()
-        loss.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return loss.item()
-
-    probe = bench_bp._MemoryProbe(device)
-    step()  # warm-up
-    policy.zero_grad(set_to_none=True)
-    times, peaks, losses = [], [], []
-    for _ in range(spec["repeats"]):
-        probe.reset()
-        start = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - start)
-        peaks.append(probe.peak_above_baseline())
-        policy.zero_grad(set_to_none=True)
-    return {
-        **{k: spec[k] for k in ("objective", "mode", "seq_len", "model", "dtype")},
-        "status": "ok",
-        "peak_mb": max(peaks) / 2**20,
-        "time_s": statistics.median(times),
-        "loss": losses[-1],
-        "engine_sha256": bench_bp.engine_hash(),
-    }
 
 
 def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
@@ -187,17 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--out", metavar="NAME", help="write benchmarks/NAME.json and benchmarks/NAME.md")
-    parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.worker:
-        print(RESULT_PREFIX + json.dumps(run_worker(json.loads(args.worker))), flush=True)
-        return
     records = []
     for seq_len in args.seq_len:
         for mode in args.mode:
             spec = {
                 "objective": args.objective,
-                "mode": mode,
+                "mode": MEASURE_MODE[mode],
+                "same_logits_tile": True,
                 "seq_len": seq_len,
                 "batch_size": 2,
                 "model": args.model,
@@ -208,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                 "stream_chunk_size": args.stream_chunk_size,
                 "logits_chunk_size": args.logits_chunk_size,
             }
-            records.append(bench_bp.measure(spec, args.timeout, script=__file__))
+            records.append({**measure(spec, args.timeout), "mode": mode})
     meta_args = argparse.Namespace(**vars(args), batch_size=2, kv_mode="recompute", same_logits_tile=True)
     meta = {**bench_bp.metadata(meta_args, args.device), "objective": args.objective}
     summary = summarize(records, args.seq_len)

@@ -3,6 +3,7 @@
 ``streambp-trl {sft,dpo,kto} --config FILE.yaml [--any_config_field value ...]`` reads TRL's script, model and
 dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` / ``trl kto`` do, and trains
 with the objective's ``Stream*Trainer``. Unknown fields in the YAML file or on the command line are errors.
+``streambp-trl max-len --model NAME [...]`` (plain argparse) gives the longest sequence a step fits, per mode.
 """
 
 from __future__ import annotations
@@ -137,6 +138,12 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
     return training_args.output_dir
 
 
+def _max_len(argv: list[str]) -> None:
+    from .sizing.max_len import main
+
+    main(argv)
+
+
 # name -> (one-line help, entry point taking the remaining arguments)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
     "sft": (
@@ -158,6 +165,10 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
     "rloo": (
         "Online RL with StreamRLOOTrainer (TRL's `trl rloo` arguments, `reward_funcs`, the stream options).",
         _command("rloo"),
+    ),
+    "max-len": (
+        "The longest sequence a training step fits, per mode: measured on a GPU, or estimated (--gpu-memory).",
+        _max_len,
     ),
 }
 
