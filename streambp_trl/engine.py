@@ -24,6 +24,7 @@ uses the kernel, as TRL's own head does). Generation works in either mode. Nothi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -37,7 +38,8 @@ from trl.trainer.utils import FusedCausalLMOutput
 from . import probe
 from .attention import stream_configs, streaming
 from .logits import STAT_OUTPUTS, chunked_logprobs
-from .patching import bind, guarded_set_gradient_checkpointing, original, patch, temporarily, unpatch
+from .offload import CheckpointOffload
+from .patching import bind, bypassed, guarded_set_gradient_checkpointing, original, patch, temporarily, unpatch
 from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from .support import check_supported, refuse, takes_cache
 
@@ -50,6 +52,7 @@ class StreamState:
     logits_chunk_size: int
     temperature: float
     fused_outputs: tuple[str, ...]
+    final_norm: str | None = None  # the decoder's final norm, applied by the logit kernel tile by tile
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,6 +86,23 @@ def _decoder_layers(decoder: nn.Module) -> list[GradientCheckpointingLayer]:
     Other checkpointable layers (a vision or audio encoder inside a multimodal decoder) are left as they are.
     """
     return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer) and takes_cache(m)]
+
+
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
+
+
+def _final_norm_name(decoder: nn.Module | None) -> str | None:
+    """The attribute of ``decoder`` holding its final norm (a leaf module with vector parameters only), if any.
+
+    The logit kernel applies that module tile by tile when the probe shows it is the decoder's last step, so its
+    full-length input is the only thing kept for its backward (no float32 copies of the last hidden state).
+    """
+    for name in _FINAL_NORM_NAMES:
+        module = getattr(decoder, name, None)
+        if isinstance(module, nn.Module) and not any(True for _ in module.children()):
+            if all(p.dim() == 1 for p in module.parameters()):
+                return name
+    return None
 
 
 def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:
@@ -121,6 +141,7 @@ def enable_streambp(
     fused_outputs: tuple[str, ...] = ("log_probs",),
     stream_eval: bool = False,
     verify: bool = True,
+    offload_checkpoints: bool = False,
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
@@ -139,12 +160,14 @@ def enable_streambp(
         stream_eval: stream the decoder in eval mode too (calls without a key/value cache), as the no-grad passes of
             a frozen reference model need to reach the training length; otherwise eval mode is the model's own.
         verify: run the probe (two forward passes of 11 tokens) before returning.
+        offload_checkpoints: keep each layer's saved input (and kept keys/values) in pinned host memory between
+            forward and backward, brought back one layer ahead (see :mod:`streambp_trl.offload`); a no-op on CPU.
     """
     _positive("stream_chunk_size", stream_chunk_size)
     logits_chunk_size = _positive("logits_chunk_size", logits_chunk_size or stream_chunk_size)
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}.")
-    for name, flag in (("stream_eval", stream_eval), ("verify", verify)):
+    for name, flag in (("stream_eval", stream_eval), ("verify", verify), ("offload_checkpoints", offload_checkpoints)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}.")
     if not temperature > 0:
@@ -160,10 +183,20 @@ def enable_streambp(
     check_supported(lm, decoder, layers)
     lm_head_linear(lm)
     reference = None
+    norm_name = _final_norm_name(decoder)
     if verify:
-        reference = probe.reference(lm, decoder, functools.partial(_head_logits, lm), functools.partial(refuse, lm))
+        reference = probe.reference(
+            lm,
+            decoder,
+            functools.partial(_head_logits, lm),
+            functools.partial(refuse, lm),
+            getattr(decoder, norm_name) if norm_name else None,
+        )
+        if reference is not None and not reference.norm_last:
+            norm_name = None
 
-    settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode)
+    offload = CheckpointOffload() if offload_checkpoints else None
+    settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode, offload=offload)
     _install(lm, decoder, layers, StreamSettings(probe.PROBE_CHUNK, kv_mode) if reference else settings)
     patch(decoder, "_streambp_eval", bool(stream_eval))
     lm._streambp = StreamState(
@@ -171,6 +204,7 @@ def enable_streambp(
         logits_chunk_size=logits_chunk_size,
         temperature=float(temperature),
         fused_outputs=tuple(dict.fromkeys(("log_probs", *fused_outputs))),
+        final_norm=norm_name,
     )
     if reference is not None:
         try:
@@ -308,24 +342,30 @@ def _stream_forward(
     if return_dict is None:
         return_dict = self.config.return_dict
     kwargs["use_cache"] = False
-    decoded = _decoder(self)(*args, return_dict=True, **kwargs)
+    decoder = _decoder(self)
+    # the final norm runs inside the logit kernel (when it is the decoder's last step and no hidden states are asked)
+    norm = getattr(decoder, state.final_norm) if state.final_norm and not kwargs.get("output_hidden_states") else None
+    with bypassed(norm) if norm is not None else contextlib.nullcontext():
+        decoded = decoder(*args, return_dict=True, **kwargs)
     hidden = decoded.last_hidden_state
-    if shift_labels is None:
-        hidden, labels = hidden[:, :-1], labels[:, 1:]
-    else:
-        labels = shift_labels
     head = lm_head_linear(self)
-    hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+    hidden = hidden.to(head.weight.device)
+    labels = (labels[:, 1:] if shift_labels is None else shift_labels).to(head.weight.device)
     _check_labels(labels, head.weight.shape[0])
     mask = labels != -100
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
         raise ValueError("Every label is -100: there is no token to compute the loss on.")
     softcap, scale = _logit_transform(self.config.get_text_config())
+    # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
+    batch_idx, position = mask.nonzero(as_tuple=True)
+    rows = batch_idx * hidden.shape[1] + position
     stats = chunked_logprobs(
-        hidden[mask],
+        hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
         head.bias,
         labels[mask],
+        rows=rows,
+        norm=norm,
         temperature=state.temperature if fused_lm_head else 1.0,
         softcap=softcap,
         logit_scale=scale,

@@ -34,6 +34,25 @@ def temporarily(objects: Iterable, name: str, value) -> Iterator[None]:
             setattr(obj, name, old)
 
 
+@contextlib.contextmanager
+def bypassed(module: nn.Module) -> Iterator[None]:
+    """``module`` returns its first input unchanged for the duration of a ``with`` block (its instance dictionary is
+    restored exactly afterwards)."""
+    had, previous = "forward" in vars(module), vars(module).get("forward")
+    module.forward = _first_input
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = previous
+        else:
+            del module.forward
+
+
+def _first_input(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
 def patch(module: nn.Module, name: str, value) -> None:
     """Set ``module.<name> = value`` as an instance attribute, remembering what the instance had before."""
     patches = vars(module).setdefault(_PATCHES, {"saved": {}, "applied": {}})

@@ -20,6 +20,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .patching import bypassed
+
 PROBE_TOKENS = 11
 PROBE_CHUNK = 4  # several chunks, the last one shorter
 _PADDING = 3
@@ -36,6 +38,7 @@ class ProbeReference:
     attention_mask: torch.Tensor
     hidden: torch.Tensor  # the decoder's last hidden state, training mode, randomness off
     random: bool  # the decoder's training-mode output still changes with the seed: compare nothing
+    norm_last: bool = False  # the given final norm is the decoder's last step: the logit kernel may apply it
 
 
 def _probe_able(lm: nn.Module) -> bool:
@@ -91,8 +94,13 @@ def reference(
     decoder: PreTrainedModel,
     head_logits: Callable[[torch.Tensor], torch.Tensor],
     refuse: Callable[[str], None],
+    final_norm: nn.Module | None = None,
 ) -> ProbeReference | None:
-    """Run the probe input through the unmodified model; refuse a head the logit kernel does not reproduce."""
+    """Run the probe input through the unmodified model; refuse a head the logit kernel does not reproduce.
+
+    With ``final_norm``, also tell whether the decoder's output is ``final_norm`` applied to what the decoder returns
+    when that module is bypassed (so the logit kernel can apply it tile by tile instead).
+    """
     if not _probe_able(lm):
         return None
     device = _device(lm)
@@ -105,7 +113,12 @@ def reference(
     try:
         with _quiet(lm):
             logits = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).logits
-            own = head_logits(_hidden(decoder, ids, mask))
+            post = _hidden(decoder, ids, mask)
+            own = head_logits(post)
+            if final_norm is not None:
+                with bypassed(final_norm):
+                    pre = _hidden(decoder, ids, mask)
+                norm_last = _relative_difference(final_norm(pre), post, valid) <= _tolerance(lm)
         with _quiet(lm, decoder):
             hidden = _hidden(decoder, ids, mask)
         with _quiet(lm, decoder):
@@ -123,7 +136,7 @@ def reference(
             "its logits are not a linear LM head of the decoder's last hidden state (the model transforms the hidden "
             f"states before the output projection; relative difference {diff:.1e})"
         )
-    return ProbeReference(ids, mask, hidden, random)
+    return ProbeReference(ids, mask, hidden, random, final_norm is not None and norm_last)
 
 
 def check_streamed(

@@ -51,6 +51,7 @@ from torch.utils import checkpoint
 
 from .attention import StreamMask, stream_configs, streaming
 from .kv_cache import ChunkCache, KVCollected, KVStore
+from .offload import CheckpointOffload
 
 KV_MODES = ("recompute", "capture")
 
@@ -69,10 +70,13 @@ class StreamSettings:
     ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward).
     ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
+    ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
+    on the device (see :mod:`streambp_trl.offload`).
     """
 
     chunk_size: int
     kv_mode: str = "recompute"
+    offload: CheckpointOffload | None = None
 
 
 class _RngState:
@@ -190,9 +194,7 @@ class _LayerCall:
                 elif rng == "replay":
                     self.rng[i].restore()
                 p = self.prefix_start(s)
-                cache = ChunkCache(s, s - p, kv.range(p, s))
-                out = self.run(x[:, s:e], s, e, cache)
-                kv.write(s, e, cache)
+                out = self.run(x[:, s:e], s, e, ChunkCache(kv, s, s - p))
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
                 y[:, s:e] = out
@@ -211,14 +213,12 @@ class _LayerCall:
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
-                cache = ChunkCache(s, stop=True)
                 try:
-                    self.run(x[:, s:e], s, e, cache)  # stops before attention: no prefix needed
+                    self.run(x[:, s:e], s, e, ChunkCache(kv, s, stop=True))  # stops before attention
                 except KVCollected:
                     pass
                 else:
                     raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
-                kv.write(s, e, cache)
         return kv
 
     def backward_chunks(
@@ -251,7 +251,7 @@ class _LayerCall:
                 i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
                 for i, (k, v) in kv.range(p, s).items()
             }
-            cache = ChunkCache(s, s - p, prefix)
+            cache = ChunkCache(kv, s, s - p, prefix)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
             with torch.enable_grad():
@@ -294,13 +294,17 @@ class _StreamLayerFunction(torch.autograd.Function):
         capture = call.settings.kv_mode == "capture"
         y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
-        ctx.save_for_backward(x, *(kv.flat() if capture else ()))
+        saved = (x, *(kv.flat() if capture else ()))
+        kept = call.settings.offload.save(saved) if call.settings.offload is not None else saved
+        ctx.kept = None if isinstance(kept, tuple) else kept
+        ctx.save_for_backward(*(kept if ctx.kept is None else ()))
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, *flat = ctx.saved_tensors
         call = ctx.call
+        x, *flat = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
+        ctx.kept = None
         kv = KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])

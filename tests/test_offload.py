@@ -1,0 +1,89 @@
+"""Checkpoint offload: the saved inputs go through host copies and come back bit-identical, one layer ahead."""
+
+import copy
+
+import pytest
+import torch
+from models import batch, tiny_model
+
+from streambp_trl import enable_streambp
+from streambp_trl.offload import CheckpointOffload
+
+
+class _CopyingOffload(CheckpointOffload):
+    """Offload that also moves CPU tensors (to plain host memory, there being no pinned allocator here), recording
+    what it saved, loaded and prefetched, so the whole copy path runs on this machine."""
+
+    def __init__(self):
+        super().__init__(pin_memory=False)
+        self.events: list[tuple[str, int]] = []
+        self.ids: dict[int, int] = {}
+
+    def offloads(self, t: torch.Tensor) -> bool:
+        return True
+
+    def save(self, tensors):
+        kept = super().save(tensors)
+        self.ids[id(kept)] = len(self.ids)
+        self.events.append(("save", self.ids[id(kept)]))
+        original = kept.prefetch
+
+        def prefetch(side, _kept=kept):
+            if _kept.back is None and _kept.host is not None:
+                self.events.append(("prefetch", self.ids[id(_kept)]))
+            return original(side)
+
+        kept.prefetch = prefetch
+        return kept
+
+    def load(self, kept):
+        self.events.append(("load", self.ids[id(kept)]))
+        return super().load(kept)
+
+
+def _grads(model, ids, mask, labels):
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kv_mode", ["recompute", "capture"])
+def test_offload_gives_identical_gradients_and_prefetches_one_layer_ahead(kv_mode):
+    layers = 3
+    model = tiny_model("qwen3", num_hidden_layers=layers)
+    plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4, kv_mode=kv_mode)
+    offloaded = enable_streambp(model, stream_chunk_size=4, kv_mode=kv_mode, offload_checkpoints=True)
+    recorder = _CopyingOffload()
+    settings = offloaded._streambp.settings
+    object.__setattr__(settings, "offload", recorder)  # the layers' hooks hold these settings
+    data = batch(padding="left")
+    loss, grads = _grads(plain, *data)
+    loss_off, grads_off = _grads(offloaded, *data)
+    assert torch.equal(loss, loss_off)
+    assert grads.keys() == grads_off.keys()
+    for name, g in grads.items():
+        assert torch.equal(g, grads_off[name]), name
+    # forward saves layers 0..2; backward loads 2 (prefetching 1), then 1 (already there; prefetching 0), then 0
+    expected = [("save", i) for i in range(layers)]
+    expected += [("load", 2), ("prefetch", 2), ("prefetch", 1), ("load", 1), ("prefetch", 0), ("load", 0)]
+    assert recorder.events == expected
+
+
+def test_offload_is_a_no_op_on_cpu():
+    model = tiny_model("llama", num_hidden_layers=2)
+    plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=5)
+    offloaded = enable_streambp(model, stream_chunk_size=5, offload_checkpoints=True)
+    offload = offloaded._streambp.settings.offload
+    assert isinstance(offload, CheckpointOffload) and offload._last is None
+    data = batch()
+    loss, grads = _grads(plain, *data)
+    loss_off, grads_off = _grads(offloaded, *data)
+    assert torch.equal(loss, loss_off) and all(torch.equal(g, grads_off[n]) for n, g in grads.items())
+    assert offload._last is None  # nothing was copied
+    assert copy.deepcopy(offloaded)._streambp.settings.offload is not offload
+
+
+def test_offload_option_is_checked():
+    with pytest.raises(ValueError, match="offload_checkpoints"):
+        enable_streambp(tiny_model("llama"), stream_chunk_size=4, offload_checkpoints="yes")
