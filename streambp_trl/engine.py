@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 
 import torch
 from torch import nn
@@ -42,6 +43,8 @@ from .offload import CheckpointOffload
 from .patching import bind, bypassed, guarded_set_gradient_checkpointing, original, patch, temporarily, unpatch
 from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from .support import check_supported, refuse, takes_cache
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,19 +109,98 @@ def _final_norm_name(decoder: nn.Module | None) -> str | None:
 
 
 def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:
-    """The ``nn.Linear`` the LM head applies, looking through PEFT's ``modules_to_save`` wrapper."""
+    """The ``nn.Linear`` the LM head applies, looking through PEFT's ``modules_to_save`` wrapper.
+
+    Subclasses of ``nn.Linear`` that keep its ``forward`` are accepted: FSDP2 turns a sharded module into a dynamic
+    subclass (``FSDPLinear``) whose parameters are whole inside the root's forward and backward. Anything that
+    computes differently (an adapter such as PEFT's LoRA layer, a quantized linear) is refused.
+    """
     head = lm.get_output_embeddings()
     while hasattr(head, "modules_to_save") and hasattr(head, "original_module"):
         active = list(getattr(head, "active_adapters", []))
         use_original = head.disable_adapters or not active or active[0] not in head.modules_to_save
         head = head.original_module if use_original else head.modules_to_save[active[0]]
-    if type(head) is not nn.Linear:
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
         why = f"its LM head is a {type(head).__module__}.{type(head).__name__}, not the torch.nn.Linear the chunked "
         why += "logit kernel applies"
         if hasattr(head, "base_layer"):
             why += " (an adapter on lm_head: keep lm_head out of target_modules, or list it in modules_to_save)"
         refuse(lm, why)
     return head
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSpeed ZeRO-3 (deepspeed is imported only when the model or the run uses ZeRO-3)
+
+
+def _zero3_params(params) -> list[nn.Parameter]:
+    """The parameters among ``params`` that ZeRO-3 partitions (they carry ``ds_id``)."""
+    return [p for p in params if p is not None and hasattr(p, "ds_id")]
+
+
+def zero3_enabled(model: nn.Module) -> bool:
+    """Whether ``model`` is (or will be) trained under DeepSpeed ZeRO-3: its parameters are partitioned already
+    (``zero.Init``), or transformers' DeepSpeed config (set by ``TrainingArguments``) says stage 3."""
+    if _zero3_params(model.parameters()):
+        return True
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return is_deepspeed_zero3_enabled()
+
+
+def mark_zero3_leaves(model: nn.Module) -> None:
+    """Make each streamed decoder layer a ZeRO-3 leaf module (``deepspeed.utils.set_z3_leaf_module``).
+
+    ZeRO-3 gathers a module's parameters in forward and backward hooks on every submodule. A streamed layer runs
+    its submodules once per chunk, and its autograd Function takes the layer's parameters as inputs (their whole
+    shapes must be there when it is applied, and when its gradients arrive), so the layer must be gathered whole:
+    as a leaf, its parameters are gathered once for its forward and once for its backward, whatever the number of
+    chunks. Must run before ``deepspeed.initialize`` (which registers the hooks); the trainers do this at construction.
+    The flag is DeepSpeed's own and stays after ``disable_streambp``: DeepSpeed's hooks were registered by it, and a
+    leaf layer runs its own forward just as well.
+    """
+    lm = _causal_lm(model)
+    decoder = _decoder(lm)
+    layers = _decoder_layers(decoder) if decoder is not None else []
+    if not layers:
+        return
+    from deepspeed.utils import set_z3_leaf_module, z3_leaf_module
+
+    late = [layer for layer in layers if not z3_leaf_module(layer) and _registered_by_deepspeed(layer)]
+    if late:
+        logger.warning(
+            "StreamBP: %s was prepared by DeepSpeed ZeRO-3 before its decoder layers were made leaf modules; each "
+            "chunk may gather parameters again. Install the engine (or call mark_zero3_leaves) before "
+            "deepspeed.initialize.",
+            type(lm).__name__,
+        )
+    for layer in layers:
+        set_z3_leaf_module(layer, True)
+
+
+def _registered_by_deepspeed(layer: nn.Module) -> bool:
+    """Whether DeepSpeed's ZeRO-3 hooks were registered on ``layer``'s submodules (each then has a ``ds_id``)."""
+    return any(hasattr(m, "ds_id") for m in layer.modules() if m is not layer)
+
+
+def _zero3_gathered(params) -> functools.partial | None:
+    """A context factory for the logit kernel: the ZeRO-3 parameters among ``params`` that are partitioned when it is
+    entered are gathered, and partitioned again on exit; those DeepSpeed already holds whole (the LM head as an
+    external parameter of the causal LM, gathered by its forward and pre-backward hooks) are left to it. Every rank
+    runs the same modules, so every rank issues the same gathers; ``None`` without ZeRO-3 parameters."""
+    params = _zero3_params(params)
+    return functools.partial(_gather_partitioned, params) if params else None
+
+
+@contextlib.contextmanager
+def _gather_partitioned(params: list[nn.Parameter]):
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters, ZeroParamStatus
+
+    partitioned = [p for p in params if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    with GatheredParameters(partitioned, enabled=bool(partitioned)):
+        yield
 
 
 def _positive(name: str, value) -> int:
@@ -182,6 +264,8 @@ def enable_streambp(
     layers = _decoder_layers(decoder) if decoder is not None else []
     check_supported(lm, decoder, layers)
     lm_head_linear(lm)
+    if zero3_enabled(lm):
+        mark_zero3_leaves(lm)
     reference = None
     norm_name = _final_norm_name(decoder)
     if verify:
@@ -223,6 +307,7 @@ def _install(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list, settin
         patch(layer, "gradient_checkpointing", True)
         patch(layer, "_gradient_checkpointing_func", hook)
         patch(layer, "_can_checkpoint_with_cache", True)  # a generation cache reaches the hook, which keeps it
+        patch(layer, "_streambp_recycle", False)  # set for a streamed call that keeps no hidden states
     for module in lm.modules():
         if isinstance(module, PreTrainedModel):
             patch(module, "_set_gradient_checkpointing", bind(guarded_set_gradient_checkpointing, module))
@@ -284,9 +369,14 @@ def _stream_decoder_forward(self, *args, **kwargs):
         kwargs.pop(k, None)
     kwargs["use_cache"] = False
     layers = _decoder_layers(self)
+    hidden_states_kept = kwargs.get("output_hidden_states") or self.config.output_hidden_states
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
     # for an eval-mode streamed call, so dropout and the like stay off
-    with streaming(stream_configs(self, *layers)), temporarily(layers, "training", True):
+    with (
+        streaming(stream_configs(self, *layers)),
+        temporarily(layers, "training", True),
+        temporarily(layers, "_streambp_recycle", not hidden_states_kept),
+    ):
         return forward(*args, **kwargs)
 
 
@@ -349,6 +439,7 @@ def _stream_forward(
         decoded = decoder(*args, return_dict=True, **kwargs)
     hidden = decoded.last_hidden_state
     head = lm_head_linear(self)
+    gathered = _zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)
     labels = (labels[:, 1:] if shift_labels is None else shift_labels).to(head.weight.device)
     _check_labels(labels, head.weight.shape[0])
@@ -371,6 +462,7 @@ def _stream_forward(
         logit_scale=scale,
         token_chunk=state.logits_chunk_size,
         outputs=state.fused_outputs if fused_lm_head else ("log_probs",),
+        gathered=gathered,
     )
     # masked_scatter keeps the outputs connected to the graph even when no label is valid
     per_token = {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}

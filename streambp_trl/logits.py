@@ -22,13 +22,22 @@ It runs as two autograd nodes, so their large buffers are never alive together:
 
 Accumulators are float32 for half-precision inputs and the input dtype otherwise (float64 stays exact).
 
+Sharded parameters: ``gathered`` (a factory of context managers, given by the caller, e.g. the engine's ZeRO-3 gather)
+is entered once around the forward and once around each backward node, whatever the number of tiles, so every rank
+issues the same collectives. The norm is applied with its ``forward`` (no module hooks per tile), and the weight, bias
+and norm parameters are read inside that context: the backward nodes keep the parameters themselves (not detached
+copies), so they see whatever the parameters hold when the node runs (DeepSpeed ZeRO-3 swaps ``param.data``).
+
 Memory beyond the inputs: a few tiles, per-row statistics (a few floats per row), dh (M, H) in the hidden node and
 dW (V, H) in the weight node. ``h`` is saved as it is (no gathered copy of the labelled rows, no normalised copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 from torch import nn
@@ -101,6 +110,9 @@ class _Head:
     cdt: torch.dtype  # the matmul dtype (the autocast dtype, if autocast is on)
     acc: torch.dtype
     autocast: dict
+    weight: torch.Tensor  # the LM head's weight and bias as given (parameters), read again in backward
+    bias: torch.Tensor | None
+    gathered: Callable[[], ContextManager] = contextlib.nullcontext
 
     @property
     def n(self) -> int:
@@ -116,10 +128,11 @@ class _Head:
         return hidden[i:j] if self.rows is None else hidden.index_select(0, self.rows[i:j])
 
     def normed(self, h: torch.Tensor) -> torch.Tensor:
-        """norm(h) in the matmul dtype (under the forward's autocast state)."""
+        """norm(h) in the matmul dtype (under the forward's autocast state). The norm's ``forward`` is called, not the
+        module: per-tile module hooks (ZeRO-3's gather and release) would make the collectives depend on the tiles."""
         if self.norm is not None:
             with torch.autocast(**self.autocast):
-                h = self.norm(h)
+                h = self.norm.forward(h)
         return h.to(self.cdt)
 
     def tile_logits(self, n: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int):
@@ -201,19 +214,27 @@ class _HiddenNode(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         with torch.no_grad():
             log_z, *stats = _statistics(head, hidden, weight, bias)
-        ctx.save_for_backward(hidden, weight, bias, log_z, stats[1])
+        ctx.save_for_backward(hidden, head.weight, head.bias, log_z, stats[1])
         ctx.head, ctx.norm_params = head, norm_params
         ctx.mark_non_differentiable(log_z, *(x for x in stats[2:] if x is not None))
         return log_z, *stats
 
     @staticmethod
     def backward(ctx, _g_log_z, g_logp, g_ent, *_):
-        hidden, weight, bias, log_z, entropy = ctx.saved_tensors
-        head: _Head = ctx.head
-        need_h, params = ctx.needs_input_grad[1], list(ctx.norm_params)
-        need_p = [ctx.needs_input_grad[4 + k] for k in range(len(params))]
+        params = list(ctx.norm_params)
+        need_h, need_p = ctx.needs_input_grad[1], [ctx.needs_input_grad[4 + k] for k in range(len(params))]
         if (g_logp is None and g_ent is None) or not (need_h or any(need_p)):
             return (None,) * (4 + len(params))
+        with ctx.head.gathered():
+            hidden, weight, bias, log_z, entropy = ctx.saved_tensors
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+            dh, dparams = _HiddenNode._backward(ctx, hidden, weight, bias, log_z, entropy, g_logp, g_ent, need_p)
+        return None, dh, None, None, *dparams
+
+    @staticmethod
+    def _backward(ctx, hidden, weight, bias, log_z, entropy, g_logp, g_ent, need_p):
+        head: _Head = ctx.head
+        need_h, params = ctx.needs_input_grad[1], list(ctx.norm_params)
         dh = (torch.zeros_like if head.rows is not None else torch.empty_like)(hidden) if need_h else None
         dparams = [
             torch.zeros(p.shape, device=p.device, dtype=_acc_dtype(p.dtype)) if need else None
@@ -244,8 +265,7 @@ class _HiddenNode(torch.autograd.Function):
                     dh[i:j] = dh_rows
                 else:
                     dh.index_copy_(0, head.rows[i:j], dh_rows.to(dh.dtype))
-        dparams = [None if d is None else d.to(p.dtype) for d, p in zip(dparams, params, strict=True)]
-        return None, dh, None, None, *dparams
+        return dh, [None if d is None else d.to(p.dtype) for d, p in zip(dparams, params, strict=True)]
 
 
 class _WeightNode(torch.autograd.Function):
@@ -262,11 +282,18 @@ class _WeightNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        weight, bias, hidden, log_z, entropy = ctx.saved_tensors
-        head: _Head = ctx.head
-        need_w, need_b = ctx.needs_input_grad[1:3]
         if g_logp is None and g_ent is None:
             return (None,) * 6
+        with ctx.head.gathered():
+            weight, bias, hidden, log_z, entropy = ctx.saved_tensors
+            weight, bias = weight.detach(), None if bias is None else bias.detach()
+            dw, db = _WeightNode._backward(ctx, weight, bias, hidden, log_z, entropy, g_logp, g_ent)
+        return None, dw, db, None, None, None
+
+    @staticmethod
+    def _backward(ctx, weight, bias, hidden, log_z, entropy, g_logp, g_ent):
+        head: _Head = ctx.head
+        need_w, need_b = ctx.needs_input_grad[1:3]
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b else None
         for v0, v1 in head.vocab_tiles(weight.shape[0]):
@@ -284,7 +311,7 @@ class _WeightNode(torch.autograd.Function):
                 dw[v0:v1] = acc_w
             if need_b:
                 db[v0:v1] = acc_b
-        return None, dw, db, None, None, None
+        return dw, db
 
 
 def chunked_logprobs(
@@ -301,11 +328,14 @@ def chunked_logprobs(
     token_chunk: int = 4096,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     outputs: tuple[str, ...] = ("log_probs",),
+    gathered: Callable[[], ContextManager] | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """Per-row statistics of ``norm(hidden[rows]) @ weight.T (+ bias)`` at ``targets``; see the module docstring.
 
     ``hidden`` is (M, H); ``rows`` (N,) selects the rows to score (all M when ``None``); ``targets`` is (N,).
-    ``norm`` is a row-wise module (the model's final norm) applied to each tile, or ``None``.
+    ``norm`` is a row-wise module (the model's final norm) applied to each tile (its ``forward``), or ``None``.
+    ``gathered``: a factory of context managers inside which ``weight``, ``bias`` and the norm's parameters hold their
+    whole values (sharded parameters); entered once for the forward and once per backward node.
     Returns a dict with every name of :data:`STAT_OUTPUTS`; those not in ``outputs`` are ``None``.
     """
     unknown = set(outputs) - set(STAT_OUTPUTS)
@@ -326,15 +356,22 @@ def chunked_logprobs(
         cdt,
         _acc_dtype(hidden.dtype),
         _autocast_state(device),
+        weight,
+        bias,
+        gathered or contextlib.nullcontext,
     )
-    norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []
-    detached_bias = None if bias is None else bias.detach()
-    log_z, log_probs, entropy, *rest = _HiddenNode.apply(head, hidden, weight.detach(), detached_bias, *norm_params)
-    if weight.requires_grad or (bias is not None and bias.requires_grad):
-        hidden_only = hidden.detach()
-        zero_lp, zero_ent = _WeightNode.apply(
-            head, weight, bias, hidden_only, log_z, None if entropy is None else entropy.detach()
+    # under the gather: the autograd nodes record the parameters' whole shapes
+    with head.gathered():
+        norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []
+        detached_bias = None if bias is None else bias.detach()
+        log_z, log_probs, entropy, *rest = _HiddenNode.apply(
+            head, hidden, weight.detach(), detached_bias, *norm_params
         )
-        log_probs = log_probs + zero_lp
-        entropy = entropy if entropy is None else entropy + zero_ent
+        if weight.requires_grad or (bias is not None and bias.requires_grad):
+            hidden_only = hidden.detach()
+            zero_lp, zero_ent = _WeightNode.apply(
+                head, weight, bias, hidden_only, log_z, None if entropy is None else entropy.detach()
+            )
+            log_probs = log_probs + zero_lp
+            entropy = entropy if entropy is None else entropy + zero_ent
     return dict(zip(STAT_OUTPUTS, (log_probs, entropy, *rest), strict=True))

@@ -5,7 +5,8 @@ It catches what no list of known architectures can: an LM head that transforms h
 projection, attention code that reads the mask tensor itself, token mixing outside attention, layer arguments the
 engine cannot split. It costs two short forward passes (batch 2, 11 tokens, one row left-padded) under no grad, on
 the model's device and dtype, with the global random state left as it was. Models whose weights are not
-materialised (meta tensors, ZeRO-3 partitions) are not probed.
+materialised and whole in this process (meta tensors, ZeRO-3 partitions, FSDP2 DTensor shards) are not
+probed.
 """
 
 from __future__ import annotations
@@ -42,7 +43,18 @@ class ProbeReference:
 
 
 def _probe_able(lm: nn.Module) -> bool:
-    return all(not p.is_meta and p.numel() > 0 for p in lm.parameters())
+    """Whether the probe can run ``lm`` as it is, in this process alone: every parameter materialised and whole.
+
+    Not probed: meta tensors; ZeRO-3 partitions (empty until DeepSpeed gathers them); DTensor parameters (FSDP2's
+    ``fully_shard``, tensor parallelism), which only the sharded modules' own hooks make whole, with collectives.
+    The probe calls the decoder and the head directly, and ``enable_streambp`` may run on one rank at a time (the
+    DPO reference model is sharded inside TRL's constructor), so probing through the root would issue collectives
+    that the other ranks never join. A sharded model is the same architecture as the unsharded one, which the
+    probe checks in a one-process run; the trainers' distributed tests check it sharded.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return all(not p.is_meta and p.numel() > 0 and not isinstance(p, DTensor) for p in lm.parameters())
 
 
 @contextmanager

@@ -13,8 +13,12 @@ equals one process's step on the whole batch (tests/test_distributed_trainer.py 
   final norm and LM head as one unit).
 * ``zero1`` / ``zero2`` / ``zero3`` / ``zero3_offload``: DeepSpeed through the Trainer (``TrainingArguments.
   deepspeed``, accelerate's DeepSpeed plugin) on gloo, the config from ``deepspeed_config``; ``zero3_offload``
-  offloads parameters and optimizer states to the CPU. ZeRO-3 partitions every parameter
-  (``stage3_param_persistence_threshold: 0``); ``--z3-leaf`` makes the decoder layers ZeRO-3 leaf modules.
+  offloads parameters and optimizer states to the CPU, with ``zero_force_ds_cpu_optimizer`` false (by default
+  DeepSpeed applies its own CPU optimizer there, and the update is Adam's, not SGD's).
+  ZeRO-3 partitions every parameter (``stage3_param_persistence_threshold: 0``); the stream engine makes the
+  decoder layers ZeRO-3 leaf modules itself.
+
+``--chunk`` sets both ``stream_chunk_size`` and ``logits_chunk_size``: the logit kernel's tile count changes with it.
 
 Rank 0 writes the applied update of every parameter (weights after the step minus before, float64, divided by the
 learning rate), the logged metrics and the collective calls of the training step to ``--out``.
@@ -57,6 +61,7 @@ def deepspeed_config(wrap: str) -> dict:
         "gradient_clipping": "auto",
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # keep the Trainer's SGD with the optimizer offloaded
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
     }
@@ -93,7 +98,7 @@ def training_args(
         seed=0,
         dataloader_num_workers=0,
         stream_chunk_size=chunk,
-        logits_chunk_size=5,
+        logits_chunk_size=chunk,
         max_length=128,
         use_cpu=wrap in ("none", "ddp"),
     )
@@ -211,7 +216,6 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--fsdp", choices=("layers", "accelerate"), default="layers")
-    parser.add_argument("--z3-leaf", action="store_true", help="decoder layers as DeepSpeed ZeRO-3 leaf modules")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -254,10 +258,6 @@ def main() -> None:
     )
     if args.wrap == "fsdp2" and fsdp_layers:  # sharded already: no wrap policy (it looks for Qwen3DecoderLayer)
         trainer.accelerator.state.fsdp_plugin.auto_wrap_policy = None
-    if args.z3_leaf:
-        import deepspeed
-
-        deepspeed.utils.set_z3_leaf_modules(model, list({type(layer) for layer in model.model.layers}))
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = full_parameters(unwrapped)
@@ -266,8 +266,10 @@ def main() -> None:
     summary = {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "wrapper": type(trainer.model_wrapped).__name__,
+        "wrapper_bases": [cls.__name__ for cls in type(trainer.model_wrapped).__mro__],
         "num_processes": trainer.accelerator.num_processes,
         "partitioned_at_load": partitioned_at_load,
+        "z3_leaf_layers": sum(bool(getattr(layer, "_z3_leaf", False)) for layer in unwrapped.model.layers),
         "collectives": counter.summary(unwrapped),
     }
     if int(os.environ["RANK"]) == 0:

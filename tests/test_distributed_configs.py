@@ -1,5 +1,5 @@
-"""The shipped accelerate / DeepSpeed configs (configs/accelerate) parse and say what the README says, and context or
-sequence parallelism is refused when a stream trainer is built."""
+"""The shipped accelerate / DeepSpeed configs (configs/accelerate) parse and say what the README says, context or
+sequence parallelism is refused when a stream trainer is built, and ZeRO-3 gets the decoder layers as leaf modules."""
 
 from __future__ import annotations
 
@@ -93,3 +93,35 @@ def test_context_and_sequence_parallelism_are_refused_at_construction(tmp_path, 
     with pytest.raises(ValueError, match="shards each sequence across ranks"):
         _refuse_unsupported_parallelism(fake)
     _refuse_unsupported_parallelism(SimpleNamespace(args=SimpleNamespace(parallelism_config=ParallelismConfig())))
+
+
+def test_zero3_marks_the_decoder_layers_as_leaf_modules_and_the_mark_survives():
+    """Under ZeRO-3 (transformers' DeepSpeed config says stage 3) enable_streambp makes every decoder layer a ZeRO-3
+    leaf module; the flag is DeepSpeed's and stays through disable_streambp and deepcopy, and the layers still train
+    exactly (one process, no DeepSpeed engine)."""
+    import copy
+
+    pytest.importorskip("deepspeed")
+    import torch
+    from models import batch, max_rel_grad_error, reference_loss, tiny_model
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    from streambp_trl import disable_streambp, enable_streambp
+
+    plain = tiny_model("qwen3", dtype=torch.float64)
+    model = tiny_model("qwen3", dtype=torch.float64)
+    config = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        enable_streambp(model, stream_chunk_size=5)
+    finally:
+        unset_hf_deepspeed_config()
+    del config
+    assert all(layer._z3_leaf for layer in model.model.layers)
+    assert all(layer._z3_leaf for layer in copy.deepcopy(model).model.layers)
+    ids, mask, labels = batch()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    reference_loss(plain, ids, mask, labels).backward()
+    err, name = max_rel_grad_error(plain, model)
+    assert err < 1e-10, (name, err)
+    disable_streambp(model)
+    assert all(layer._z3_leaf for layer in model.model.layers)

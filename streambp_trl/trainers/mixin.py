@@ -6,8 +6,9 @@ import copy
 import logging
 
 import torch
+from torch import nn
 
-from ..engine import enable_streambp
+from ..engine import enable_streambp, mark_zero3_leaves, zero3_enabled
 from .stream_config import resolve_stream_options
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,24 @@ def _refuse_unsupported_parallelism(trainer) -> None:
             )
 
 
+def _zero3_run(args) -> bool:
+    """Whether ``args`` (the trainer's config) trains under DeepSpeed ZeRO-3: a ``deepspeed`` config, or accelerate's
+    DeepSpeed plugin (``accelerate launch`` with a ZeRO-3 config, with or without ``zero3_init_flag``)."""
+    plugin = getattr(args, "deepspeed_plugin", None)
+    return getattr(plugin, "zero_stage", None) == 3
+
+
+def _mark_zero3_leaves(models) -> None:
+    """Each transformers model among ``models`` gets its decoder layers marked as ZeRO-3 leaf modules (see
+    :func:`streambp_trl.engine.mark_zero3_leaves`); anything else (a model name, a dataset) is skipped."""
+    for model in models:
+        if isinstance(model, nn.Module):
+            try:
+                mark_zero3_leaves(model)
+            except TypeError:  # not a transformers model: enable_streambp will say so
+                pass
+
+
 class StreamTrainerMixin:
     """Installs StreamBP on the policy ``self.model`` and on a separate ``self.ref_model`` (eval-mode passes stream
     too, so reference and evaluation passes reach the training length), and logs the stream settings and, on CUDA,
@@ -57,6 +76,14 @@ class StreamTrainerMixin:
     """
 
     stream_options: dict | None = None
+
+    def __init__(self, *args, **kwargs):
+        # Under ZeRO-3 the decoder layers must be leaf modules before DeepSpeed registers its hooks, which TRL does
+        # inside its constructor for a reference model (DPO): mark the models given here first.
+        config = kwargs.get("args", next((a for a in args if hasattr(a, "deepspeed_plugin")), None))
+        if _zero3_run(config):
+            _mark_zero3_leaves([*args, *kwargs.values()])
+        super().__init__(*args, **kwargs)
 
     def _max_length(self) -> int | None:
         return getattr(self.args, "max_length", None)
@@ -81,6 +108,8 @@ class StreamTrainerMixin:
             )
         options = resolve_stream_options(self.args, self._max_length())
         extra = self._engine_options()
+        if _zero3_run(self.args) and not zero3_enabled(self.model):  # enable_streambp marks them when it can tell
+            _mark_zero3_leaves([self.model])
         enable_streambp(self.model, **options, **extra, fused_outputs=self._fused_outputs(), stream_eval=True)
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
