@@ -33,8 +33,10 @@ second to last, any other tensor on its one dimension after the batch whose leng
 Randomness: each chunk's random state (CPU and the input's device) is kept from the forward and restored for every
 recompute of that chunk, so dropout, LoRA dropout, sampled routing and jitter draw what the forward drew.
 
-Memory of one layer's backward beyond the saved inputs: dY, dx (batch, T, hidden), K, V, dK_acc, dV_acc
-(batch, T, kv_dim each, per slot), one chunk's activations and one (chunk x prefix) attention block.
+Memory of one layer's backward beyond the saved inputs: dY and dx (batch, T, hidden; dx is written over the saved
+input when that is the previous stream layer's output and nothing else keeps it), K, V, dK_acc, dV_acc (batch, T,
+kv_dim each, per slot), one chunk's activations and one (chunk x prefix) attention block. With ``offload`` the saved
+inputs wait in host memory (:mod:`streambp_trl.offload`), and the device holds the current and the next layer's.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 from collections.abc import Iterator
 
 import torch
@@ -51,32 +52,29 @@ from torch.utils import checkpoint
 
 from .attention import StreamMask, stream_configs, streaming
 from .kv_cache import ChunkCache, KVCollected, KVStore
+from .layer_args import CACHE_KWARGS, parameter_names, per_token, slice_arg
 from .offload import CheckpointOffload
+from .sizing.auto import AutoChunks, rule_of_thumb
 
 KV_MODES = ("recompute", "capture")
-
-# Keyword arguments a layer call may carry that are not per-token tensors to slice: flash-attention's packed
-# sequence descriptors, ignored by stream attention, which reads packing from the mask.
-_PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
-# Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
-_PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 
 
 @dataclasses.dataclass(frozen=True)
 class StreamSettings:
     """How the decoder layers are streamed.
 
-    ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward).
+    ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward), or ``"auto"``: the
+    decoder chooses it for each call with ``auto`` (and sets it on the layers as ``_streambp_chunk``).
     ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
     ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
     on the device (see :mod:`streambp_trl.offload`).
     """
 
-    chunk_size: int
+    chunk_size: int | str  # or "auto": chosen per call (see streambp_trl.sizing.auto)
     kv_mode: str = "recompute"
     offload: CheckpointOffload | None = None
+    auto: AutoChunks | None = None
 
 
 class _RngState:
@@ -101,29 +99,6 @@ def _rng_fork(x: torch.Tensor) -> Iterator[None]:
         yield
 
 
-def _sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:
-    """The dimension of a per-token layer argument that runs along the sequence, or None if it has none."""
-    if name in _PER_TOKEN_LAST:
-        return t.dim() - 1 if t.dim() and t.shape[-1] == seq_len else None
-    if name == "position_embeddings":
-        return t.dim() - 2 if t.dim() >= 2 and t.shape[-2] == seq_len else None
-    first = 1 if t.dim() > 1 and t.shape[0] in (batch, 1) else 0
-    dims = [d for d in range(first, t.dim()) if t.shape[d] == seq_len]
-    if len(dims) > 1:
-        raise ValueError(
-            f"StreamBP cannot tell which dimension of the layer argument `{name}` (shape {tuple(t.shape)}) runs along "
-            f"the {seq_len}-token sequence."
-        )
-    return dims[0] if dims else None
-
-
-def _slice(value, dim_map, s: int, e: int):
-    if isinstance(value, torch.Tensor):
-        dim = dim_map
-        return value if dim is None else value.narrow(dim, s, e - s)
-    return type(value)(_slice(v, d, s, e) for v, d in zip(value, dim_map, strict=True))
-
-
 @dataclasses.dataclass
 class _LayerCall:
     """One decoder-layer call, able to run any chunk of the sequence.
@@ -143,6 +118,8 @@ class _LayerCall:
     configs: tuple
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
+    recycle_input: bool = False  # x is the previous stream layer's output, held by nothing else: dx may reuse it
+    chunk_size: int = 0  # tokens per chunk of this call
     rng: list[_RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
 
@@ -152,7 +129,7 @@ class _LayerCall:
         return mask if isinstance(mask, StreamMask) else None
 
     def chunks(self) -> list[tuple[int, int]]:
-        c = self.settings.chunk_size
+        c = self.chunk_size
         return [(s, min(s + c, self.seq_len)) for s in range(0, self.seq_len, c)]
 
     def prefix_start(self, s: int) -> int:
@@ -167,7 +144,7 @@ class _LayerCall:
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask.at(s, s - cache.prefix_len)
         for name, dims in self.per_token.items():
-            kwargs[name] = _slice(kwargs[name], dims, s, e)
+            kwargs[name] = slice_arg(kwargs[name], dims, s, e)
         kwargs.update(leaves or {})
         kwargs[self.cache_name] = cache
         with torch.autocast(**self.autocast), streaming(self.configs):
@@ -236,7 +213,9 @@ class _LayerCall:
     def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra):
         kv = kv if kv is not None else self.collect_kv(x)
         dkv = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in kv.kv.items()}
-        dx = torch.empty_like(x) if need_dx else None
+        # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
+        # gradient can take its place when x is only this layer's saved input
+        dx = (x if self.recycle_input else torch.empty_like(x)) if need_dx else None
         extra = [
             (n, self.kwargs[n], self.per_token[n])
             for n, need in zip(self.grad_inputs, need_extra, strict=True)
@@ -322,36 +301,6 @@ def _autocast_state(device_type: str) -> dict:
     }
 
 
-def _per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[dict, tuple[str, ...]]:
-    """Which arguments to slice per chunk, and along which dimension, and which of them carry gradient (only a
-    per-token tensor argument may)."""
-    per_token, grad_inputs = {}, []
-    for name, value in kwargs.items():
-        if name in ("attention_mask", *_CACHE_KWARGS) or name in _PASS_THROUGH:
-            continue
-        tensors = value if isinstance(value, (tuple, list)) else (value,)
-        dims = []
-        for t in tensors:
-            if not isinstance(t, torch.Tensor):
-                dims.append(None)
-                continue
-            dims.append(_sequence_dim(name, t, batch, seq_len))
-            if t.requires_grad and not (isinstance(value, torch.Tensor) and dims[-1] is not None):
-                raise ValueError(
-                    f"StreamBP: {type(layer).__name__} receives `{name}` with gradient; only the hidden states, "
-                    "per-token tensor arguments and the layer's parameters can carry gradient through a stream layer."
-                )
-        if any(d is not None for d in dims):
-            per_token[name] = dims[0] if isinstance(value, torch.Tensor) else tuple(dims)
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                grad_inputs.append(name)
-    return per_token, tuple(grad_inputs)
-
-
-def _parameters(layer: nn.Module) -> list[str]:
-    return list(inspect.signature(type(layer).forward).parameters)[1:]  # without self
-
-
 def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
     """A streamed layer's ``_gradient_checkpointing_func``: ``forward`` is ``partial(layer.forward, layer, **kw)``.
 
@@ -360,17 +309,17 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
     Hugging Face gradient checkpointing does.
     """
     layer = forward.args[0]
-    names = _parameters(layer)
+    names = parameter_names(layer)
     kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
-    cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
-    cache_name = next((k for k in _CACHE_KWARGS if k in names), None)
+    cache_name = next((k for k in CACHE_KWARGS if k in names), None)
     if cache_name is None:
         raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
     x = args[0]
     batch, seq_len = x.shape[:2]
-    for k in _CACHE_KWARGS:
+    for k in CACHE_KWARGS:
         kwargs.pop(k, None)
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor):  # a user-given 4D mask: sliced per chunk
@@ -379,12 +328,12 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
         kwargs["attention_mask"] = StreamMask(batch_size=batch, dense=mask)
     elif not isinstance(mask, StreamMask):
         raise ValueError(f"StreamBP: {type(layer).__name__} was called without an attention mask.")
-    per_token, grad_inputs = _per_token(layer, kwargs, batch, seq_len)
+    sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
     call = _LayerCall(
         layer,
         forward.func,
         kwargs,
-        per_token,
+        sliced,
         settings,
         seq_len,
         _autocast_state(x.device.type),
@@ -392,7 +341,29 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
         cache_name,
         grad_inputs,
     )
+    chunk = vars(layer).get("_streambp_chunk") or settings.chunk_size
+    call.chunk_size = chunk if isinstance(chunk, int) else rule_of_thumb(seq_len)
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
         return call.forward_chunks(x, keep_kv=False, rng="none")[0]
-    return _StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
+    call.recycle_input = getattr(x, _OUTPUT_MARK, False) and _outputs_unobserved(layer)
+    y = _StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
+    setattr(y, _OUTPUT_MARK, True)
+    return y
+
+
+_OUTPUT_MARK = "_streambp_layer_output"
+
+
+def _outputs_unobserved(layer: nn.Module) -> bool:
+    """Whether nothing but the next layer can keep ``layer``'s input: the decoder does not collect hidden states for
+    this call (it sets ``_streambp_recycle``) and no forward hook other than transformers' output capturing (active
+    only when hidden states are collected) watches the layer.
+
+    Then the layer's backward writes its input gradient over its saved input (see :class:`_LayerCall`), so a streamed
+    layer's backward holds dY and dx, not dY, dx and a third full-length tensor. A graph that needs the input again
+    (``retain_graph`` twice, or another node saving it) fails autograd's in-place check loudly.
+    """
+    if not vars(layer).get("_streambp_recycle", False) or nn.modules.module._global_forward_hooks:
+        return False
+    return all(getattr(hook, "__name__", "") == "output_capturing_hook" for hook in layer._forward_hooks.values())

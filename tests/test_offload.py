@@ -87,3 +87,34 @@ def test_offload_is_a_no_op_on_cpu():
 def test_offload_option_is_checked():
     with pytest.raises(ValueError, match="offload_checkpoints"):
         enable_streambp(tiny_model("llama"), stream_chunk_size=4, offload_checkpoints="yes")
+
+
+def test_layer_outputs_are_recycled_only_when_nothing_else_keeps_them():
+    """A layer's input gradient takes the place of its saved input (the previous layer's output); with hidden states
+    asked for, those outputs are the caller's and are left alone."""
+    reference = tiny_model("qwen3", num_hidden_layers=3)
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
+    ids, mask, labels = batch(padding="right")
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    kept = [h.detach().clone() for h in out.hidden_states]
+    out.loss.backward()
+    assert all(torch.equal(h, k) for h, k in zip(out.hidden_states, kept, strict=True))
+    model.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert all(torch.allclose(h, e, rtol=1e-12, atol=1e-12) for h, e in zip(kept, expected, strict=True))
+    layer = model.model.layers[1]
+    handle = layer.register_forward_hook(lambda module, args, output: None)
+    model.train()
+    from streambp_trl import stream_layer
+
+    seen = []
+    original = stream_layer._outputs_unobserved
+    stream_layer._outputs_unobserved = lambda layer: seen.append(original(layer)) or seen[-1]
+    try:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    finally:
+        stream_layer._outputs_unobserved = original
+        handle.remove()
+    # layer 0's input is the embedding output (not a stream layer's: never asked); layer 1 is watched by a user hook
+    assert seen == [False, True]

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import Any
 
 from . import measure as _measure
+from .memory_model import UNITS, parse_size
 
 # memory-model mode -> (measure mode, row label)
 ROWS: dict[str, tuple[str, str]] = {
@@ -32,18 +32,6 @@ ROWS: dict[str, tuple[str, str]] = {
 }
 OPTIMIZER_BYTES = {"none": 0, "adamw": 8, "adamw-8bit": 2}  # state bytes per trainable parameter
 DEFAULT_GPU_MEMORY = "78GiB"  # an 80 GB card less the CUDA context and library workspaces
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-_UNITS.update({f"{p}ib": v for p, v in _UNITS.items() if p not in ("", "b")})
-_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size: ``80GiB`` / ``80G`` (binary), ``78GB`` (decimal), ``512MiB``, ``1.5TiB``, ``4096``."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*", str(text), re.IGNORECASE)
-    unit = match.group(2).lower() if match else None
-    if unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 80GiB, 78GB, 512MiB, 4096)")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _size_arg(text: str) -> int:
@@ -259,7 +247,7 @@ class _ProbeError(Exception):
 
 
 def _size(value: float | None, unit: str = "GiB") -> str:
-    return "-" if value is None else f"{value / _UNITS[unit.lower()]:.2f}"
+    return "-" if value is None else f"{value / UNITS[unit.lower()]:.2f}"
 
 
 def render(result: dict[str, Any], args: argparse.Namespace) -> str:

@@ -1,19 +1,57 @@
-"""The memory model of one training step: peak GPU bytes as a function of the model's shape and the length.
+"""The memory model of one training step: peak device bytes from the model's shape, the length and the settings.
 
-(Work in progress: the interface is fixed, the terms are being refined against ``../shared/cudasim``.)
+Everything is counted in buffers the step allocates, per token of the micro-batch (``N`` = rows x length) or per
+chunk token, in the parameter dtype (``db`` bytes; float32 statistics where the engine keeps them), with the CUDA
+caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA context):
+
+* static: weights ``P db``, parameter gradients ``P_train db`` (allocated from the first step on), optimizer state.
+* stream (``enable_streambp``), the largest of three moments:
+
+  - a decoder layer's backward (the top layer's, when all saved inputs are still there): the saved inputs
+    ``L H db N`` (with ``offload_checkpoints``: the layer's own and the prefetched one, ``2 H db N``), dY ``H db N``
+    (the input gradient takes the place of the saved input), the keys/values and their gradient accumulators
+    ``4 kv db N``, the attention backward's full-length key/value gradients and one head group's workspace, the rotary
+    tables, one chunk's activations (``chunk x`` :func:`_chunk_token_bytes`) and three sets of the layer's parameter
+    gradients (the running sum, the chunk's, and the products in flight);
+  - the LM-head weight node (runs first in backward): the last hidden state, dW ``V H db`` and one float32 vocabulary
+    tile of dW, plus logit tiles;
+  - the hidden-state node: the last hidden state and its gradient ``2 H db N``, plus logit tiles.
+
+* ``hf-gc`` (Hugging Face gradient checkpointing, the model's own loss over full logits) and ``trl-default``
+  (checkpointing + TRL's fused LM head): the saved layer inputs, one layer recomputed at full length with its
+  gradients, and the logits (float32 copies, softmax and gradient for ``hf-gc``; none for TRL's fused head).
+
+The coefficients of the chunk activations and the recomputed layer are those of a Llama/Qwen-style layer (RMSNorm,
+rotary attention with grouped heads, SwiGLU MLP) as the CUDA simulator ``../shared/cudasim`` measures them; the model
+is checked against it (``tests/test_memory_model.py``, ``benchmarks/sim_memory_model.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
+GiB = 2**30
+_VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
+CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
+_LORA_RANK = 16
+
+_PRESETS = {  # Qwen3 configs (the shapes the paper and ../shared/ANCHORS.md measure)
+    "qwen3-4b": dict(
+        layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied=True
+    ),
+    "qwen3-8b": dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936),
+    "qwen3-14b": dict(layers=40, hidden=5120, intermediate=17408, heads=40, kv_heads=8, head_dim=128, vocab=151936),
+    "qwen3-32b": dict(layers=64, hidden=5120, intermediate=25600, heads=64, kv_heads=8, head_dim=128, vocab=151936),
+}
+_SIZES = {"4b": "qwen3-4b", "8b": "qwen3-8b", "14b": "qwen3-14b", "32b": "qwen3-32b"}
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """What the memory of a decoder-only transformer step depends on."""
+    """What the memory of a decoder-only transformer step depends on. ``params`` 0: counted from the shape."""
 
     layers: int
     hidden: int
@@ -22,17 +60,64 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
-    params: int
+    params: int = 0
     tied: bool = False
+
+    def __post_init__(self):
+        if not self.params:
+            object.__setattr__(self, "params", self.layers * self.layer_params + self.embedding_params)
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention projections, SwiGLU MLP, norms."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return (
+            self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
+        )
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
-        raise NotImplementedError
+        """From a transformers config (its text config for a multimodal one)."""
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            vocab=config.vocab_size,
+            tied=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_model(cls, model) -> ModelShape:
+        """From a loaded model: its config's shape with its actual parameter count."""
+        return dataclasses.replace(cls.from_config(model.config), params=sum(p.numel() for p in model.parameters()))
 
     @classmethod
     def from_name(cls, name: str) -> ModelShape:
-        """A preset (``qwen3-4b``, ``qwen3-8b``, ``qwen3-14b``), a local config path, or a Hub model id."""
-        raise NotImplementedError
+        """A preset (``qwen3-4b``, ``qwen3-8b``, ``qwen3-14b``, ``qwen3-32b``, or a size such as ``8B``), a local
+        config path, or a Hub model id (its ``config.json`` only)."""
+        key = name.lower()
+        key = _SIZES.get(key, key)
+        if key.startswith("qwen/"):
+            key = key.split("/", 1)[1]
+        if key in _PRESETS:
+            return cls(**_PRESETS[key])
+        from transformers import AutoConfig
+
+        return cls.from_config(AutoConfig.from_pretrained(name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,22 +132,164 @@ class StepSetup:
     logits_chunk: int | None = None
     optimizer_bytes_per_param: int = 0  # e.g. 8 for AdamW's two float32 moments of every trainable parameter
 
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch: DPO scores the chosen and the rejected completion together."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def offload(self) -> bool:
+        return self.mode == "stream+offload"
+
+
+def _lora_params(shape: ModelShape) -> int:
+    """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_dim
+    per_layer = (shape.hidden + q) * 2 + (shape.hidden + kv) * 2 + (shape.hidden + shape.intermediate) * 3
+    return shape.layers * per_layer * _LORA_RANK
+
+
+def _static_bytes(shape: ModelShape, setup: StepSetup) -> int:
+    """Weights, parameter gradients and optimizer state."""
+    trainable = _lora_params(shape) if setup.lora else shape.params
+    weights = shape.params * setup.dtype_bytes + (trainable * setup.dtype_bytes if setup.lora else 0)
+    return weights + trainable * (setup.dtype_bytes + setup.optimizer_bytes_per_param)
+
+
+def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
+    """Activations of one chunk token while a layer's chunk runs its backward (MLP intermediates, attention inputs and
+    outputs, float32 norm statistics)."""
+    q = shape.heads * shape.head_dim
+    return 5 * shape.intermediate * db + 6 * shape.hidden * db + 8 * shape.hidden + 6 * q * db + 4 * q
+
+
+def _per_token_bytes(shape: ModelShape, db: int) -> int:
+    """Token bookkeeping held through the step: rotary tables (cos, sin) and integer ids, labels, row indices."""
+    return 2 * shape.head_dim * db + 48
+
+
+def estimate_activation_bytes(
+    shape: ModelShape,
+    n: int,
+    chunk: int,
+    logits_chunk: int,
+    db: int = 2,
+    *,
+    offload: bool = False,
+    head_trained: bool = True,
+    layer_trained_params: int | None = None,
+) -> int:
+    """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
+    length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
+    layer's trainable parameters (all of them by default)."""
+    h, kv = shape.hidden, shape.kv_dim
+    group = shape.heads // shape.kv_heads
+    saved = (2 if offload else shape.layers) * h * db * n
+    common = saved + _per_token_bytes(shape, db) * n
+    layer_grads = shape.layer_params if layer_trained_params is None else layer_trained_params
+    # dY; keys, values and their gradient sums; the attention backward's key/value gradients and one group's
+    # workspace at the last chunk (whose prefix is the whole sequence); one chunk; the layer's parameter gradients
+    attention = (2 * kv + (2 * group * shape.head_dim if group > 1 else 0)) * db * n // 2
+    layer = common + h * db * n + 4 * kv * db * n + attention
+    layer += min(chunk, n) * _chunk_token_bytes(shape, db) + 3 * layer_grads * db
+    tile = min(logits_chunk, n) * (_VOCAB_TILE * 4 * 3 + h * (db + 4))
+    head_weight = shape.vocab * h * db + _VOCAB_TILE * h * 4 if head_trained else 0
+    head = common + h * db * n + max(head_weight, h * db * n) + tile
+    return max(layer, head)
+
+
+def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
+    """Hugging Face checkpointing: saved inputs, one layer recomputed at full length, and the loss."""
+    db, h, q = setup.dtype_bytes, shape.hidden, shape.heads * shape.head_dim
+    saved = shape.layers * h * db * n
+    recomputed = (5 * shape.intermediate * db + 8 * h * db + 8 * h + 4 * q * db) * n
+    if setup.mode == "hf-gc":  # logits, their float32 copy, log-softmax and its gradient
+        return saved + max(recomputed, (db + 12) * shape.vocab * n)
+    return saved + recomputed + _per_token_bytes(shape, db) * n  # TRL's fused head: tiles only
+
 
 def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
-    """Peak GPU bytes (``torch.cuda.max_memory_allocated``) of one step at ``seq_len`` tokens per sequence."""
-    raise NotImplementedError
+    """Peak device bytes (``torch.cuda.max_memory_allocated``) of one step at ``seq_len`` tokens per sequence."""
+    n = setup.rows * seq_len
+    if setup.mode.startswith("stream"):
+        chunk = setup.chunk or CHUNKS[3]
+        activations = estimate_activation_bytes(
+            shape,
+            n,
+            chunk,
+            setup.logits_chunk or chunk,
+            setup.dtype_bytes,
+            offload=setup.offload,
+            head_trained=not setup.lora,
+            layer_trained_params=_lora_params(shape) // shape.layers if setup.lora else None,
+        )
+    else:
+        activations = _checkpointing_bytes(shape, setup, n)
+    return _static_bytes(shape, setup) + activations
 
 
 def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
     """Pinned host bytes the step holds (the offloaded checkpoints; 0 without offload)."""
-    raise NotImplementedError
+    return shape.layers * shape.hidden * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
 
 
 def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:
-    """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does)."""
-    raise NotImplementedError
+    """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does); stream modes
+    without a chunk size use the smallest chunk of :data:`CHUNKS` (the longest sequences)."""
+    if setup.mode.startswith("stream") and setup.chunk is None:
+        return max_len(shape, dataclasses.replace(setup, chunk=CHUNKS[0]), budget_bytes, step)
+
+    def fits(tokens: int) -> bool:
+        return estimate_peak_bytes(shape, setup, tokens) <= budget_bytes
+
+    if not fits(step):
+        return 0
+    lo, hi = step, 2 * step
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+        if hi > 1 << 30:
+            return lo
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
-def auto_chunk_sizes(shape: ModelShape, seq_len: int, budget_bytes: int, offload: bool) -> tuple[int, int]:
-    """``(stream_chunk_size, logits_chunk_size)`` for ``seq_len`` within ``budget_bytes``."""
-    raise NotImplementedError
+def auto_chunk_sizes(shape: ModelShape, setup: StepSetup, seq_len: int, budget_bytes: int) -> tuple[int, int]:
+    """``(stream_chunk_size, logits_chunk_size)`` for ``setup`` at ``seq_len`` within ``budget_bytes`` (weights,
+    gradients, optimizer state and activations): the largest chunk of :data:`CHUNKS` (fewest kernel launches) whose
+    estimated peak fits, or the smallest when none does; never longer than the sequence."""
+    fitting = [
+        c
+        for c in CHUNKS
+        if c <= max(seq_len, CHUNKS[0])
+        and estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c, logits_chunk=c), seq_len) <= budget_bytes
+    ]
+    chunk = fitting[-1] if fitting else CHUNKS[0]
+    return chunk, chunk
+
+
+UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+UNITS.update({f"{p}ib": v for p, v in list(UNITS.items()) if p not in ("", "b")})
+UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size: ``80GiB`` / ``80G`` (binary), ``78GB`` (decimal), ``512MiB``, ``1.5TiB``, ``4096``."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*", str(text), re.IGNORECASE)
+    unit = match.group(2).lower() if match else None
+    if unit not in UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 80GiB, 78GB, 512MiB, 4096)")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / GiB

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Simulated CUDA peak memory of one forward+backward (``../shared/cudasim``), appended to a JSON-lines file.
+
+Each (model, mode, length, options) runs ``sim.py`` in a fresh process; the record it prints gets the exact command
+and the memory model's estimate for the same setup (``streambp_trl.sizing.memory_model``) added. Parameter gradients
+are allocated before the step (``--grads-ready``: what every step after the first holds). Examples::
+
+    python scripts/bench_sim.py --model qwen3-8b qwen3-4b --mode streambp --seq-len 16384 32768 65536
+    python scripts/bench_sim.py --model qwen3-8b --mode streambp --offload --chunk 8192 --seq-len 1048576
+    python scripts/bench_sim.py --model qwen3-8b --mode gc gc+fused --seq-len 16384 32768
+
+The records go to ``benchmarks/sim_qwen3_bf16.jsonl`` (``--out``); ``scripts/bench_report.py`` plots them and
+``tests/test_memory_model.py`` holds the memory model to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIM = ROOT.parent / "shared" / "cudasim" / "sim.py"
+OUT = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
+MODES = {"gc": "hf-gc", "gc+fused": "trl-default", "streambp": "stream"}
+
+
+def estimate(record: dict) -> float:
+    """The memory model's peak (GiB) for a simulator record."""
+    from streambp_trl.sizing import memory_model as mm
+
+    kwargs = record.get("stream_kwargs") or {}
+    mode = MODES[record["mode"]]
+    if mode == "stream" and kwargs.get("offload_checkpoints"):
+        mode = "stream+offload"
+    stream = mode.startswith("stream")
+    setup = mm.StepSetup(
+        mode=mode,
+        chunk=record.get("chunk") if stream else None,
+        logits_chunk=record.get("logits_chunk") if stream else None,
+    )
+    return mm.gib(mm.estimate_peak_bytes(mm.ModelShape.from_name(record["model"]), setup, record["seq_len"]))
+
+
+def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout: int) -> dict:
+    kwargs = {"verify": False, **({"offload_checkpoints": True} if offload else {})}
+    cmd = [sys.executable, str(SIM), "--model", model, "--mode", mode, "--seq-len", str(seq_len), "--grads-ready"]
+    if mode == "streambp":
+        cmd += ["--chunk", str(chunk), "--logits-chunk", str(chunk), "--stream-kwargs", json.dumps(kwargs)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
+    if line is None:
+        raise RuntimeError(f"{shlex.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    record = json.loads(line)
+    shown = [c if c != str(SIM) else "../shared/cudasim/sim.py" for c in cmd[1:]]
+    record.update(command="python " + shlex.join(shown))
+    if mode == "streambp":
+        record.update(chunk=chunk, logits_chunk=chunk)
+    record["model_estimate_gib"] = round(estimate(record), 3)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", nargs="+", default=["qwen3-8b"])
+    p.add_argument("--mode", nargs="+", default=["streambp"], choices=sorted(MODES))
+    p.add_argument("--seq-len", nargs="+", type=int, required=True)
+    p.add_argument("--chunk", type=int, default=4096)
+    p.add_argument("--offload", action="store_true", help="enable_streambp(offload_checkpoints=True)")
+    p.add_argument("--timeout", type=int, default=4 * 3600)
+    p.add_argument("--out", type=Path, default=OUT)
+    a = p.parse_args(argv)
+    for model in a.model:
+        for mode in a.mode:
+            for seq_len in a.seq_len:
+                record = run(model, mode, seq_len, a.chunk, a.offload and mode == "streambp", a.timeout)
+                with open(a.out, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                print(json.dumps(record), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The arguments of a decoder-layer call, as a streamed layer splits them per chunk.
+
+A layer is called as transformers calls it (``partial(layer.forward, **kwargs)`` and the hidden states); its
+positional arguments are bound to their parameter names. Per-token arguments are sliced per chunk along their
+sequence dimension: ``position_ids`` (and the like) on the last dimension, ``position_embeddings`` (a (cos, sin)
+pair or one tensor) on the second to last, any other tensor on its one dimension after the batch whose length is the
+sequence length. Only per-token tensors (besides the hidden states and the layer's parameters) may carry gradient.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+# Keyword arguments a layer call may carry that are not per-token tensors to slice: flash-attention's packed
+# sequence descriptors, ignored by stream attention, which reads packing from the mask.
+PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+# Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
+PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:
+    """The dimension of a per-token layer argument that runs along the sequence, or None if it has none."""
+    if name in PER_TOKEN_LAST:
+        return t.dim() - 1 if t.dim() and t.shape[-1] == seq_len else None
+    if name == "position_embeddings":
+        return t.dim() - 2 if t.dim() >= 2 and t.shape[-2] == seq_len else None
+    first = 1 if t.dim() > 1 and t.shape[0] in (batch, 1) else 0
+    dims = [d for d in range(first, t.dim()) if t.shape[d] == seq_len]
+    if len(dims) > 1:
+        raise ValueError(
+            f"StreamBP cannot tell which dimension of the layer argument `{name}` (shape {tuple(t.shape)}) runs along "
+            f"the {seq_len}-token sequence."
+        )
+    return dims[0] if dims else None
+
+
+def slice_arg(value, dim_map, s: int, e: int):
+    if isinstance(value, torch.Tensor):
+        dim = dim_map
+        return value if dim is None else value.narrow(dim, s, e - s)
+    return type(value)(slice_arg(v, d, s, e) for v, d in zip(value, dim_map, strict=True))
+
+
+def per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[dict, tuple[str, ...]]:
+    """Which arguments to slice per chunk, and along which dimension, and which of them carry gradient (only a
+    per-token tensor argument may)."""
+    per_token, grad_inputs = {}, []
+    for name, value in kwargs.items():
+        if name in ("attention_mask", *CACHE_KWARGS) or name in PASS_THROUGH:
+            continue
+        tensors = value if isinstance(value, (tuple, list)) else (value,)
+        dims = []
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                dims.append(None)
+                continue
+            dims.append(sequence_dim(name, t, batch, seq_len))
+            if t.requires_grad and not (isinstance(value, torch.Tensor) and dims[-1] is not None):
+                raise ValueError(
+                    f"StreamBP: {type(layer).__name__} receives `{name}` with gradient; only the hidden states, "
+                    "per-token tensor arguments and the layer's parameters can carry gradient through a stream layer."
+                )
+        if any(d is not None for d in dims):
+            per_token[name] = dims[0] if isinstance(value, torch.Tensor) else tuple(dims)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                grad_inputs.append(name)
+    return per_token, tuple(grad_inputs)
+
+
+def parameter_names(layer: nn.Module) -> list[str]:
+    return list(inspect.signature(type(layer).forward).parameters)[1:]  # without self

@@ -1,0 +1,93 @@
+"""``stream_chunk_size="auto"``: the chunk of each streamed call, chosen from the memory model and a memory budget.
+
+For a call on ``rows`` sequences of ``seq_len`` tokens the largest chunk of :data:`memory_model.CHUNKS` (the fewest
+kernel launches) is taken whose estimated activations (:func:`memory_model.estimate_activation_bytes`) fit:
+
+* a given ``memory_budget`` (bytes of the whole device the step may use): weights and parameter gradients, as the
+  model holds them, plus the activations must fit in it;
+* otherwise, on a CUDA device, the memory still free when the call starts (free on the device plus what PyTorch's
+  allocator holds unused), less the parameter gradients not yet allocated;
+* otherwise (the CPU, or no CUDA runtime): an eighth of the sequence, clamped to [512, 4096].
+
+Where no chunk fits, the smallest is taken (the step may then run out of memory: the budget is too small for the
+length). A decision is kept per (rows, length), so every step of the same shape streams the same way.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import memory_model as mm
+
+_FALLBACK = (512, 4096)
+
+
+def rule_of_thumb(seq_len: int) -> int:
+    """The chunk without a memory figure: an eighth of the sequence, clamped to [512, 4096]."""
+    return min(max(seq_len // 8, _FALLBACK[0]), _FALLBACK[1])
+
+
+class AutoChunks:
+    """The chunk policy of one model (kept in its stream settings)."""
+
+    def __init__(self, model: nn.Module, budget: int | None, offload: bool):
+        self._model = weakref.ref(model)
+        self.budget, self.offload = budget, offload
+        self._chosen: dict[tuple[int, int], int] = {}
+        try:
+            self.shape: mm.ModelShape | None = mm.ModelShape.from_model(model)
+        except (AttributeError, TypeError):  # a config without the usual size fields: no model, the rule of thumb
+            self.shape = None
+
+    def __deepcopy__(self, memo) -> AutoChunks:
+        copy = AutoChunks.__new__(AutoChunks)
+        copy.__dict__.update(self.__dict__, _chosen=dict(self._chosen))
+        model = self._model()
+        copy._model = weakref.ref(memo.get(id(model), model)) if model is not None else self._model
+        return copy
+
+    def choose(self, rows: int, seq_len: int, device: torch.device) -> int:
+        key = (rows, seq_len)
+        if key not in self._chosen:
+            if len(self._chosen) > 256:
+                self._chosen.clear()
+            self._chosen[key] = self._decide(rows, seq_len, device)
+        return self._chosen[key]
+
+    def _decide(self, rows: int, seq_len: int, device: torch.device) -> int:
+        model = self._model()
+        room = self._room(model, device)
+        if room is None or self.shape is None or model is None:
+            return rule_of_thumb(seq_len)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head_trained = head is not None and any(p.requires_grad for p in head.parameters())
+        db = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+        fitting = [
+            chunk
+            for chunk in mm.CHUNKS
+            if chunk <= max(seq_len, mm.CHUNKS[0])
+            and mm.estimate_activation_bytes(
+                self.shape, rows * seq_len, chunk, chunk, db, offload=self.offload, head_trained=head_trained
+            )
+            <= room
+        ]
+        return fitting[-1] if fitting else mm.CHUNKS[0]
+
+    def _room(self, model: nn.Module | None, device: torch.device) -> int | None:
+        """Bytes the call's activations may take, or None when no memory figure is known."""
+        if model is None:
+            return None
+        params = list(model.parameters())
+        missing_grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+        if self.budget is not None:
+            held = sum(p.numel() * p.element_size() for p in params)
+            held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            return self.budget - held
+        if device.type == "cuda" and torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            return free + cached - missing_grads
+        return None
