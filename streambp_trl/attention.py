@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
@@ -90,6 +90,29 @@ class StreamMask:
             use_vmap=self.use_vmap,
             device=device,
         )
+
+
+class _LowerRight(CausalBias):
+    """PyTorch's bottom-right causal bias (``torch.nn.attention.bias.causal_lower_right``) for q_len queries ending
+    where kv_len keys end, without memory.
+
+    ``CausalBias`` is built by the legacy ``torch.Tensor(*sizes)`` constructor, which allocates a (2, q_len, kv_len)
+    float32 host tensor (128 GiB of address space for a 16k chunk against a 1M prefix) and cannot be created under a
+    dispatch mode. This subclass is a storage-less wrapper holding the same three fields; SDPA dispatches it through
+    ``CausalBias``'s own ``__torch_function__`` exactly as it does the original (to flash's native lower-right causal
+    mask, the memory-efficient kernel's, or on the CPU the materialised block). No other operation applies to it.
+    """
+
+    @staticmethod
+    def __new__(cls, seq_len_q: int, seq_len_kv: int):
+        return torch.Tensor._make_wrapper_subclass(cls, (seq_len_q, seq_len_kv), dtype=torch.bool)
+
+    def __init__(self, seq_len_q: int, seq_len_kv: int):
+        self.variant, self.seq_len_q, self.seq_len_kv = CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"{func} is not defined on a causal bias (it only masks attention).")
 
 
 def stream_configs(module: torch.nn.Module, *layers: torch.nn.Module) -> tuple:
@@ -173,7 +196,7 @@ def stream_attention(
         query,
         key,
         value,
-        attn_mask=causal_lower_right(query.shape[2], key.shape[2]),
+        attn_mask=_LowerRight(query.shape[2], key.shape[2]),
         dropout_p=dropout,
         scale=scaling,
         enable_gqa=groups > 1,
@@ -258,7 +281,7 @@ def _cuda_attention(
     """:func:`stream_attention` on CUDA tensors, through an explicitly chosen fused SDPA kernel, never math.
 
     * flash attention (float16/bfloat16, no mask block, head_dim <= 256, equal q/k/v head dims): the plain chunk is
-      bottom-right causal (``causal_lower_right``), which flash computes natively;
+      bottom-right causal (:class:`_LowerRight`), which flash computes natively;
     * memory-efficient attention otherwise (float32; padding, packing, sliding window, user masks, passed as one
       additive mask; attention sinks), or when flash is not available on the GPU.
 
@@ -323,14 +346,14 @@ def _fused_attention(
                 q,
                 k,
                 v,
-                attn_mask=causal_lower_right(q_len, kv_len),
+                attn_mask=_LowerRight(q_len, kv_len),
                 dropout_p=dropout,
                 scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1],
             )
 
     else:
-        mask = causal_lower_right(q_len, kv_len) if block is None else _additive_mask(block, query.dtype)
+        mask = _LowerRight(q_len, kv_len) if block is None else _additive_mask(block, query.dtype)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if k.shape[1] != q.shape[1]:  # one key/value head against its query heads: a stride-0 view, no copy

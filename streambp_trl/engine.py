@@ -41,6 +41,8 @@ from .attention import stream_configs, streaming
 from .logits import STAT_OUTPUTS, chunked_logprobs
 from .offload import CheckpointOffload
 from .patching import bind, bypassed, guarded_set_gradient_checkpointing, original, patch, temporarily, unpatch
+from .sizing.auto import AUTO, AutoChunks
+from .sizing.memory_model import parse_size
 from .stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from .support import check_supported, refuse, takes_cache
 
@@ -52,7 +54,7 @@ class StreamState:
     """What :func:`enable_streambp` installed on a model, kept on it as ``model._streambp``."""
 
     settings: StreamSettings
-    logits_chunk_size: int
+    logits_chunk_size: int | str  # or "auto": the stream chunk of the call
     temperature: float
     fused_outputs: tuple[str, ...]
     final_norm: str | None = None  # the decoder's final norm, applied by the logit kernel tile by tile
@@ -203,9 +205,11 @@ def _gather_partitioned(params: list[nn.Parameter]):
         yield
 
 
-def _positive(name: str, value) -> int:
+def _chunk(name: str, value) -> int | str:
+    if value == AUTO:
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer number of tokens, got {value!r}.")
+        raise ValueError(f"{name} must be a positive integer number of tokens or 'auto', got {value!r}.")
     return value
 
 
@@ -216,14 +220,15 @@ def _positive(name: str, value) -> int:
 def enable_streambp(
     model: nn.Module,
     *,
-    stream_chunk_size: int,
-    logits_chunk_size: int | None = None,
+    stream_chunk_size: int | str,
+    logits_chunk_size: int | str | None = None,
     kv_mode: str = "recompute",
     temperature: float = 1.0,
     fused_outputs: tuple[str, ...] = ("log_probs",),
     stream_eval: bool = False,
     verify: bool = True,
     offload_checkpoints: bool = False,
+    memory_budget: int | str | None = None,
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
@@ -233,8 +238,10 @@ def enable_streambp(
 
     Args:
         model: a transformers causal LM, or a PEFT model wrapping one.
-        stream_chunk_size: tokens per chunk of each decoder layer's forward and backward.
-        logits_chunk_size: tokens per tile of the logit kernel (default: ``stream_chunk_size``).
+        stream_chunk_size: tokens per chunk of each decoder layer's forward and backward, or ``"auto"``: for each
+            (batch, length) the largest chunk whose estimated peak fits ``memory_budget`` (see
+            :mod:`streambp_trl.sizing.auto`).
+        logits_chunk_size: tokens per tile of the logit kernel, or ``"auto"`` (default: ``stream_chunk_size``).
         kv_mode: ``"recompute"`` (default) or ``"capture"``, how a layer's backward gets its keys/values.
         temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
@@ -244,9 +251,12 @@ def enable_streambp(
         verify: run the probe (two forward passes of 11 tokens) before returning.
         offload_checkpoints: keep each layer's saved input (and kept keys/values) in pinned host memory between
             forward and backward, brought back one layer ahead (see :mod:`streambp_trl.offload`); a no-op on CPU.
+        memory_budget: device bytes (or a size such as ``"78GiB"``) the step may use, for ``"auto"`` chunk sizes;
+            ``None``: the free memory of the CUDA device when a call starts.
     """
-    _positive("stream_chunk_size", stream_chunk_size)
-    logits_chunk_size = _positive("logits_chunk_size", logits_chunk_size or stream_chunk_size)
+    _chunk("stream_chunk_size", stream_chunk_size)
+    logits_chunk_size = _chunk("logits_chunk_size", logits_chunk_size or stream_chunk_size)
+    budget = None if memory_budget is None else parse_size(memory_budget)
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}.")
     for name, flag in (("stream_eval", stream_eval), ("verify", verify), ("offload_checkpoints", offload_checkpoints)):
@@ -280,9 +290,11 @@ def enable_streambp(
             norm_name = None
 
     offload = CheckpointOffload() if offload_checkpoints else None
-    settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode, offload=offload)
+    auto = AutoChunks(lm, budget, offload_checkpoints) if AUTO in (stream_chunk_size, logits_chunk_size) else None
+    settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode, offload=offload, auto=auto)
     _install(lm, decoder, layers, StreamSettings(probe.PROBE_CHUNK, kv_mode) if reference else settings)
     patch(decoder, "_streambp_eval", bool(stream_eval))
+    patch(decoder, "_streambp_auto", None if reference else auto)  # the probe streams in chunks of PROBE_CHUNK
     lm._streambp = StreamState(
         settings=settings,
         logits_chunk_size=logits_chunk_size,
@@ -298,6 +310,7 @@ def enable_streambp(
             raise
         for layer in layers:
             patch(layer, "_gradient_checkpointing_func", functools.partial(stream_checkpoint, settings))
+        patch(decoder, "_streambp_auto", auto)
     return model
 
 
@@ -308,6 +321,7 @@ def _install(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list, settin
         patch(layer, "_gradient_checkpointing_func", hook)
         patch(layer, "_can_checkpoint_with_cache", True)  # a generation cache reaches the hook, which keeps it
         patch(layer, "_streambp_recycle", False)  # set for a streamed call that keeps no hidden states
+        patch(layer, "_streambp_chunk", None)  # set for a streamed call whose chunk "auto" chose
     for module in lm.modules():
         if isinstance(module, PreTrainedModel):
             patch(module, "_set_gradient_checkpointing", bind(guarded_set_gradient_checkpointing, module))
@@ -370,14 +384,42 @@ def _stream_decoder_forward(self, *args, **kwargs):
     kwargs["use_cache"] = False
     layers = _decoder_layers(self)
     hidden_states_kept = kwargs.get("output_hidden_states") or self.config.output_hidden_states
+    auto = vars(self).get("_streambp_auto")
+    chunk = _auto_chunk(auto, args, kwargs) if auto is not None else None
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
     # for an eval-mode streamed call, so dropout and the like stay off
     with (
         streaming(stream_configs(self, *layers)),
         temporarily(layers, "training", True),
         temporarily(layers, "_streambp_recycle", not hidden_states_kept),
+        temporarily(layers, "_streambp_chunk", chunk),
     ):
         return forward(*args, **kwargs)
+
+
+def _auto_chunk(auto: AutoChunks, args: tuple, kwargs: dict) -> int | None:
+    """The chunk ``auto`` chooses for a decoder call on these inputs (``None`` without a recognisable input)."""
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if inputs is None and args and isinstance(args[0], torch.Tensor):
+        inputs = args[0]
+    if inputs is None or inputs.dim() < 2:
+        return None
+    return auto.choose(inputs.shape[0], inputs.shape[1], inputs.device)
+
+
+def chunk_sizes(model: nn.Module) -> tuple[int | None, int | None]:
+    """``(stream, logits)`` chunk sizes of ``model``'s latest streamed call (fixed ones, or what "auto" chose last;
+    ``None`` before any call or without StreamBP)."""
+    state = getattr(_causal_lm(model), "_streambp", None)
+    if state is None:
+        return None, None
+    stream = state.settings.chunk_size
+    if stream == AUTO:
+        stream = state.settings.auto.last
+    logits = state.logits_chunk_size
+    return stream, stream if logits == AUTO else logits
 
 
 def _logit_transform(config) -> tuple[float | None, float]:
@@ -395,6 +437,12 @@ def _head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     softcap, scale = _logit_transform(lm.config.get_text_config())
     logits = torch.nn.functional.linear(hidden.to(head.weight.device), head.weight, head.bias) * scale
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _logits_tile(state: StreamState, hidden: torch.Tensor) -> int:
+    if state.logits_chunk_size != AUTO:
+        return state.logits_chunk_size
+    return state.settings.auto.choose(hidden.shape[0], hidden.shape[1], hidden.device)
 
 
 def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
@@ -460,7 +508,7 @@ def _stream_forward(
         temperature=state.temperature if fused_lm_head else 1.0,
         softcap=softcap,
         logit_scale=scale,
-        token_chunk=state.logits_chunk_size,
+        token_chunk=_logits_tile(state, hidden),
         outputs=state.fused_outputs if fused_lm_head else ("log_probs",),
         gathered=gathered,
     )

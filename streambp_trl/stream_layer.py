@@ -261,6 +261,10 @@ class _LayerCall:
             for j, g in enumerate(it):
                 if g is not None:
                     dparams[j] = g if dparams[j] is None else dparams[j].add_(g)
+            # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
+            # graph go before the next chunk's backward allocates its own
+            g = None
+            del grads, it, g, outputs, grad_outputs, yc, cache, prefix, prefix_leaves, inputs, leaves, xc
         return dx, dextra, dparams
 
 

@@ -116,7 +116,7 @@ def _math_attention(module, query, key, value, block, sinks, scaling, dropout): 
 
     if block is not None:
         return sdpa_attention_forward(module, query, key, value, block, scaling=scaling, dropout=dropout)[0]
-    mask = attention.causal_lower_right(query.shape[2], key.shape[2])
+    mask = attention._LowerRight(query.shape[2], key.shape[2])
     gqa = query.shape[1] != key.shape[1]
     out = F.scaled_dot_product_attention(query, key, value, mask, dropout, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()

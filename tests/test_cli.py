@@ -102,7 +102,8 @@ def test_hub_example_configs_parse(config):
     _, training_args, model_args, _ = parser.parse_args_and_config(
         ["--config", str(ROOT / "configs" / config), "--use_cpu", "true", "--bf16", "false"]
     )
-    assert model_args.model_name_or_path.startswith("Qwen/") and training_args.stream_chunk_size == 4096
+    assert model_args.model_name_or_path.startswith("Qwen/")
+    assert training_args.stream_chunk_size in (4096, "auto") and not training_args.offload_checkpoints
 
 
 def test_unknown_reward_function_fails_before_training(tmp_path):

@@ -6,11 +6,11 @@ import pytest
 import torch
 from datasets import load_dataset
 from models import VOCAB, batch, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl.trainer.utils import add_fused_lm_head
 
-from streambp_trl import StreamSFTConfig, StreamSFTTrainer, attention, enable_streambp
+from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.engine import is_streaming
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,20 +19,7 @@ T, CHUNK, TILE = 96, 8, 8
 
 
 class _Shapes(TorchDispatchMode):
-    """Records the shape of every tensor any aten op produces.
-
-    PyTorch cannot create its ``CausalBias`` tensor subclass (the bottom-right causal SDPA mask of a plainly causal
-    chunk) while a Python dispatch mode is active, so the recorder builds it with the mode suspended.
-    """
-
-    def __enter__(self):
-        self._patch = pytest.MonkeyPatch()
-        self._patch.setattr(attention, "causal_lower_right", _outside_modes(attention.causal_lower_right))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._patch.undo()
-        return super().__exit__(*exc)
+    """Records the shape of every tensor any aten op produces."""
 
     def __init__(self):
         super().__init__()
@@ -44,14 +31,6 @@ class _Shapes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.shapes.append((str(func), tuple(t.shape)))
         return out
-
-
-def _outside_modes(fn):
-    def wrapped(*args):
-        with _disable_current_modes():
-            return fn(*args)
-
-    return wrapped
 
 
 def _violations(shapes):

@@ -136,8 +136,16 @@ def test_loss_curve_equals_sft_trainer(tmp_path):
 
 def test_plain_sft_config_gets_default_stream_options(tmp_path):
     trainer, *_ = _train(StreamSFTTrainer, SFTConfig, tmp_path, max_length=4096)
-    assert trainer.stream_options == {"stream_chunk_size": 512, "logits_chunk_size": 512, "kv_mode": "recompute"}
+    assert trainer.stream_options == {
+        "stream_chunk_size": "auto",
+        "logits_chunk_size": None,
+        "kv_mode": "recompute",
+        "offload_checkpoints": False,
+        "memory_budget": None,
+    }
     assert not trainer.args.gradient_checkpointing  # the engine owns checkpointing: layers are not wrapped twice
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[0]["stream_chunk_size"] == logs[0]["logits_chunk_size"] == 512  # "auto" on the CPU: the rule
 
 
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):

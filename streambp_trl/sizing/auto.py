@@ -22,6 +22,7 @@ from torch import nn
 
 from . import memory_model as mm
 
+AUTO = "auto"
 _FALLBACK = (512, 4096)
 
 
@@ -37,6 +38,7 @@ class AutoChunks:
         self._model = weakref.ref(model)
         self.budget, self.offload = budget, offload
         self._chosen: dict[tuple[int, int], int] = {}
+        self.last: int | None = None  # the latest choice (what the trainers log)
         try:
             self.shape: mm.ModelShape | None = mm.ModelShape.from_model(model)
         except (AttributeError, TypeError):  # a config without the usual size fields: no model, the rule of thumb
@@ -55,7 +57,8 @@ class AutoChunks:
             if len(self._chosen) > 256:
                 self._chosen.clear()
             self._chosen[key] = self._decide(rows, seq_len, device)
-        return self._chosen[key]
+        self.last = self._chosen[key]
+        return self.last
 
     def _decide(self, rows: int, seq_len: int, device: torch.device) -> int:
         model = self._model()

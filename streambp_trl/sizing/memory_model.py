@@ -10,16 +10,16 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
   - a decoder layer's backward (the top layer's, when all saved inputs are still there): the saved inputs
     ``L H db N`` (with ``offload_checkpoints``: the layer's own and the prefetched one, ``2 H db N``), dY ``H db N``
     (the input gradient takes the place of the saved input), the keys/values and their gradient accumulators
-    ``4 kv db N``, the attention backward's full-length key/value gradients and one head group's workspace, the rotary
-    tables, one chunk's activations (``chunk x`` :func:`_chunk_token_bytes`) and three sets of the layer's parameter
-    gradients (the running sum, the chunk's, and the products in flight);
+    ``4 kv db N``, the rotary tables, two sets of the layer's parameter gradients (the running sum and the chunk's),
+    and the larger of one chunk's MLP backward (``chunk x`` :func:`_chunk_token_bytes`) and its attention backward
+    (key/value gradients over the whole prefix, ``2 kv db N``, plus one head group's and flash's expanded workspace);
   - the LM-head weight node (runs first in backward): the last hidden state, dW ``V H db`` and one float32 vocabulary
     tile of dW, plus logit tiles;
   - the hidden-state node: the last hidden state and its gradient ``2 H db N``, plus logit tiles.
 
 * ``hf-gc`` (Hugging Face gradient checkpointing, the model's own loss over full logits) and ``trl-default``
-  (checkpointing + TRL's fused LM head): the saved layer inputs, one layer recomputed at full length with its
-  gradients, and the logits (float32 copies, softmax and gradient for ``hf-gc``; none for TRL's fused head).
+  (checkpointing + TRL's fused LM head): the saved layer inputs, and either the logits with their float32 copies
+  and gradients (``hf-gc``) or one layer recomputed at full length with its gradients (``trl-default``).
 
 The coefficients of the chunk activations and the recomputed layer are those of a Llama/Qwen-style layer (RMSNorm,
 rotary attention with grouped heads, SwiGLU MLP) as the CUDA simulator ``../shared/cudasim`` measures them; the model
@@ -188,30 +188,38 @@ def estimate_activation_bytes(
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
     layer's trainable parameters (all of them by default)."""
-    h, kv = shape.hidden, shape.kv_dim
+    h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
     group = shape.heads // shape.kv_heads
     saved = (2 if offload else shape.layers) * h * db * n
     common = saved + _per_token_bytes(shape, db) * n
     layer_grads = shape.layer_params if layer_trained_params is None else layer_trained_params
-    # dY; keys, values and their gradient sums; the attention backward's key/value gradients and one group's
-    # workspace at the last chunk (whose prefix is the whole sequence); one chunk; the layer's parameter gradients
-    attention = (2 * kv + (2 * group * shape.head_dim if group > 1 else 0)) * db * n // 2
-    layer = common + h * db * n + 4 * kv * db * n + attention
-    layer += min(chunk, n) * _chunk_token_bytes(shape, db) + 3 * layer_grads * db
-    tile = min(logits_chunk, n) * (_VOCAB_TILE * 4 * 3 + h * (db + 4))
+    # a layer's backward: dY, the keys/values and their gradient sums, the layer's parameter gradients (the sum and
+    # the chunk's), and either one chunk's MLP backward or its attention backward, whose key/value gradients span the
+    # prefix (the whole sequence at the last chunk), with one head group's dK/dV and flash's expanded workspace
+    layer = common + (h + 4 * kv) * db * n + 2 * layer_grads * db
+    chunk_rows = min(chunk, n)
+    mlp = chunk_rows * _chunk_token_bytes(shape, db)
+    attention = (2 * kv + 2 * d + (2 * group * d if group > 1 else 0)) * db * n
+    attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
+    layer += max(mlp, attention)
+    # logit tiles: the matmul product, its float32 copy and the probabilities (10 bytes per element)
+    tile = min(logits_chunk, n) * (min(shape.vocab, _VOCAB_TILE) * 10 + h * (db + 4))
     head_weight = shape.vocab * h * db + _VOCAB_TILE * h * 4 if head_trained else 0
     head = common + h * db * n + max(head_weight, h * db * n) + tile
     return max(layer, head)
 
 
 def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
-    """Hugging Face checkpointing: saved inputs, one layer recomputed at full length, and the loss."""
-    db, h, q = setup.dtype_bytes, shape.hidden, shape.heads * shape.head_dim
-    saved = shape.layers * h * db * n
-    recomputed = (5 * shape.intermediate * db + 8 * h * db + 8 * h + 4 * q * db) * n
-    if setup.mode == "hf-gc":  # logits, their float32 copy, log-softmax and its gradient
-        return saved + max(recomputed, (db + 12) * shape.vocab * n)
-    return saved + recomputed + _per_token_bytes(shape, db) * n  # TRL's fused head: tiles only
+    """Hugging Face checkpointing: the saved inputs, plus one layer recomputed at full length with its gradients
+    (``trl-default``: TRL's fused head keeps no logits), or the full-length logits, their float32 copies and
+    gradients (``hf-gc``). Coefficients per intermediate / hidden / vocabulary unit as the simulator measures them
+    on Qwen3-4B and -8B (``benchmarks/sim_qwen3_bf16.jsonl``), at lengths where these terms dominate."""
+    saved = shape.layers * shape.hidden * setup.dtype_bytes * n
+    if setup.mode == "hf-gc":
+        return saved + int((11.2 * shape.vocab + 38.7 * shape.hidden) * n)
+    q = shape.heads * shape.head_dim
+    recomputed = int(13.5 * shape.intermediate + 24.5 * shape.hidden + 16 * q)
+    return saved + (recomputed + _per_token_bytes(shape, setup.dtype_bytes)) * n
 
 
 def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:

@@ -8,7 +8,7 @@ import logging
 import torch
 from torch import nn
 
-from ..engine import enable_streambp, mark_zero3_leaves, zero3_enabled
+from ..engine import chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
 from .stream_config import resolve_stream_options
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class StreamTrainerMixin:
     too, so reference and evaluation passes reach the training length), and logs the stream settings and, on CUDA,
     the peak memory of each step.
 
-    Subclasses set ``_max_length()`` and ``_fused_outputs()`` (the ``FusedCausalLMOutput`` fields TRL's trainer reads
+    Subclasses set ``_fused_outputs()`` (the ``FusedCausalLMOutput`` fields TRL's trainer reads
     from the policy). Installing is idempotent: a trainer that computes reference log-probs inside TRL's
     ``__init__`` (``precompute_ref_log_probs``) installs the engine first.
     """
@@ -84,9 +84,6 @@ class StreamTrainerMixin:
         if _zero3_run(config):
             _mark_zero3_leaves([*args, *kwargs.values()])
         super().__init__(*args, **kwargs)
-
-    def _max_length(self) -> int | None:
-        return getattr(self.args, "max_length", None)
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs",)
@@ -106,7 +103,7 @@ class StreamTrainerMixin:
                 "layers, which StreamBP does not backpropagate. Set `router_aux_loss_coef=0.0` in the config to train "
                 "without it."
             )
-        options = resolve_stream_options(self.args, self._max_length())
+        options = resolve_stream_options(self.args)
         extra = self._engine_options()
         if _zero3_run(self.args) and not zero3_enabled(self.model):  # enable_streambp marks them when it can tell
             _mark_zero3_leaves([self.model])
@@ -128,8 +125,9 @@ class StreamTrainerMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self.model.training and "loss" in logs:
-            logs["stream_chunk_size"] = self.stream_options["stream_chunk_size"]
-            logs["logits_chunk_size"] = self.stream_options["logits_chunk_size"]
+            stream, logits = chunk_sizes(self.model)  # those of the last streamed call ("auto" chooses per shape)
+            if stream is not None:
+                logs["stream_chunk_size"], logs["logits_chunk_size"] = stream, logits
         super().log(logs, *args, **kwargs)
 
 

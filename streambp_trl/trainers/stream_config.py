@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+from ..sizing.memory_model import parse_size
 from ..stream_layer import KV_MODES
 
 AUTO = "auto"
-_AUTO_DEFAULT_CHUNK = 2048
 
 
 def _chunk_value(name: str, value) -> int | str | None:
@@ -28,13 +27,20 @@ class StreamArguments:
 
     Parameters:
         stream_chunk_size (`int` or `"auto"`, defaults to `"auto"`):
-            Tokens per chunk of each decoder layer's streamed forward and backward. `"auto"` takes an eighth of
-            `max_length`, clamped to [512, 4096] (2048 without `max_length`).
+            Tokens per chunk of each decoder layer's streamed forward and backward. `"auto"` chooses, for each batch
+            shape, the largest chunk whose estimated peak memory fits `memory_budget` (or the GPU's free memory),
+            from the engine's memory model (`streambp_trl.sizing`); on the CPU an eighth of the length in [512, 4096].
         logits_chunk_size (`int`, `"auto"` or `None`, defaults to `None`):
             Tokens per tile of the chunked logit kernel; `None` or `"auto"` uses the stream chunk size.
         stream_kv_mode (`str`, defaults to `"recompute"`):
             How each layer's backward gets its keys/values: `"recompute"` them from the saved layer input, or
             `"capture"` them during the forward (faster backward, 2 x kv_dim values per token per layer kept).
+        offload_checkpoints (`bool`, defaults to `False`):
+            Keep each layer's saved input in pinned host memory between forward and backward (brought back one layer
+            ahead, copies overlapped with compute): GPU memory then grows by a few hidden vectors per token instead of
+            one per layer, for host memory of layers x hidden x 2 bytes per token.
+        memory_budget (`str` or `None`, defaults to `None`):
+            GPU memory the step may use for `"auto"` chunk sizes, e.g. `"78GiB"`; `None`: the GPU's free memory.
     """
 
     stream_chunk_size: str = field(
@@ -50,6 +56,14 @@ class StreamArguments:
         default="recompute",
         metadata={"help": "Keys/values for backward: 'recompute' (default) or 'capture'.", "choices": list(KV_MODES)},
     )
+    offload_checkpoints: bool = field(
+        default=False,
+        metadata={"help": "Keep each layer's saved input in pinned host memory between forward and backward."},
+    )
+    memory_budget: str | None = field(
+        default=None,
+        metadata={"help": "GPU memory for 'auto' chunk sizes, e.g. '78GiB' (default: the GPU's free memory)."},
+    )
 
     def __post_init__(self):
         self.stream_chunk_size = _chunk_value("stream_chunk_size", self.stream_chunk_size)
@@ -58,17 +72,23 @@ class StreamArguments:
         self.logits_chunk_size = _chunk_value("logits_chunk_size", self.logits_chunk_size)
         if self.stream_kv_mode not in KV_MODES:
             raise ValueError(f"`stream_kv_mode` must be one of {KV_MODES}, got {self.stream_kv_mode!r}.")
+        if self.memory_budget is not None:
+            try:
+                parse_size(self.memory_budget)
+            except ValueError as e:
+                raise ValueError(f"`memory_budget`: {e}") from None
         super().__post_init__()
 
 
-def resolve_stream_options(args, max_length: int | None) -> dict:
+def resolve_stream_options(args) -> dict:
     """``enable_streambp`` keyword arguments from a config (a ``Stream*Config`` or TRL's own: defaults)."""
     chunk = _chunk_value("stream_chunk_size", getattr(args, "stream_chunk_size", AUTO))
-    if chunk in (AUTO, None):
-        chunk = _AUTO_DEFAULT_CHUNK if not max_length else min(4096, max(512, math.ceil(max_length / 8)))
     logits = _chunk_value("logits_chunk_size", getattr(args, "logits_chunk_size", None))
+    budget = getattr(args, "memory_budget", None)
     return {
-        "stream_chunk_size": chunk,
-        "logits_chunk_size": chunk if logits in (AUTO, None) else logits,
+        "stream_chunk_size": AUTO if chunk is None else chunk,
+        "logits_chunk_size": logits,
         "kv_mode": getattr(args, "stream_kv_mode", "recompute"),
+        "offload_checkpoints": bool(getattr(args, "offload_checkpoints", False)),
+        "memory_budget": None if budget is None else parse_size(budget),
     }
