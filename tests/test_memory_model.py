@@ -1,0 +1,112 @@
+"""The memory model (``streambp_trl.sizing.memory_model``) against the CUDA simulator, and ``"auto"`` chunk sizes
+within a budget under it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from models import batch, tiny_model
+
+from streambp_trl import enable_streambp
+from streambp_trl.engine import chunk_sizes
+from streambp_trl.sizing import memory_model as mm
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
+CUDASIM = ROOT.parent / "shared" / "cudasim"
+MODES = {"gc": "hf-gc", "gc+fused": "trl-default", "streambp": "stream"}
+
+
+def _records() -> list[dict]:
+    return [json.loads(line) for line in RECORDS.read_text().splitlines() if line.startswith("{")]
+
+
+def record_shape(record: dict) -> mm.ModelShape:
+    """The simulator's model: its embedding and head are separate tensors even for Qwen3-4B (``to_empty`` unties
+    them), so they are counted untied."""
+    return dataclasses.replace(mm.ModelShape.from_name(record["model"]), tied=False, params=0)
+
+
+def record_setup(record: dict) -> mm.StepSetup:
+    mode = MODES[record["mode"]]
+    if mode == "stream" and (record.get("stream_kwargs") or {}).get("offload_checkpoints"):
+        mode = "stream+offload"
+    return mm.StepSetup(mode=mode, chunk=record.get("chunk"), logits_chunk=record.get("logits_chunk"))
+
+
+def test_model_within_5_percent_of_the_simulator():
+    records = _records()
+    covered = {(r["model"], record_setup(r).mode) for r in records}
+    for model in ("qwen3-4b", "qwen3-8b"):
+        for mode in ("stream", "stream+offload"):
+            lengths = {r["seq_len"] for r in records if (r["model"], record_setup(r).mode) == (model, mode)}
+            assert len(lengths) >= 2, (model, mode, covered)
+    for r in records:
+        estimate = mm.gib(mm.estimate_peak_bytes(record_shape(r), record_setup(r), r["seq_len"]))
+        error = abs(estimate - r["peak_gib"]) / r["peak_gib"]
+        assert error <= 0.05, (r["command"], estimate, r["peak_gib"])
+
+
+def test_max_len_is_where_the_estimate_crosses_the_budget():
+    shape, budget, step = mm.ModelShape.from_name("8B"), 78 * mm.GiB, 1024
+    for mode in mm.MODES:
+        setup = mm.StepSetup(mode=mode, chunk=2048 if mode.startswith("stream") else None)
+        longest = mm.max_len(shape, setup, budget, step)
+        assert longest > 0
+        assert (
+            mm.estimate_peak_bytes(shape, setup, longest)
+            <= budget
+            < mm.estimate_peak_bytes(shape, setup, longest + step)
+        )
+
+
+def test_auto_chunk_sizes_take_the_largest_that_fits():
+    shape = mm.ModelShape.from_name("qwen3-8b")
+    setup = mm.StepSetup(mode="stream")
+    chunk, logits = mm.auto_chunk_sizes(shape, setup, 155648, 78 * mm.GiB)
+    assert chunk == logits and chunk in mm.CHUNKS
+    fits = [
+        c
+        for c in mm.CHUNKS
+        if mm.estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c), 155648) <= 78 * mm.GiB
+    ]
+    assert chunk == max(fits) and max(fits) < mm.CHUNKS[-1]  # the budget rules some chunks out
+
+
+def test_sizes_parse():
+    assert mm.parse_size("78GiB") == 78 * 2**30 and mm.parse_size("80GB") == 80 * 10**9 and mm.parse_size(512) == 512
+    with pytest.raises(ValueError, match="not a size"):
+        mm.parse_size("lots")
+
+
+def test_auto_on_cpu_uses_the_rule_of_thumb_and_is_logged():
+    model = enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto")
+    ids, mask, labels = batch()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert chunk_sizes(model) == (512, 512)
+    with pytest.raises(ValueError, match="'auto'"):
+        enable_streambp(tiny_model("qwen3"), stream_chunk_size="big")
+
+
+@pytest.mark.skipif(not CUDASIM.is_dir() or shutil.which("g++") is None, reason="needs ../shared/cudasim and g++")
+def test_auto_chunks_stay_within_the_budget_under_the_simulator():
+    budget = 700 * 2**20
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "cuda_sim_auto.py"), str(CUDASIM), "16384", str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
+    assert line is not None, out.stderr[-3000:]
+    result = json.loads(line)
+    assert result["auto"]["peak_bytes"] <= budget, result
+    assert result["16384"]["peak_bytes"] > budget, result  # the budget binds: a fixed long chunk would not fit
+    assert result["auto"]["chunks"][0] < 16384 and "math" not in result["auto"]["sdpa"], result
