@@ -110,3 +110,12 @@ def test_auto_chunks_stay_within_the_budget_under_the_simulator():
     assert result["auto"]["peak_bytes"] <= budget, result
     assert result["16384"]["peak_bytes"] > budget, result  # the budget binds: a fixed long chunk would not fit
     assert result["auto"]["chunks"][0] < 16384 and "math" not in result["auto"]["sdpa"], result
+
+
+def test_max_lengths_agree_with_the_simulators_bisections():
+    """Qwen3-8B, 78 GiB: the simulator's longest sequences (../shared/ANCHORS.md: HF checkpointing 23.5k, TRL's
+    default 81k; benchmarks/sim_qwen3_8b_bf16_long.md: stream at chunk 4096 155,648, 156,672 not fitting)."""
+    shape, budget = mm.ModelShape.from_name("qwen3-8b"), 78 * mm.GiB
+    assert abs(mm.max_len(shape, mm.StepSetup(mode="hf-gc"), budget) - 23552) <= 1024
+    assert abs(mm.max_len(shape, mm.StepSetup(mode="trl-default"), budget) - 81920) <= 2048
+    assert mm.max_len(shape, mm.StepSetup(mode="stream", chunk=4096), budget) == 155648

@@ -122,7 +122,8 @@ class ModelShape:
 
 @dataclasses.dataclass(frozen=True)
 class StepSetup:
-    """How the step runs. ``chunk``/``logits_chunk`` ``None``: chosen automatically (stream modes)."""
+    """How the step runs. ``chunk``/``logits_chunk`` ``None`` (stream modes): the smallest chunk of :data:`CHUNKS`,
+    which ``"auto"`` takes at the longest lengths a budget allows."""
 
     mode: str = "stream"
     objective: str = "sft"
@@ -226,7 +227,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
     """Peak device bytes (``torch.cuda.max_memory_allocated``) of one step at ``seq_len`` tokens per sequence."""
     n = setup.rows * seq_len
     if setup.mode.startswith("stream"):
-        chunk = setup.chunk or CHUNKS[3]
+        chunk = setup.chunk or CHUNKS[0]  # None: the smallest, where "auto" ends up at the longest lengths
         activations = estimate_activation_bytes(
             shape,
             n,
@@ -248,11 +249,7 @@ def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
 
 
 def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:
-    """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does); stream modes
-    without a chunk size use the smallest chunk of :data:`CHUNKS` (the longest sequences)."""
-    if setup.mode.startswith("stream") and setup.chunk is None:
-        return max_len(shape, dataclasses.replace(setup, chunk=CHUNKS[0]), budget_bytes, step)
-
+    """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does)."""
     def fits(tokens: int) -> bool:
         return estimate_peak_bytes(shape, setup, tokens) <= budget_bytes
 
