@@ -250,6 +250,7 @@ def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
 
 def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:
     """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does)."""
+
     def fits(tokens: int) -> bool:
         return estimate_peak_bytes(shape, setup, tokens) <= budget_bytes
 
