@@ -6,13 +6,13 @@ checkpointing), ``checkpoint+chunked-loss`` (TRL 1.16's default: checkpointing +
 ``stream`` (``enable_streambp(model, stream_chunk_size=..., logits_chunk_size=..., kv_mode=...)`` and the same
 ``fused_lm_head=True`` call) and ``stream+offload`` (the same with ``offload_checkpoints=True``).
 
-The measuring lives in ``streambp_trl.sizing.measure`` (shared with ``streambp-trl max-len``; its docstring
-describes it exactly): every (mode, seq_len) runs in a fresh subprocess, one warm-up step, then ``--repeats``
-measured forward+backward steps; ``peak_mb`` is the peak above the loaded model in MiB (CPU: peak RSS with
-``MALLOC_MMAP_THRESHOLD_=131072`` and ``/proc/self/clear_refs``; CUDA: ``max_memory_allocated``), parameter
-gradients included; the time is the median wall-clock seconds (synchronised on CUDA); ``cpu_s`` is the process
-CPU time of the step (all threads): on a shared machine a wall time far above ``cpu_s / threads`` means the step
-was waiting for a CPU.
+The measuring lives in ``streambp_trl.sizing.measure`` (shared with ``streambp-trl max-len``; its docstrings and
+those of ``sizing.worker`` / ``sizing.memory_probe`` describe it exactly): every (mode, seq_len) runs in a fresh
+subprocess, one warm-up step, then ``--repeats`` measured forward+backward steps; ``peak_mb`` is the peak above the
+loaded model in MiB (CPU: peak RSS with ``MALLOC_MMAP_THRESHOLD_=131072`` and ``/proc/self/clear_refs``; CUDA:
+``max_memory_allocated``), parameter gradients included; the time is the median wall-clock seconds (synchronised on
+CUDA); ``cpu_s`` is the process CPU time of the step (all threads): on a shared machine a wall time far above
+``cpu_s / threads`` means the step was waiting for a CPU.
 
 ``--phases`` also splits the measured step at the decoder layers' gradient boundaries (forward; loss + LM head +
 final norm backward; each layer's backward; the rest) and records each phase's peak and time; the summary then

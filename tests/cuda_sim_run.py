@@ -28,9 +28,10 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
+from transformers.masking_utils import causal_mask_function  # noqa: E402
 
-import streambp_trl.attention as attention  # noqa: E402
 from streambp_trl import enable_streambp  # noqa: E402
+from streambp_trl.attention import kernels, masks  # noqa: E402
 
 _SMALL = dict(
     vocab_size=128,
@@ -116,15 +117,15 @@ def _math_attention(module, query, key, value, block, sinks, scaling, dropout): 
 
     if block is not None:
         return sdpa_attention_forward(module, query, key, value, block, scaling=scaling, dropout=dropout)[0]
-    mask = attention._LowerRight(query.shape[2], key.shape[2])
+    mask = masks.LowerRight(query.shape[2], key.shape[2])
     gqa = query.shape[1] != key.shape[1]
     out = F.scaled_dot_product_attention(query, key, value, mask, dropout, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous()
 
 
 PATCHES = {
-    "cpu_mask": (attention, "_additive_mask", _cpu_additive_mask),
-    "math_attention": (attention, "_cuda_attention", _math_attention),
+    "cpu_mask": (kernels, "_additive_mask", _cpu_additive_mask),
+    "math_attention": (kernels, "_cuda_attention", _math_attention),
 }
 
 
@@ -177,7 +178,7 @@ def attention_layer(prefix: int = 32768, chunk: int = 4096, heads: int = 32, kv_
     fake, tracker, sdpa = FakeTensorMode(), sim.LiveBytes(), sim.CudaSdpa()
     sim.real_causal_bias()
     module = torch.nn.Module()
-    mask = attention.StreamMask(batch_size=1, mask_function=attention.causal_mask_function).at(prefix, 0)
+    mask = masks.StreamMask(batch_size=1, mask_function=causal_mask_function).at(prefix, 0)
     with fake:
         q = torch.empty(1, heads, chunk, d, dtype=torch.bfloat16, device="cuda", requires_grad=True)
         kp, vp, kc, vc = (
@@ -190,7 +191,7 @@ def attention_layer(prefix: int = 32768, chunk: int = 4096, heads: int = 32, kv_
     base = tracker.current["cuda"]
     with fake, sdpa, tracker:
         k, v = torch.cat([kp, kc], dim=2), torch.cat([vp, vc], dim=2)
-        out, _ = attention.stream_attention(module, q, k, v, mask, scaling=d**-0.5)
+        out, _ = kernels.stream_attention(module, q, k, v, mask, scaling=d**-0.5)
         del k, v
         torch.autograd.grad(out, (q, kp, vp, kc, vc), dy)
     mib = 2**20

@@ -7,7 +7,7 @@ import torch
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
-from streambp_trl.offload import CheckpointOffload
+from streambp_trl.layers.offload import CheckpointOffload
 
 
 class _CopyingOffload(CheckpointOffload):
@@ -106,7 +106,7 @@ def test_layer_outputs_are_recycled_only_when_nothing_else_keeps_them():
     layer = model.model.layers[1]
     handle = layer.register_forward_hook(lambda module, args, output: None)
     model.train()
-    from streambp_trl import stream_layer
+    from streambp_trl.layers import stream_layer
 
     seen = []
     original = stream_layer._outputs_unobserved

@@ -12,7 +12,8 @@ import torch
 from causal_lm_zoo import tiny_causal_lm
 from models import batch, max_rel_grad_error, reference_loss, tiny_model
 
-from streambp_trl import enable_streambp, stream_layer
+from streambp_trl import enable_streambp
+from streambp_trl.layers import stream_layer
 
 DROPOUT = {"attention_dropout": 0.2}
 

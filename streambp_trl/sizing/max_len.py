@@ -20,8 +20,10 @@ import json
 import sys
 from typing import Any
 
-from . import measure as _measure
+from .measure import bisect_max_len, measure
 from .memory_model import UNITS, parse_size
+from .metadata import environment
+from .models import NAMED_MODELS, OBJECTIVES, build_config, canonical_model_name
 
 # memory-model mode -> (measure mode, row label)
 ROWS: dict[str, tuple[str, str]] = {
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against --budget), or estimated from the memory model (no GPU, or --gpu-memory).",
     )
     p.add_argument("--model", required=True, help="a size (qwen3-4b, qwen3-8b, 8b, ...), a Hub name or a local dir")
-    p.add_argument("--objective", choices=_measure.OBJECTIVES, default="sft")
+    p.add_argument("--objective", choices=OBJECTIVES, default="sft")
     p.add_argument("--lora", action="store_true", help="LoRA (r 16, all linear layers) instead of full fine-tuning")
     p.add_argument("--offload", action="store_true", help="also measure stream + offload (always estimated)")
     p.add_argument("--gpu-memory", type=_size_arg, help="estimate for this much GPU memory (e.g. 80GiB, 141GB)")
@@ -89,10 +91,10 @@ def _shape(name: str):
     try:
         return mm.ModelShape.from_name(name)
     except (KeyError, ValueError, OSError):
-        canonical = _measure.canonical_model_name(name)
-        if canonical not in _measure.NAMED_MODELS:
+        canonical = canonical_model_name(name)
+        if canonical not in NAMED_MODELS:
             raise
-        return mm.ModelShape.from_config(_measure.build_config(canonical))
+        return mm.ModelShape.from_config(build_config(canonical))
 
 
 def _setup(mode: str, args: argparse.Namespace):
@@ -190,7 +192,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
                 "logits_chunk_size": args.logits_chunk or args.chunk or _auto_chunk(n),
                 "reserve_bytes": reserve,
             }
-            record = _measure.measure(spec, args.timeout, log=False)
+            record = measure(spec, args.timeout, log=False)
             records[n] = record
             if record["status"] == "error":
                 failure.append(record.get("error", "?"))
@@ -204,7 +206,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
             bar.set_postfix_str(f"{n} tokens {'fits' if fits else 'does not fit'}")
 
         try:
-            best, first_failure, _ = _measure.bisect_max_len(
+            best, first_failure, _ = bisect_max_len(
                 probe,
                 step=args.step,
                 budget=args.budget,
@@ -232,7 +234,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
             }
         )
         all_probes += [{**r, "row": mode} for _, r in sorted(records.items())]
-    env = _measure.environment(device)
+    env = environment(device)
     return {"kind": "measured", "budget_bytes": args.budget, "dtype": dtype, "env": env, "rows": rows,
             "probes": all_probes}  # fmt: skip
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..layers import KV_MODES
 from ..sizing.memory_model import parse_size
-from ..stream_layer import KV_MODES
 
 AUTO = "auto"
 

@@ -12,15 +12,16 @@ import inspect
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..layers.layer_args import CACHE_KWARGS
+
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
 
 
 def takes_cache(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward takes a key/value cache: what marks a causal self-attention decoder layer."""
     parameters = inspect.signature(type(layer).forward).parameters
-    return any(name in parameters for name in _CACHE_KWARGS)
+    return any(name in parameters for name in CACHE_KWARGS)
 
 
 def refuse(model: nn.Module, why: str) -> None:

@@ -1,161 +1,23 @@
-"""Chunk-local attention masks and attention, registered through transformers' own interfaces.
+"""Attention of one chunk of queries against its keys/values under a mask block, through PyTorch SDPA.
 
-During a streamed call (the decoder's training forward, and each layer's recompute in backward; see
-:func:`streaming`) the model's attention implementation is ``"streambp"``. The model-level mask functions
-(``create_causal_mask``, ``create_sliding_window_causal_mask``, ...) then return a :class:`StreamMask`: a
-description of the mask (the model's own index-based ``mask_function``, the 2D padding mask, the sliding window),
-not a (T x T) tensor. The stream decoder calls each layer on one chunk of queries
-``[q_start, q_start + q_len)`` against keys ``[kv_start, kv_start + kv_len)`` and hands the layer
-``mask.at(q_start, kv_start)``; :func:`stream_attention` then builds at most the (q_len x kv_len) block with
-``masking_utils.sdpa_mask``, or uses PyTorch's bottom-right-aligned causal kernel when the block is plainly
-causal (no padding, packing or window). On CUDA the kernel is chosen explicitly (flash, else memory-efficient; see
-:func:`_cuda_attention`) and SDPA's math kernel, which would hold a (chunk x prefix x heads) score tensor, is never
-used: where no fused kernel applies, a ``RuntimeError`` says why.
-
-Everything the model's mask function encodes (padding, packed sequences, sliding windows, custom overlays)
-is evaluated with absolute indices, so a chunk sees exactly the rows of the full mask it needs.
-
-Outside streamed calls the config names the model's own implementation, so eval, generation and saved
-checkpoints are unchanged. Attention dropout is applied by SDPA on each block; the stream decoder replays the
-random state of every chunk, so a recompute draws the same dropout mask as the forward did.
+:func:`stream_attention` is the attention interface function of a streamed call. On the CPU it runs SDPA (with the
+mask block, or :class:`~streambp_trl.attention.masks.LowerRight` for a plainly causal chunk). On CUDA the kernel is
+chosen explicitly (flash, else memory-efficient; see :func:`_cuda_attention`) and SDPA's math kernel, which would
+hold a (chunk x prefix x heads) score tensor, is never used: where no fused kernel applies, a ``RuntimeError`` says
+why. Attention sinks are one extra key (:func:`_sink_inputs`). Attention dropout is applied by SDPA on each block;
+the stream decoder replays the random state of every chunk, so a recompute draws the same dropout mask as the
+forward did.
 """
 
 from __future__ import annotations
-
-import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import CausalBias, CausalVariant
-from transformers import AttentionInterface, PreTrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from .patching import temporarily
-
-IMPLEMENTATION = "streambp"
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamMask:
-    """A causal attention mask described, not materialised.
-
-    Either ``mask_function`` (absolute ``(batch, head, q_idx, kv_idx) -> bool``, as transformers builds it,
-    with ``padding`` the (batch, T) bool padding mask or ``None``) or ``dense``, a user-given 4D mask over the
-    whole sequence that is only sliced. ``q_start``/``kv_start`` place the current call's queries and keys.
-    """
-
-    batch_size: int
-    mask_function: Callable | None = None
-    padding: torch.Tensor | None = None
-    dense: torch.Tensor | None = None
-    local_size: int | None = None
-    use_vmap: bool = False
-    q_start: int = 0
-    kv_start: int = 0
-
-    @property
-    def plain_causal(self) -> bool:
-        """True when the mask is exactly causal: no padding, packing, window or overlay."""
-        return self.dense is None and self.mask_function is causal_mask_function and self.padding is None
-
-    def at(self, q_start: int, kv_start: int) -> StreamMask:
-        """The same mask, for queries from absolute position ``q_start`` and keys from ``kv_start``."""
-        return dataclasses.replace(self, q_start=q_start, kv_start=kv_start)
-
-    def block(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-        """The (batch, 1, q_len, kv_len) bool block of the mask, or ``None`` for a bottom-right causal block.
-
-        ``None`` is only returned when the queries end where the keys end, which is how the stream decoder
-        always calls a layer, so bottom-right causal alignment is the exact mask.
-        """
-        q_end, kv_end = self.q_start + q_len, self.kv_start + kv_len
-        if self.dense is not None:
-            return self.dense[:, :, self.q_start : q_end, self.kv_start : kv_end]
-        if self.plain_causal and q_end == kv_end:
-            return None
-        return sdpa_mask(
-            batch_size=self.batch_size,
-            q_length=q_len,
-            kv_length=kv_len,
-            q_offset=self.q_start,
-            kv_offset=self.kv_start,
-            mask_function=self.mask_function,
-            attention_mask=self.padding,
-            allow_is_causal_skip=False,
-            use_vmap=self.use_vmap,
-            device=device,
-        )
-
-
-class _LowerRight(CausalBias):
-    """PyTorch's bottom-right causal bias (``torch.nn.attention.bias.causal_lower_right``) for q_len queries ending
-    where kv_len keys end, without memory.
-
-    ``CausalBias`` is built by the legacy ``torch.Tensor(*sizes)`` constructor, which allocates a (2, q_len, kv_len)
-    float32 host tensor (128 GiB of address space for a 16k chunk against a 1M prefix) and cannot be created under a
-    dispatch mode. This subclass is a storage-less wrapper holding the same three fields; SDPA dispatches it through
-    ``CausalBias``'s own ``__torch_function__`` exactly as it does the original (to flash's native lower-right causal
-    mask, the memory-efficient kernel's, or on the CPU the materialised block). No other operation applies to it.
-    """
-
-    @staticmethod
-    def __new__(cls, seq_len_q: int, seq_len_kv: int):
-        return torch.Tensor._make_wrapper_subclass(cls, (seq_len_q, seq_len_kv), dtype=torch.bool)
-
-    def __init__(self, seq_len_q: int, seq_len_kv: int):
-        self.variant, self.seq_len_q, self.seq_len_kv = CausalVariant.LOWER_RIGHT, seq_len_q, seq_len_kv
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise NotImplementedError(f"{func} is not defined on a causal bias (it only masks attention).")
-
-
-def stream_configs(module: torch.nn.Module, *layers: torch.nn.Module) -> tuple:
-    """The transformers configs the mask code of ``module`` (its own config) and the attention code of the streamed
-    ``layers`` read (all of ``module``'s submodules when no layers are given), deduplicated."""
-    configs = {}
-    for m in (module, *(sub for layer in layers for sub in layer.modules())) if layers else module.modules():
-        config = getattr(m, "config", None)
-        if isinstance(config, PreTrainedConfig):
-            configs.setdefault(id(config), config)
-    return tuple(configs.values())
-
-
-@contextlib.contextmanager
-def streaming(configs: tuple) -> Iterator[None]:
-    """Route attention and mask creation of the models reading ``configs`` through ``"streambp"`` for one call.
-
-    The configs are switched only for the duration of a streamed call (the decoder's training forward, a layer's
-    recompute in backward), so the model's own implementation stays what it was everywhere else: eval, generation,
-    ``save_pretrained``, ``copy.deepcopy`` and other models sharing the config see no change.
-    """
-    _register()
-    with temporarily(configs, "_attn_implementation_internal", IMPLEMENTATION):
-        yield
-
-
-def stream_mask(**kwargs) -> StreamMask:
-    """Mask interface function: a :class:`StreamMask` describing the whole sequence's mask."""
-    if kwargs.get("q_offset", 0) or kwargs.get("kv_offset", 0) or kwargs["q_length"] != kwargs["kv_length"]:
-        raise ValueError(
-            "StreamBP streams whole sequences without a key/value cache, but this call has cached positions "
-            f"(q_offset={kwargs.get('q_offset', 0)}, kv_length={kwargs['kv_length']}, q_length={kwargs['q_length']})."
-        )
-    padding = kwargs.get("attention_mask")
-    if padding is not None and bool(padding.all()):
-        padding = None
-    return StreamMask(
-        batch_size=kwargs["batch_size"],
-        mask_function=kwargs["mask_function"],
-        padding=padding,
-        local_size=kwargs.get("local_size"),
-        use_vmap=kwargs.get("use_vmap", False),
-    )
+from .masks import LowerRight, StreamMask
 
 
 def stream_attention(
@@ -196,7 +58,7 @@ def stream_attention(
         query,
         key,
         value,
-        attn_mask=_LowerRight(query.shape[2], key.shape[2]),
+        attn_mask=LowerRight(query.shape[2], key.shape[2]),
         dropout_p=dropout,
         scale=scaling,
         enable_gqa=groups > 1,
@@ -281,7 +143,7 @@ def _cuda_attention(
     """:func:`stream_attention` on CUDA tensors, through an explicitly chosen fused SDPA kernel, never math.
 
     * flash attention (float16/bfloat16, no mask block, head_dim <= 256, equal q/k/v head dims): the plain chunk is
-      bottom-right causal (:class:`_LowerRight`), which flash computes natively;
+      bottom-right causal (:class:`LowerRight`), which flash computes natively;
     * memory-efficient attention otherwise (float32; padding, packing, sliding window, user masks, passed as one
       additive mask; attention sinks), or when flash is not available on the GPU.
 
@@ -346,14 +208,14 @@ def _fused_attention(
                 q,
                 k,
                 v,
-                attn_mask=_LowerRight(q_len, kv_len),
+                attn_mask=LowerRight(q_len, kv_len),
                 dropout_p=dropout,
                 scale=scale,
                 enable_gqa=q.shape[1] != k.shape[1],
             )
 
     else:
-        mask = _LowerRight(q_len, kv_len) if block is None else _additive_mask(block, query.dtype)
+        mask = LowerRight(q_len, kv_len) if block is None else _additive_mask(block, query.dtype)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if k.shape[1] != q.shape[1]:  # one key/value head against its query heads: a stride-0 view, no copy
@@ -450,14 +312,3 @@ def _no_kernel_message(
         "(dtype=torch.bfloat16, or bf16=True in the trainer config) or float32, on a GPU and torch build with these "
         "kernels."
     )
-
-
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if not _registered:
-        AttentionInterface.register(IMPLEMENTATION, stream_attention)
-        AttentionMaskInterface.register(IMPLEMENTATION, stream_mask)
-        _registered = True

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .patching import bypassed
+from ..patching import bypassed
 
 PROBE_TOKENS = 11
 PROBE_CHUNK = 4  # several chunks, the last one shorter

@@ -36,7 +36,7 @@ recompute of that chunk, so dropout, LoRA dropout, sampled routing and jitter dr
 Memory of one layer's backward beyond the saved inputs: dY and dx (batch, T, hidden; dx is written over the saved
 input when that is the previous stream layer's output and nothing else keeps it), K, V, dK_acc, dV_acc (batch, T,
 kv_dim each, per slot), one chunk's activations and one (chunk x prefix) attention block. With ``offload`` the saved
-inputs wait in host memory (:mod:`streambp_trl.offload`), and the device holds the current and the next layer's.
+inputs wait in host memory (:mod:`streambp_trl.layers.offload`), and the device holds the current and the next layer's.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ import torch
 from torch import nn
 from torch.utils import checkpoint
 
-from .attention import StreamMask, stream_configs, streaming
+from ..attention import StreamMask, stream_configs, streaming
+from ..sizing.auto import AutoChunks, rule_of_thumb
 from .kv_cache import ChunkCache, KVCollected, KVStore
 from .layer_args import CACHE_KWARGS, parameter_names, per_token, slice_arg
 from .offload import CheckpointOffload
-from .sizing.auto import AutoChunks, rule_of_thumb
 
 KV_MODES = ("recompute", "capture")
 
@@ -68,7 +68,7 @@ class StreamSettings:
     ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
     ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
-    on the device (see :mod:`streambp_trl.offload`).
+    on the device (see :mod:`streambp_trl.layers.offload`).
     """
 
     chunk_size: int | str  # or "auto": chosen per call (see streambp_trl.sizing.auto)

@@ -1,0 +1,22 @@
+"""The stream engine: installing StreamBP on a Hugging Face causal LM.
+
+* :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`;
+* :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
+* :mod:`.model_parts`: finding the decoder, its layers, its final norm and the LM head;
+* :mod:`.support` and :mod:`.probe`: the checks that refuse a model the engine cannot run exactly;
+* :mod:`.zero3`: DeepSpeed ZeRO-3 leaf layers and parameter gathers.
+"""
+
+from .install import chunk_sizes, disable_streambp, enable_streambp, is_streaming
+from .model_parts import lm_head_linear
+from .zero3 import mark_zero3_leaves, zero3_enabled
+
+__all__ = [
+    "chunk_sizes",
+    "disable_streambp",
+    "enable_streambp",
+    "is_streaming",
+    "lm_head_linear",
+    "mark_zero3_leaves",
+    "zero3_enabled",
+]

@@ -1,0 +1,186 @@
+"""The forwards the engine installs on the decoder and on the causal LM, and the state they read.
+
+In a streamed call the decoder's forward switches attention and masks to ``"streambp"`` (the masks become
+descriptions) and its layers to the stream hook, with the chunk of the call; the causal LM's forward runs the
+decoder, then the LM head through the chunked logit kernel at the labelled positions only (the final norm inside
+the kernel when it is the decoder's last step), so neither a (T x T) mask nor (tokens x vocab) logits exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from trl.trainer.utils import FusedCausalLMOutput
+
+from ..attention import stream_configs, streaming
+from ..layers.layer_args import CACHE_KWARGS
+from ..layers.stream_layer import StreamSettings
+from ..logits import chunked_logprobs
+from ..patching import bypassed, original, temporarily
+from ..sizing.auto import AUTO, AutoChunks
+from .model_parts import decoder_layers, find_decoder, lm_head_linear
+from .zero3 import zero3_gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamState:
+    """What :func:`enable_streambp` installed on a model, kept on it as ``model._streambp``."""
+
+    settings: StreamSettings
+    logits_chunk_size: int | str  # or "auto": the stream chunk of the call
+    temperature: float
+    fused_outputs: tuple[str, ...]
+    final_norm: str | None = None  # the decoder's final norm, applied by the logit kernel tile by tile
+
+
+def stream_decoder_forward(self, *args, **kwargs):
+    """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call: masks as
+    descriptions, layers chunked. Calls that bring a key/value cache without grad (generation) are the model's own."""
+    forward = original(self, "forward")
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    streams = self.training or vars(self).get("_streambp_eval", False)
+    if not streams or (cache is not None and not torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError(
+            f"StreamBP cannot train {type(self).__name__} on top of a filled key/value cache (past_key_values); "
+            "pass the whole sequence instead."
+        )
+    if kwargs.get("output_attentions"):
+        raise ValueError(
+            "output_attentions=True is not available while StreamBP streams the decoder in training mode: the "
+            "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
+        )
+    for k in CACHE_KWARGS:
+        kwargs.pop(k, None)
+    kwargs["use_cache"] = False
+    layers = decoder_layers(self)
+    hidden_states_kept = kwargs.get("output_hidden_states") or self.config.output_hidden_states
+    auto = vars(self).get("_streambp_auto")
+    chunk = _auto_chunk(auto, args, kwargs) if auto is not None else None
+    # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
+    # for an eval-mode streamed call, so dropout and the like stay off
+    with (
+        streaming(stream_configs(self, *layers)),
+        temporarily(layers, "training", True),
+        temporarily(layers, "_streambp_recycle", not hidden_states_kept),
+        temporarily(layers, "_streambp_chunk", chunk),
+    ):
+        return forward(*args, **kwargs)
+
+
+def _auto_chunk(auto: AutoChunks, args: tuple, kwargs: dict) -> int | None:
+    """The chunk ``auto`` chooses for a decoder call on these inputs (``None`` without a recognisable input)."""
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if inputs is None and args and isinstance(args[0], torch.Tensor):
+        inputs = args[0]
+    if inputs is None or inputs.dim() < 2:
+        return None
+    return auto.choose(inputs.shape[0], inputs.shape[1], inputs.device)
+
+
+def _logit_transform(config) -> tuple[float | None, float]:
+    """The model's final-logit softcapping and logit scale, as its own forward applies them."""
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        scale = 1.0 / config.logits_scaling
+    return softcap, 1.0 if scale is None else float(scale)
+
+
+def head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The logits the logit kernel computes from ``hidden`` (temperature 1), as one tensor: for the probe only."""
+    head = lm_head_linear(lm)
+    softcap, scale = _logit_transform(lm.config.get_text_config())
+    logits = torch.nn.functional.linear(hidden.to(head.weight.device), head.weight, head.bias) * scale
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _logits_tile(state: StreamState, hidden: torch.Tensor) -> int:
+    if state.logits_chunk_size != AUTO:
+        return state.logits_chunk_size
+    return state.settings.auto.choose(hidden.shape[0], hidden.shape[1], hidden.device)
+
+
+def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    valid = (labels == -100) | ((labels >= 0) & (labels < vocab_size))
+    if not bool(valid.all()):
+        value = labels[~valid][0].item()
+        raise ValueError(
+            f"labels must be token ids in [0, {vocab_size}) or -100 (ignored), got {value}. Mark positions "
+            "without a loss with -100."
+        )
+
+
+def stream_forward(
+    self, *args, labels=None, fused_lm_head=False, shift_labels=None, num_items_in_batch=None, **kwargs
+):
+    state: StreamState = self._streambp
+    has_labels = labels is not None or shift_labels is not None
+    if not fused_lm_head and not (self.training and has_labels):
+        for name, value in (
+            ("labels", labels),
+            ("shift_labels", shift_labels),
+            ("num_items_in_batch", num_items_in_batch),
+        ):
+            if value is not None:
+                kwargs[name] = value
+        return original(self, "forward")(*args, **kwargs)
+    if not has_labels:
+        raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
+    if kwargs.get("output_router_logits"):
+        raise ValueError(
+            "StreamBP cannot backpropagate the MoE load-balancing loss through streamed layers; "
+            "call without output_router_logits (and keep config.output_router_logits=False)."
+        )
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = self.config.return_dict
+    kwargs["use_cache"] = False
+    decoder = find_decoder(self)
+    # the final norm runs inside the logit kernel (when it is the decoder's last step and no hidden states are asked)
+    norm = getattr(decoder, state.final_norm) if state.final_norm and not kwargs.get("output_hidden_states") else None
+    with bypassed(norm) if norm is not None else contextlib.nullcontext():
+        decoded = decoder(*args, return_dict=True, **kwargs)
+    hidden = decoded.last_hidden_state
+    head = lm_head_linear(self)
+    gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
+    hidden = hidden.to(head.weight.device)
+    labels = (labels[:, 1:] if shift_labels is None else shift_labels).to(head.weight.device)
+    _check_labels(labels, head.weight.shape[0])
+    mask = labels != -100
+    if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
+        raise ValueError("Every label is -100: there is no token to compute the loss on.")
+    softcap, scale = _logit_transform(self.config.get_text_config())
+    # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
+    batch_idx, position = mask.nonzero(as_tuple=True)
+    rows = batch_idx * hidden.shape[1] + position
+    stats = chunked_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]),
+        head.weight,
+        head.bias,
+        labels[mask],
+        rows=rows,
+        norm=norm,
+        temperature=state.temperature if fused_lm_head else 1.0,
+        softcap=softcap,
+        logit_scale=scale,
+        token_chunk=_logits_tile(state, hidden),
+        outputs=state.fused_outputs if fused_lm_head else ("log_probs",),
+        gathered=gathered,
+    )
+    # masked_scatter keeps the outputs connected to the graph even when no label is valid
+    per_token = {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}
+    denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -per_token["log_probs"].sum() / denominator
+    if fused_lm_head:  # the fields of TRL's own fused head
+        out = FusedCausalLMOutput(loss=loss, label_mask=mask, **per_token)
+    else:
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=decoded.get("hidden_states"))
+    return out if return_dict else out.to_tuple()

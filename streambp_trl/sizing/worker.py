@@ -1,0 +1,187 @@
+"""The measuring worker: one spec, in a fresh process, printed back as one JSON line.
+
+:func:`~streambp_trl.sizing.measure.measure` runs this file as a script (``python worker.py SPEC_JSON``), so no
+allocator cache, peak counter or patched model leaks between measurements; it imports its siblings by absolute
+name (the parent puts the package root on ``PYTHONPATH``).
+
+Objectives (``spec["objective"]``): ``sft`` (the loss over ``batch_size`` sequences, every token labelled),
+``dpo`` (a frozen reference in eval mode and the policy score [chosen; rejected], the sigmoid loss) and ``grpo``
+(the policy update: per-token log-probs at temperature 0.7 of two sequences, the clipped surrogate). Random token
+ids, random weights (fixed seed), dropout set to 0 (modes and models: :mod:`streambp_trl.sizing.models`).
+
+One warm-up step runs (``spec["warmup"]``, default on), the gradients are dropped (``set_to_none``), then the
+measured step runs ``repeats`` times, its memory taken as :mod:`streambp_trl.sizing.memory_probe` describes.
+
+``peak_mb`` is the peak above the loaded model(s) in MiB, parameter gradients included; ``total_peak_mb`` adds
+the model: on CUDA the allocated baseline (what ``max_memory_allocated`` reports), on CPU the bytes of the
+parameters and buffers (plus ``reserve_bytes``, a tensor held like optimizer states). An out-of-memory error
+gives ``status: "oom"``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from streambp_trl.sizing.memory_probe import MemoryProbe, PhaseMarks
+from streambp_trl.sizing.metadata import engine_hash
+from streambp_trl.sizing.models import (
+    FUSED_MODES,
+    STREAM_MODES,
+    TEMPERATURE,
+    build_model,
+    prepare_model,
+    trl_token_chunk,
+)
+
+RESULT_PREFIX = "BENCH_BP_RESULT "
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def _log_probs(model: Any, ids: Any, labels: Any, spec: dict[str, Any]) -> Any:
+    """Per-token log-probs of the next-token labels (0 where the label is -100), shape (batch, seq_len - 1)."""
+    if spec["mode"] in FUSED_MODES:
+        return model(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).log_probs
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / TEMPERATURE[spec["objective"]]
+    target = labels[:, 1:]
+    logp = logits.log_softmax(-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return logp * (target != -100)
+
+
+def _step_function(spec: dict[str, Any], device: Any, models: list[Any]) -> tuple[Callable[[], Any], int]:
+    """``(loss_fn, tokens)``: the objective's loss of one step on random ids, and the tokens it processes."""
+    import torch
+    import torch.nn.functional as F
+
+    objective = spec.get("objective", "sft")
+    policy = models[0]
+    vocab = policy.config.get_text_config().vocab_size
+    rows = spec["batch_size"] if objective == "sft" else 2  # DPO: [chosen; rejected]; GRPO: two completions
+    generator = torch.Generator().manual_seed(spec["seed"] + 1)
+    ids = torch.randint(0, vocab, (rows, spec["seq_len"]), generator=generator).to(device)
+    labels = ids.clone()
+    if objective == "sft":
+        if spec["mode"] in FUSED_MODES:
+            return lambda: policy(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).loss, ids.numel()
+        return lambda: policy(input_ids=ids, labels=labels, use_cache=False).loss, ids.numel()
+    labels[:, : spec["seq_len"] // 8] = -100  # the prompt
+    completion = (labels[:, 1:] != -100).float()
+    advantages = torch.tensor([[1.0], [-1.0]], device=device)
+
+    def loss_fn() -> Any:
+        logps = _log_probs(policy, ids, labels, spec)
+        if objective == "dpo":
+            with torch.no_grad():
+                ref = _log_probs(models[1], ids, labels, spec).sum(1)
+            pol = logps.sum(1)
+            return -F.logsigmoid(0.1 * ((pol[0] - ref[0]) - (pol[1] - ref[1])))
+        ratio = torch.exp(logps - logps.detach())  # GRPO's clipped surrogate at the first iteration (ratio 1)
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.28) * advantages)
+        return ((per_token * completion).sum(1) / completion.sum(1)).mean()
+
+    return loss_fn, ids.numel()
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the model(s), warm up, measure; returns the record (``status`` "ok" or "oom")."""
+    import torch
+
+    device = torch.device(spec["device"])
+    objective = spec.get("objective", "sft")
+    record: dict[str, Any] = {k: spec[k] for k in ("mode", "seq_len", "batch_size", "dtype", "model") if k in spec}
+    if objective != "sft":
+        record["objective"] = objective
+    if spec["mode"] in STREAM_MODES:
+        record.update({k: spec.get(k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
+    if spec["mode"] == "checkpoint+chunked-loss":
+        record["logits_chunk_size"] = spec["logits_chunk_size"] if spec.get("same_logits_tile") else trl_token_chunk()
+    try:
+        policy = prepare_model(build_model(spec["model"], spec["dtype"], device, spec["seed"]), spec)
+        models = [policy]
+        if objective == "dpo":
+            reference = build_model(spec["model"], spec["dtype"], device, spec["seed"]).eval()
+            reference.requires_grad_(False)
+            models.append(prepare_model(reference, spec, trainable=False))
+        model_bytes = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
+        # held through the step like optimizer states (zeros: resident on the CPU too); counted with the model
+        reserved = torch.zeros(spec.get("reserve_bytes", 0), dtype=torch.uint8, device=device)
+        model_bytes += reserved.numel()
+        loss_fn, tokens = _step_function(spec, device, models)
+        probe = MemoryProbe(device)
+        marks = PhaseMarks(policy, probe) if spec.get("phases") else None
+
+        def step() -> float:
+            if marks is not None:
+                marks.armed = True
+                marks.begin()
+            loss = loss_fn()
+            if marks is not None:
+                marks.armed = False
+                marks.mark("forward")
+            loss.backward()
+            value = loss.item()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if marks is not None:
+                marks.mark("rest")
+            return value
+
+        if spec.get("warmup", True):
+            step()  # first-touch pages, lazy initialisation, kernel selection
+            policy.zero_grad(set_to_none=True)
+        times, cpu_times, peaks, host_peaks, losses, baselines = [], [], [], [], [], []
+        grad_norm = None
+        for i in range(spec.get("repeats", 1)):
+            baselines.append(probe.reset())
+            start, cpu_start = time.perf_counter(), time.process_time()
+            losses.append(step())
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
+            # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
+            peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else probe.peak_above_baseline())
+            host_peaks.append(probe.host_peak_above_baseline())
+            if i == spec.get("repeats", 1) - 1:
+                norms = [p.grad.detach().double().norm() for p in policy.parameters() if p.grad is not None]
+                grad_norm = float(torch.stack(norms).norm()) if norms else None
+            policy.zero_grad(set_to_none=True)
+    except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
+        if not is_oom(exc):
+            raise
+        record.update(status="oom", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        return record
+    time_s = statistics.median(times)
+    fixed_mb = (baselines[-1] if device.type == "cuda" else model_bytes) / 2**20
+    record.update(
+        status="ok",
+        peak_mb=max(peaks) / 2**20,
+        total_peak_mb=fixed_mb + max(peaks) / 2**20,
+        host_peak_mb=max(host_peaks) / 2**20 if device.type == "cuda" else None,
+        time_s=time_s,
+        time_min_s=min(times),
+        cpu_s=statistics.median(cpu_times),
+        tokens_per_s=tokens / time_s,
+        times_s=times,
+        loss=losses[-1],
+        grad_norm=grad_norm,
+        baseline_mb=baselines[-1] / 2**20,
+        model_mb=model_bytes / 2**20,
+        num_params=sum(p.numel() for p in policy.parameters()),
+        engine_sha256=engine_hash(),
+        torch_threads=torch.get_num_threads(),
+    )
+    if marks is not None:
+        record["phases"] = marks.phases  # of the last repeat
+    return record
+
+
+if __name__ == "__main__":  # the worker: python worker.py SPEC_JSON
+    print(RESULT_PREFIX + json.dumps(run_worker(json.loads(sys.argv[-1]))), flush=True)
