@@ -204,7 +204,8 @@ def plot_sim(model: str, records: list[dict[str, Any]], budget_gib: float, out: 
         if host:
             hosts.append((label, line.get_color(), host))
     ax.axhline(budget_gib, color="black", linestyle=":", linewidth=1, label=f"{budget_gib:g} GiB budget")
-    ax.set_ylim(0, min(1.6 * budget_gib, 1.05 * max(r["peak_gib"] for r in records)))  # runs far above: off the top
+    top = max(1.05 * budget_gib, 1.05 * max(r["peak_gib"] for r in records))
+    ax.set_ylim(0, min(1.6 * budget_gib, top))  # the budget line always shown; runs far above it: off the top
     if hosts:
         host_ax = ax.twinx()
         host_ax.set_ylabel("host memory, dashed (GiB)")
