@@ -68,16 +68,15 @@ class AutoChunks:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_trained = head is not None and any(p.requires_grad for p in head.parameters())
         db = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
-        fitting = [
-            chunk
-            for chunk in mm.CHUNKS
-            if chunk <= max(seq_len, mm.CHUNKS[0])
-            and mm.estimate_activation_bytes(
-                self.shape, rows * seq_len, chunk, chunk, db, offload=self.offload, head_trained=head_trained
+        n = rows * seq_len
+
+        def fits(chunk: int) -> bool:
+            needed = mm.estimate_activation_bytes(
+                self.shape, n, chunk, chunk, db, offload=self.offload, head_trained=head_trained
             )
-            <= room
-        ]
-        return fitting[-1] if fitting else mm.CHUNKS[0]
+            return needed <= room
+
+        return mm.largest_chunk(seq_len, fits)
 
     def _room(self, model: nn.Module | None, device: torch.device) -> int | None:
         """Bytes the call's activations may take, or None when no memory figure is known."""

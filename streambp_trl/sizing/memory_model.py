@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
@@ -267,17 +268,21 @@ def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 
     return lo
 
 
+def largest_chunk(seq_len: int, fits: Callable[[int], bool]) -> int:
+    """The largest chunk of :data:`CHUNKS` (fewest kernel launches) that ``fits``, never longer than the sequence, or
+    the smallest when none does."""
+    fitting = [c for c in CHUNKS if c <= max(seq_len, CHUNKS[0]) and fits(c)]
+    return fitting[-1] if fitting else CHUNKS[0]
+
+
 def auto_chunk_sizes(shape: ModelShape, setup: StepSetup, seq_len: int, budget_bytes: int) -> tuple[int, int]:
     """``(stream_chunk_size, logits_chunk_size)`` for ``setup`` at ``seq_len`` within ``budget_bytes`` (weights,
-    gradients, optimizer state and activations): the largest chunk of :data:`CHUNKS` (fewest kernel launches) whose
-    estimated peak fits, or the smallest when none does; never longer than the sequence."""
-    fitting = [
-        c
-        for c in CHUNKS
-        if c <= max(seq_len, CHUNKS[0])
-        and estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c, logits_chunk=c), seq_len) <= budget_bytes
-    ]
-    chunk = fitting[-1] if fitting else CHUNKS[0]
+    gradients, optimizer state and activations): :func:`largest_chunk` whose estimated peak fits."""
+
+    def fits(c: int) -> bool:
+        return estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c, logits_chunk=c), seq_len) <= budget_bytes
+
+    chunk = largest_chunk(seq_len, fits)
     return chunk, chunk
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..layers import KV_MODES
+from ..sizing.auto import AUTO
 from ..sizing.memory_model import parse_size
-
-AUTO = "auto"
 
 
 def _chunk_value(name: str, value) -> int | str | None:
