@@ -83,6 +83,9 @@ def test_sizes_parse():
     assert mm.parse_size("78GiB") == 78 * 2**30 and mm.parse_size("80GB") == 80 * 10**9 and mm.parse_size(512) == 512
     with pytest.raises(ValueError, match="not a size"):
         mm.parse_size("lots")
+    for bad in ("0GiB", "lots"):
+        with pytest.raises(ValueError, match="memory_budget"):
+            enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto", memory_budget=bad)
 
 
 def test_auto_on_cpu_uses_the_rule_of_thumb_and_is_logged():

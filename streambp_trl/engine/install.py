@@ -34,7 +34,7 @@ from ..layers.stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from ..logits import STAT_OUTPUTS
 from ..patching import bind, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks
-from ..sizing.memory_model import parse_size
+from ..sizing.memory_model import parse_budget
 from . import probe
 from .forwards import StreamState, head_logits, stream_decoder_forward, stream_forward
 from .model_parts import causal_lm, decoder_layers, final_norm_name, find_decoder, lm_head_linear
@@ -90,7 +90,7 @@ def enable_streambp(
     """
     _chunk("stream_chunk_size", stream_chunk_size)
     logits_chunk_size = _chunk("logits_chunk_size", logits_chunk_size or stream_chunk_size)
-    budget = None if memory_budget is None else parse_size(memory_budget)
+    budget = None if memory_budget is None else parse_budget(memory_budget)
     if kv_mode not in KV_MODES:
         raise ValueError(f"kv_mode must be one of {KV_MODES}, got {kv_mode!r}.")
     for name, flag in (("stream_eval", stream_eval), ("verify", verify), ("offload_checkpoints", offload_checkpoints)):

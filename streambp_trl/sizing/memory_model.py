@@ -304,3 +304,14 @@ def parse_size(text: str | int) -> int:
 
 def gib(n_bytes: float) -> float:
     return n_bytes / GiB
+
+
+def parse_budget(value: str | int) -> int:
+    """A memory budget in bytes: a positive size (``parse_size``), else ``ValueError`` saying what to give."""
+    try:
+        budget = parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"memory_budget: {e}") from None
+    if budget <= 0:
+        raise ValueError(f"memory_budget must be a positive size such as '78GiB', got {value!r}.")
+    return budget

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..layers import KV_MODES
 from ..sizing.auto import AUTO
-from ..sizing.memory_model import parse_size
+from ..sizing.memory_model import parse_budget
 
 
 def _chunk_value(name: str, value) -> int | str | None:
@@ -72,10 +72,7 @@ class StreamArguments:
         if self.stream_kv_mode not in KV_MODES:
             raise ValueError(f"`stream_kv_mode` must be one of {KV_MODES}, got {self.stream_kv_mode!r}.")
         if self.memory_budget is not None:
-            try:
-                parse_size(self.memory_budget)
-            except ValueError as e:
-                raise ValueError(f"`memory_budget`: {e}") from None
+            parse_budget(self.memory_budget)
         super().__post_init__()
 
 
@@ -89,5 +86,5 @@ def resolve_stream_options(args) -> dict:
         "logits_chunk_size": logits,
         "kv_mode": getattr(args, "stream_kv_mode", "recompute"),
         "offload_checkpoints": bool(getattr(args, "offload_checkpoints", False)),
-        "memory_budget": None if budget is None else parse_size(budget),
+        "memory_budget": None if budget is None else parse_budget(budget),
     }
