@@ -21,7 +21,15 @@ checkpoints are unchanged.
 """
 
 from .interface import IMPLEMENTATION, stream_configs, streaming
-from .kernels import stream_attention
+from .kernels import PrefixGrad, stream_attention
 from .masks import StreamMask, stream_mask
 
-__all__ = ["IMPLEMENTATION", "StreamMask", "stream_attention", "stream_configs", "stream_mask", "streaming"]
+__all__ = [
+    "IMPLEMENTATION",
+    "PrefixGrad",
+    "StreamMask",
+    "stream_attention",
+    "stream_configs",
+    "stream_mask",
+    "streaming",
+]

@@ -18,6 +18,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..attention import stream_configs, streaming
 from ..layers.layer_args import CACHE_KWARGS
+from ..layers.rebuild import embedding_sources
 from ..layers.stream_layer import StreamSettings
 from ..logits import chunked_logprobs
 from ..patching import bypassed, original, temporarily
@@ -69,6 +70,7 @@ def stream_decoder_forward(self, *args, **kwargs):
         temporarily(layers, "training", True),
         temporarily(layers, "_streambp_recycle", not hidden_states_kept),
         temporarily(layers, "_streambp_chunk", chunk),
+        embedding_sources(self) if not hidden_states_kept else contextlib.nullcontext(),
     ):
         return forward(*args, **kwargs)
 

@@ -5,13 +5,16 @@ head_dim) each. :class:`ChunkCache` is a ``transformers.Cache`` for one layer ca
 attention code calls its ``update()``, which writes the chunk's keys/values into the store and returns the store's
 view of the prefix and the chunk, so no concatenated copy of the prefix is ever made. In a backward recompute the
 prefix is a gradient-carrying leaf and :class:`_Extend` joins it to the chunk's keys/values (a view again), handing
-the attention's gradient back to both as views.
+the attention's gradient back to both as views; the joined tensors also carry a :class:`PrefixGrad`, with which an
+attention kernel can add the prefix's gradient straight into the layer's key/value gradient sums instead.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
+
+from ..attention import PrefixGrad
 
 
 class KVCollected(Exception):
@@ -69,15 +72,25 @@ class ChunkCache(Cache):
 
     ``update()`` records the chunk's own keys/values of each slot (``chunk``), writes them into ``store`` and returns
     the keys/values of positions ``[start - prefix_len, start + chunk length)``. ``prefix`` (a backward recompute)
-    gives, per slot, gradient-carrying leaves over the store's prefix, joined to the chunk by :class:`_Extend`. With
+    gives, per slot, gradient-carrying leaves over the store's prefix, joined to the chunk by :class:`_Extend`;
+    ``prefix_sums`` the gradient sums of those prefix positions, handed to the attention as :class:`PrefixGrad`. With
     ``stop`` it raises :class:`KVCollected` after the write, so the layer runs only as far as its key/value
     projections. Queries answer as a cache holding the ``start`` earlier tokens would: ``get_seq_length()`` (and so
     ``get_query_offset()``) is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
     """
 
-    def __init__(self, store: KVStore, start: int, prefix_len: int = 0, prefix: KV | None = None, stop: bool = False):
+    def __init__(
+        self,
+        store: KVStore,
+        start: int,
+        prefix_len: int = 0,
+        prefix: KV | None = None,
+        stop: bool = False,
+        prefix_sums: KV | None = None,
+    ):
         super().__init__(layers=[])
         self.store, self.start, self.prefix_len, self.prefix, self.stop = store, start, prefix_len, prefix, stop
+        self.prefix_sums = prefix_sums
         self.chunk: KV = {}
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -98,7 +111,12 @@ class ChunkCache(Cache):
             if self.prefix_len == 0:
                 return key_states, value_states
             pairs = zip(full, self.prefix[layer_idx], (key_states, value_states), strict=True)
-            return tuple(_Extend.apply([f], p, s, leaf, new) for f, leaf, new in pairs)
+            joined = tuple(_Extend.apply([f], p, s, leaf, new) for f, leaf, new in pairs)
+            if self.prefix_sums is not None:
+                sums = self.prefix_sums[layer_idx]
+                for t, new, acc in zip(joined, (key_states, value_states), sums, strict=True):
+                    PrefixGrad.attach(t, new, acc)
+            return joined
         e = s + key_states.shape[2]
         with torch.no_grad():
             full[0][:, :, s:e] = key_states

@@ -35,8 +35,12 @@ recompute of that chunk, so dropout, LoRA dropout, sampled routing and jitter dr
 
 Memory of one layer's backward beyond the saved inputs: dY and dx (batch, T, hidden; dx is written over the saved
 input when that is the previous stream layer's output and nothing else keeps it), K, V, dK_acc, dV_acc (batch, T,
-kv_dim each, per slot), one chunk's activations and one (chunk x prefix) attention block. With ``offload`` the saved
-inputs wait in host memory (:mod:`streambp_trl.layers.offload`), and the device holds the current and the next layer's.
+kv_dim each, per slot), the parameter gradient sums and one parameter's fresh gradient, one chunk's activations and
+one (chunk x prefix) attention block (with grouped heads, one group's key/value gradients over the prefix: the
+attention adds them into dK_acc, dV_acc itself; see :class:`~streambp_trl.attention.PrefixGrad`). The first layer's
+input, when it is the input embedding's output, is not kept but rebuilt from the token ids
+(:mod:`streambp_trl.layers.rebuild`). With ``offload`` the saved inputs wait in host memory
+(:mod:`streambp_trl.layers.offload`), and the device holds the current and the next layer's.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from ..sizing.auto import AutoChunks, rule_of_thumb
 from .kv_cache import ChunkCache, KVCollected, KVStore
 from .layer_args import CACHE_KWARGS, parameter_names, per_token, slice_arg
 from .offload import CheckpointOffload
+from .rebuild import EmbeddingSource
 
 KV_MODES = ("recompute", "capture")
 
@@ -119,6 +124,7 @@ class _LayerCall:
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
     recycle_input: bool = False  # x is the previous stream layer's output, held by nothing else: dx may reuse it
+    source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
     chunk_size: int = 0  # tokens per chunk of this call
     rng: list[_RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
@@ -223,6 +229,18 @@ class _LayerCall:
         ]
         dextra = [torch.zeros_like(t) for _, t, _ in extra]
         dparams: list[torch.Tensor | None] = [None] * len(params)
+        hooks = [p.register_hook(functools.partial(_absorb, dparams, j)) for j, p in enumerate(params)]
+        try:
+            self._chunk_backwards(x, dy, kv, dkv, dx, extra, dextra, params)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return dx, dextra, dparams
+
+    def _chunk_backwards(self, x, dy, kv, dkv, dx, extra, dextra, params) -> None:
+        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and ``dkv`` (and, through the
+        parameters' hooks, the parameter gradient sums)."""
+        need_dx = dx is not None
         for n, (s, e) in reversed(list(enumerate(self.chunks()))):
             p = self.prefix_start(s)
             xc = x[:, s:e].detach().requires_grad_(need_dx)
@@ -230,7 +248,8 @@ class _LayerCall:
                 i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
                 for i, (k, v) in kv.range(p, s).items()
             }
-            cache = ChunkCache(kv, s, s - p, prefix)
+            sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in dkv.items()}
+            cache = ChunkCache(kv, s, s - p, prefix, prefix_sums=sums)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
             with torch.enable_grad():
@@ -253,19 +272,28 @@ class _LayerCall:
                 g = next(it)
                 if g is not None:
                     acc.narrow(dim, s, e - s).copy_(g)
-            for i in sorted(prefix) if s > p else []:
+            for i in sorted(prefix) if s > p else []:  # (unless the attention added them itself: PrefixGrad)
                 for acc in dkv[i]:
                     g = next(it)
                     if g is not None:
                         acc[:, :, p:s] += g
-            for j, g in enumerate(it):
-                if g is not None:
-                    dparams[j] = g if dparams[j] is None else dparams[j].add_(g)
+            # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`)
             # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
             # graph go before the next chunk's backward allocates its own
             g = None
-            del grads, it, g, outputs, grad_outputs, yc, cache, prefix, prefix_leaves, inputs, leaves, xc
-        return dx, dextra, dparams
+            del grads, it, g, outputs, grad_outputs, yc, cache, prefix, prefix_leaves, inputs, leaves, xc, sums
+
+
+def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torch.Tensor:
+    """Parameter ``j``'s hook during a chunk's backward: its gradient is added to ``sums[j]`` (or becomes it) at once,
+    and autograd keeps a storage-less zero in its place. So a chunk's backward holds one parameter's fresh gradient at
+    a time beside the sums, not a whole layer's set of them until ``autograd.grad`` returns."""
+    if sums[j] is not None:
+        sums[j].add_(grad)
+    else:  # autograd's own buffer becomes the sum, unless elements share memory (an expanded scalar's gradient)
+        overlapping = any(stride == 0 and size > 1 for stride, size in zip(grad.stride(), grad.shape, strict=True))
+        sums[j] = grad.clone() if overlapping else grad
+    return grad.new_zeros(()).expand(grad.shape)
 
 
 class _StreamLayerFunction(torch.autograd.Function):
@@ -277,7 +305,7 @@ class _StreamLayerFunction(torch.autograd.Function):
         capture = call.settings.kv_mode == "capture"
         y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
-        saved = (x, *(kv.flat() if capture else ()))
+        saved = (*((x,) if call.source is None else ()), *(kv.flat() if capture else ()))
         kept = call.settings.offload.save(saved) if call.settings.offload is not None else saved
         ctx.kept = None if isinstance(kept, tuple) else kept
         ctx.save_for_backward(*(kept if ctx.kept is None else ()))
@@ -286,8 +314,9 @@ class _StreamLayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         call = ctx.call
-        x, *flat = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
+        saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
         ctx.kept = None
+        x, *flat = saved if call.source is None else (call.source.rebuild(call.autocast), *saved)
         kv = KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
@@ -350,7 +379,10 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
         return call.forward_chunks(x, keep_kv=False, rng="none")[0]
-    call.recycle_input = getattr(x, _OUTPUT_MARK, False) and _outputs_unobserved(layer)
+    unobserved = _outputs_unobserved(layer)
+    call.source = EmbeddingSource.of(x) if unobserved else None
+    # dx may take the place of x where x is this layer's own (rebuilt, or the previous stream layer's output)
+    call.recycle_input = (call.source is not None or getattr(x, _OUTPUT_MARK, False)) and unobserved
     y = _StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
     setattr(y, _OUTPUT_MARK, True)
     return y

@@ -8,11 +8,13 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
 * stream (``enable_streambp``), the largest of three moments:
 
   - a decoder layer's backward (the top layer's, when all saved inputs are still there): the saved inputs
-    ``L H db N`` (with ``offload_checkpoints``: the layer's own and the prefetched one, ``2 H db N``), dY ``H db N``
+    ``(L - 1) H db N`` (the first layer's is rebuilt from the token ids; with ``offload_checkpoints``: the layer's own
+    and the prefetched one, ``2 H db N``), dY ``H db N``
     (the input gradient takes the place of the saved input), the keys/values and their gradient accumulators
-    ``4 kv db N``, the rotary tables, two sets of the layer's parameter gradients (the running sum and the chunk's),
-    and the larger of one chunk's MLP backward (``chunk x`` :func:`_chunk_token_bytes`) and its attention backward
-    (key/value gradients over the whole prefix, ``2 kv db N``, plus one head group's and flash's expanded workspace);
+    ``4 kv db N``, the rotary tables, the layer's parameter gradient sums, and the larger of one chunk's MLP backward
+    (``chunk x`` :func:`_chunk_token_bytes`, beside one weight's fresh gradient) and its attention backward (with
+    grouped heads, one group's key/value gradients over the whole prefix and flash's expanded workspace; with as many
+    key/value heads as query heads, all heads' key/value gradients ``2 kv db N``);
   - the LM-head weight node (runs first in backward): the last hidden state, dW ``V H db`` and one float32 vocabulary
     tile of dW, plus logit tiles;
   - the hidden-state node: the last hidden state and its gradient ``2 H db N``, plus logit tiles.
@@ -192,16 +194,20 @@ def estimate_activation_bytes(
     layer's trainable parameters (all of them by default)."""
     h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
     group = shape.heads // shape.kv_heads
-    saved = (2 if offload else shape.layers) * h * db * n
+    # the first layer's input is rebuilt from the token ids (streambp_trl.layers.rebuild), not kept
+    saved = (2 if offload else shape.layers - 1) * h * db * n
     common = saved + _per_token_bytes(shape, db) * n
     layer_grads = shape.layer_params if layer_trained_params is None else layer_trained_params
-    # a layer's backward: dY, the keys/values and their gradient sums, the layer's parameter gradients (the sum and
-    # the chunk's), and either one chunk's MLP backward or its attention backward, whose key/value gradients span the
-    # prefix (the whole sequence at the last chunk), with one head group's dK/dV and flash's expanded workspace
-    layer = common + (h + 4 * kv) * db * n + 2 * layer_grads * db
+    # a layer's backward: dY, the keys/values and their gradient sums, the layer's parameter gradient sums, and either
+    # one chunk's MLP backward (beside one weight's fresh gradient, added to its sum at once) or its attention
+    # backward, whose key/value gradients span the prefix (the whole sequence at the last chunk): one head group's
+    # dK/dV and flash's expanded workspace, the prefix part added into the sums group by group (grouped heads), or
+    # all heads' dK/dV at once (as many key/value heads as query heads)
+    layer = common + (h + 4 * kv) * db * n + layer_grads * db
     chunk_rows = min(chunk, n)
-    mlp = chunk_rows * _chunk_token_bytes(shape, db)
-    attention = (2 * kv + 2 * d + (2 * group * d if group > 1 else 0)) * db * n
+    fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
+    mlp = chunk_rows * _chunk_token_bytes(shape, db) + fresh_grad
+    attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
     attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
     layer += max(mlp, attention)
     # logit tiles: the matmul product, its float32 copy and the probabilities (10 bytes per element)

@@ -1,0 +1,78 @@
+"""Float64 gradient parity of the CUDA attention path (explicit fused kernels, grouped-query heads one group at a time,
+the prefix's key/value gradient added straight into the layer's sums), run on the CPU.
+
+On a CUDA tensor the stream attention never calls SDPA's math kernel: it picks flash (or memory-efficient)
+attention explicitly and runs grouped-query heads through ``_GroupedHeads``. PyTorch's CPU build has a flash
+kernel too (float64 included), so routing CPU tensors through that path checks its numerics here against plain
+autograd; ``tests/test_cuda_paths.py`` checks under the CUDA simulator that the path is taken on CUDA.
+"""
+
+import copy
+
+import pytest
+import torch
+from models import max_rel_grad_error, reference_loss, tiny_model
+from transformers import AttentionInterface
+
+from streambp_trl import enable_streambp
+from streambp_trl.attention import interface, kernels
+
+TOL = 1e-10
+
+
+def _cuda_path_on_cpu(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """:func:`stream_attention` as it runs on CUDA, for CPU tensors (causal blocks: flash)."""
+    block = attention_mask.block(query.shape[2], key.shape[2], query.device)
+    assert block is None, "the CPU has no memory-efficient kernel: only plainly causal chunks here"
+    return kernels._cuda_attention(module, query, key, value, block, None, scaling, dropout), None
+
+
+@pytest.fixture
+def cuda_path(monkeypatch):
+    """``route()`` sends the ``"streambp"`` attention through the CUDA path (after ``enable_streambp``, whose probe
+    batch is padded); the grouped calls are counted (all, and those with a prefix)."""
+    calls = {"grouped": 0, "prefix": 0}
+
+    def route():
+        interface._register()
+        monkeypatch.setitem(AttentionInterface._global_mapping, interface.IMPLEMENTATION, _cuda_path_on_cpu)
+        monkeypatch.setattr(kernels, "_FLASH_DTYPES", (torch.float64,))  # CUDA's flash has no float64; the CPU's has
+
+    calls["route"] = route
+    apply = kernels._GroupedHeads.apply
+
+    def counted(query, key, value, attend, prefix):
+        calls["grouped"] += 1
+        calls["prefix"] += prefix is not None
+        return apply(query, key, value, attend, prefix)
+
+    monkeypatch.setattr(kernels._GroupedHeads, "apply", counted)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"), [(4, 2), (8, 2), (4, 1), (4, 4)], ids=["gqa", "gqa4", "mqa", "mha"]
+)
+@pytest.mark.parametrize("chunk", [3, 7, 23])
+def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
+    reference = tiny_model("qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk, logits_chunk_size=5)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 101, (2, 23), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    labels[:, :4] = -100
+    cuda_path["route"]()
+    ref_loss = reference_loss(reference, ids, mask, labels)
+    ref_loss.backward()
+    loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < TOL, f"relative gradient error {err:.3e} at {where}"
+    several_chunks = chunk < ids.shape[1]
+    if kv_heads == heads:  # one SDPA call over all heads; the prefix gradient goes back through autograd
+        assert cuda_path["grouped"] == 0
+    else:  # every recompute of a chunk after the first hands its prefix's key/value gradient to the sums directly
+        assert (cuda_path["prefix"] > 0) == several_chunks
+        assert cuda_path["grouped"] > 0 or kv_heads == 1

@@ -1,0 +1,90 @@
+"""The first layer's input rebuilt from the token ids in backward: exact, kept nowhere, and only where it is safe."""
+
+import copy
+
+import pytest
+import torch
+from models import batch, max_rel_grad_error, reference_loss, tiny_model
+
+from streambp_trl import enable_streambp
+from streambp_trl.layers import rebuild
+
+TOL = 1e-10
+
+
+@pytest.fixture
+def rebuilds(monkeypatch):
+    """How many times the first layer's input was rebuilt."""
+    calls = []
+    original = rebuild.EmbeddingSource.rebuild
+
+    def counted(self, autocast):
+        calls.append(self.ids.shape)
+        return original(self, autocast)
+
+    monkeypatch.setattr(rebuild.EmbeddingSource, "rebuild", counted)
+    return calls
+
+
+def _saved_hidden_sized(model, ids, mask, labels) -> tuple[torch.Tensor, int]:
+    """The loss, and how many (batch, T, hidden) tensors autograd keeps for the backward."""
+    count = [0]
+    shape = (*ids.shape, model.config.hidden_size)
+
+    def pack(t):
+        count[0] += tuple(t.shape) == shape
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    return loss, count[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: a scaled embedding (an nn.Embedding subclass)
+def test_first_layer_input_is_rebuilt_not_kept(family, rebuilds):
+    reference = tiny_model(family, num_hidden_layers=3, layer_types=None)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    ids, mask, labels = batch(padding="left")
+    ref_loss = reference_loss(reference, ids, mask, labels)
+    ref_loss.backward()
+    loss, kept = _saved_hidden_sized(streamed, ids, mask, labels)
+    loss.backward()
+    assert rebuilds == [ids.shape]
+    assert kept == 2  # layers 1 and 2; layer 0 keeps the ids (and the logit kernel, flattened rows, its input)
+    assert abs(loss.item() - ref_loss.item()) <= TOL * abs(ref_loss.item())
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < (1e-5 if family == "gemma3" else TOL), f"relative gradient error {err:.3e} at {where}"
+
+
+def test_a_hooked_embedding_is_kept(rebuilds):
+    """A forward hook on the embedding (NEFTune's noise is one) could change its output or draw random numbers: the
+    input is then kept, and the gradient is that of the hooked model."""
+    reference = tiny_model("llama", num_hidden_layers=2)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
+    for model in (reference, streamed):
+        model.get_input_embeddings().register_forward_hook(lambda module, args, output: output * 1.5 + 0.25)
+    ids, mask, labels = batch()
+    reference_loss(reference, ids, mask, labels).backward()
+    loss, kept = _saved_hidden_sized(streamed, ids, mask, labels)
+    loss.backward()
+    assert rebuilds == [] and kept == 2
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < TOL, f"relative gradient error {err:.3e} at {where}"
+
+
+def test_hidden_states_asked_for_keep_the_input(rebuilds):
+    streamed = enable_streambp(tiny_model("qwen3", num_hidden_layers=2), stream_chunk_size=4)
+    ids, mask, labels = batch()
+    out = streamed(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
+    first = out.hidden_states[0].detach().clone()
+    out.loss.backward()
+    assert rebuilds == [] and torch.equal(out.hidden_states[0], first)
+
+
+def test_an_embedding_changed_before_backward_is_an_error():
+    streamed = enable_streambp(tiny_model("qwen3", num_hidden_layers=2), stream_chunk_size=4)
+    loss = streamed(*batch()[:1], attention_mask=batch()[1], labels=batch()[2]).loss
+    with torch.no_grad():
+        streamed.get_input_embeddings().weight.mul_(2)
+    with pytest.raises(RuntimeError, match="embedding's weight .* was replaced or modified in place"):
+        loss.backward()
