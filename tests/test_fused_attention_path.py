@@ -50,9 +50,7 @@ def cuda_path(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads"), [(4, 2), (8, 2), (4, 1), (4, 4)], ids=["gqa", "gqa4", "mqa", "mha"]
-)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 2), (4, 1), (4, 4)], ids=["gqa", "gqa4", "mqa", "mha"])
 @pytest.mark.parametrize("chunk", [3, 7, 23])
 def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
     reference = tiny_model("qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads)

@@ -13,7 +13,7 @@ from causal_lm_zoo import tiny_causal_lm
 from models import batch, max_rel_grad_error, reference_loss, tiny_model
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import stream_layer
+from streambp_trl.layers import rng
 
 DROPOUT = {"attention_dropout": 0.2}
 
@@ -123,5 +123,5 @@ def test_many_chunks_gradient_is_the_derivative_of_the_returned_loss(name, monke
     them); its central difference along a random direction matches the streamed gradient, and does not when the
     replay is switched off (the check can fail)."""
     assert _directional_error(enable_streambp(_float64_norms(MODELS[name]()), stream_chunk_size=4)) < 1e-4
-    monkeypatch.setattr(stream_layer._RngState, "restore", lambda self: None)
+    monkeypatch.setattr(rng.RngState, "restore", lambda self: None)
     assert _directional_error(enable_streambp(_float64_norms(MODELS[name]()), stream_chunk_size=4)) > 1e-3

@@ -19,6 +19,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 from ..attention import stream_configs, streaming
 from ..layers.layer_args import CACHE_KWARGS
 from ..layers.rebuild import embedding_sources
+from ..layers.segments import check_segmentable
 from ..layers.stream_layer import StreamSettings
 from ..logits import chunked_logprobs
 from ..patching import bypassed, original, temporarily
@@ -60,6 +61,7 @@ def stream_decoder_forward(self, *args, **kwargs):
         kwargs.pop(k, None)
     kwargs["use_cache"] = False
     layers = decoder_layers(self)
+    check_segmentable(self, vars(self).get("_streambp_keep_every", 1))  # FSDP/ZeRO-3 may have come after enabling
     hidden_states_kept = kwargs.get("output_hidden_states") or self.config.output_hidden_states
     auto = vars(self).get("_streambp_auto")
     chunk = _auto_chunk(auto, args, kwargs) if auto is not None else None

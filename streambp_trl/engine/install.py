@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..layers.offload import CheckpointOffload
+from ..layers.segments import check_segmentable
 from ..layers.stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from ..logits import STAT_OUTPUTS
 from ..patching import bind, guarded_set_gradient_checkpointing, patch, unpatch
@@ -62,6 +63,7 @@ def enable_streambp(
     verify: bool = True,
     offload_checkpoints: bool = False,
     memory_budget: int | str | None = None,
+    keep_every: int = 1,
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
@@ -87,6 +89,9 @@ def enable_streambp(
             CPU.
         memory_budget: device bytes (or a size such as ``"78GiB"``) the step may use, for ``"auto"`` chunk sizes;
             ``None``: the free memory of the CUDA device when a call starts.
+        keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers (on the device, or
+            in host memory with ``offload_checkpoints``); each segment's other layers rebuild theirs in backward by
+            one more chunked forward (see :mod:`streambp_trl.layers.segments`). Not with ZeRO-3 or FSDP.
     """
     _chunk("stream_chunk_size", stream_chunk_size)
     logits_chunk_size = _chunk("logits_chunk_size", logits_chunk_size or stream_chunk_size)
@@ -96,6 +101,8 @@ def enable_streambp(
     for name, flag in (("stream_eval", stream_eval), ("verify", verify), ("offload_checkpoints", offload_checkpoints)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}.")
+    if isinstance(keep_every, bool) or not isinstance(keep_every, int) or keep_every < 1:
+        raise ValueError(f"keep_every must be a positive integer number of layers, got {keep_every!r}.")
     if not temperature > 0:
         raise ValueError(f"temperature must be positive, got {temperature!r}.")
     unknown = set(fused_outputs) - set(STAT_OUTPUTS)
@@ -110,6 +117,7 @@ def enable_streambp(
     lm_head_linear(lm)
     if zero3_enabled(lm):
         mark_zero3_leaves(lm)
+    check_segmentable(lm, keep_every)
     reference = None
     norm_name = final_norm_name(decoder)
     if verify:
@@ -124,10 +132,15 @@ def enable_streambp(
             norm_name = None
 
     offload = CheckpointOffload() if offload_checkpoints else None
-    auto = AutoChunks(lm, budget, offload_checkpoints) if AUTO in (stream_chunk_size, logits_chunk_size) else None
-    settings = StreamSettings(chunk_size=stream_chunk_size, kv_mode=kv_mode, offload=offload, auto=auto)
+    auto = (
+        AutoChunks(lm, budget, offload_checkpoints, keep_every)
+        if AUTO in (stream_chunk_size, logits_chunk_size)
+        else None
+    )
+    settings = StreamSettings(stream_chunk_size, kv_mode, offload, auto, keep_every)
     _install(lm, decoder, layers, StreamSettings(probe.PROBE_CHUNK, kv_mode) if reference else settings)
     patch(decoder, "_streambp_eval", bool(stream_eval))
+    patch(decoder, "_streambp_keep_every", keep_every)
     patch(decoder, "_streambp_auto", None if reference else auto)  # the probe streams in chunks of PROBE_CHUNK
     lm._streambp = StreamState(
         settings=settings,

@@ -45,14 +45,12 @@ input, when it is the input embedding's output, is not kept but rebuilt from the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.utils import checkpoint
 
 from ..attention import StreamMask, stream_configs, streaming
 from ..sizing.auto import AutoChunks, rule_of_thumb
@@ -60,6 +58,8 @@ from .kv_cache import ChunkCache, KVCollected, KVStore
 from .layer_args import CACHE_KWARGS, parameter_names, per_token, slice_arg
 from .offload import CheckpointOffload
 from .rebuild import EmbeddingSource
+from .rng import RngState, rng_fork
+from .segments import Segment
 
 KV_MODES = ("recompute", "capture")
 
@@ -74,34 +74,15 @@ class StreamSettings:
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
     ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
     on the device (see :mod:`streambp_trl.layers.offload`).
+    ``keep_every``: only the first of every ``keep_every`` consecutive layers keeps its input; the others rebuild
+    theirs in backward (see :mod:`streambp_trl.layers.segments`).
     """
 
     chunk_size: int | str  # or "auto": chosen per call (see streambp_trl.sizing.auto)
     kv_mode: str = "recompute"
     offload: CheckpointOffload | None = None
     auto: AutoChunks | None = None
-
-
-class _RngState:
-    """The CPU generator's state and that of the devices of ``x`` (as ``torch.utils.checkpoint`` captures them),
-    taken before a chunk runs."""
-
-    def __init__(self, x: torch.Tensor):
-        self.device_type = checkpoint._infer_device_type(x)
-        self.cpu = torch.get_rng_state()
-        self.devices, self.states = checkpoint.get_device_states(x)
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        checkpoint.set_device_states(self.devices, self.states, device_type=self.device_type)
-
-
-@contextlib.contextmanager
-def _rng_fork(x: torch.Tensor) -> Iterator[None]:
-    """Leave the global random state as it was, whatever the recompute draws (like ``torch.utils.checkpoint``)."""
-    devices, _ = checkpoint.get_device_states(x)
-    with torch.random.fork_rng(devices=devices, device_type=checkpoint._infer_device_type(x)):
-        yield
+    keep_every: int = 1
 
 
 @dataclasses.dataclass
@@ -125,8 +106,10 @@ class _LayerCall:
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
     recycle_input: bool = False  # x is the previous stream layer's output, held by nothing else: dx may reuse it
     source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
+    segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
+    position: int = 0  # its place in the segment (0: the one keeping its input)
     chunk_size: int = 0  # tokens per chunk of this call
-    rng: list[_RngState] = dataclasses.field(default_factory=list)
+    rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
 
     @property
@@ -173,7 +156,7 @@ class _LayerCall:
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if rng == "record":
-                    self.rng.append(_RngState(x))
+                    self.rng.append(RngState(x))
                 elif rng == "replay":
                     self.rng[i].restore()
                 p = self.prefix_start(s)
@@ -213,7 +196,7 @@ class _LayerCall:
         need_dx: bool,
         need_extra: tuple[bool, ...],
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        with _rng_fork(x):
+        with rng_fork(x):
             return self._backward_chunks(x, dy, kv, params, need_dx, need_extra)
 
     def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra):
@@ -305,8 +288,14 @@ class _StreamLayerFunction(torch.autograd.Function):
         capture = call.settings.kv_mode == "capture"
         y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
-        saved = (*((x,) if call.source is None else ()), *(kv.flat() if capture else ()))
-        kept = call.settings.offload.save(saved) if call.settings.offload is not None else saved
+        offload = call.settings.offload
+        keeps_x = call.source is None and (call.segment is None or call.position == 0)
+        if call.segment is not None:  # the segment keeps its first layer's input, for all its layers' backwards
+            if keeps_x:
+                call.segment.keep_head(offload.save((x,)) if offload is not None else (x,))
+            keeps_x = False
+        saved = (*((x,) if keeps_x else ()), *(kv.flat() if capture else ()))
+        kept = offload.save(saved) if offload is not None else saved
         ctx.kept = None if isinstance(kept, tuple) else kept
         ctx.save_for_backward(*(kept if ctx.kept is None else ()))
         return y
@@ -316,13 +305,27 @@ class _StreamLayerFunction(torch.autograd.Function):
         call = ctx.call
         saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
         ctx.kept = None
-        x, *flat = saved if call.source is None else (call.source.rebuild(call.autocast), *saved)
+        if call.segment is not None:
+            x, flat = call.segment.input(call.position, functools.partial(_segment_head, call)), saved
+        elif call.source is not None:
+            x, flat = call.source.rebuild(call.autocast), saved
+        else:
+            x, *flat = saved
         kv = KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
         dx, dextra, dparams = call.backward_chunks(x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra)
         it = iter(dextra)
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
+
+
+def _segment_head(call: _LayerCall, head: object) -> torch.Tensor:
+    """A segment's first input again, from what ``call`` (the segment's last layer) finds kept for it."""
+    first = call.segment.calls[0]()
+    if first is not None and first.source is not None:
+        return first.source.rebuild(first.autocast)
+    offload = call.settings.offload
+    return (offload.load(head) if offload is not None else head)[0]
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -381,10 +384,17 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
         return call.forward_chunks(x, keep_kv=False, rng="none")[0]
     unobserved = _outputs_unobserved(layer)
     call.source = EmbeddingSource.of(x) if unobserved else None
+    if settings.keep_every > 1:  # join the segment of the previous stream layer (its output is x), or start one
+        joined = Segment.of(x) if unobserved else None
+        call.segment = joined if joined is not None else Segment(settings.keep_every)
+        call.position = call.segment.join(call)
     # dx may take the place of x where x is this layer's own (rebuilt, or the previous stream layer's output)
-    call.recycle_input = (call.source is not None or getattr(x, _OUTPUT_MARK, False)) and unobserved
+    own = call.source is not None or call.position > 0 or getattr(x, _OUTPUT_MARK, False)
+    call.recycle_input = own and unobserved
     y = _StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
     setattr(y, _OUTPUT_MARK, True)
+    if call.segment is not None:
+        call.segment.mark(y)
     return y
 
 

@@ -34,9 +34,9 @@ def rule_of_thumb(seq_len: int) -> int:
 class AutoChunks:
     """The chunk policy of one model (kept in its stream settings)."""
 
-    def __init__(self, model: nn.Module, budget: int | None, offload: bool):
+    def __init__(self, model: nn.Module, budget: int | None, offload: bool, keep_every: int = 1):
         self._model = weakref.ref(model)
-        self.budget, self.offload = budget, offload
+        self.budget, self.offload, self.keep_every = budget, offload, keep_every
         self._chosen: dict[tuple[int, int], int] = {}
         self.last: int | None = None  # the latest choice (what the trainers log)
         try:
@@ -72,7 +72,14 @@ class AutoChunks:
 
         def fits(chunk: int) -> bool:
             needed = mm.estimate_activation_bytes(
-                self.shape, n, chunk, chunk, db, offload=self.offload, head_trained=head_trained
+                self.shape,
+                n,
+                chunk,
+                chunk,
+                db,
+                offload=self.offload,
+                head_trained=head_trained,
+                keep_every=self.keep_every,
             )
             return needed <= room
 

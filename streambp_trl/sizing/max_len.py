@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_size_arg, help="measured runs: the most the peak may reach (cpu: required)")
     p.add_argument("--chunk", type=_positive, help="stream_chunk_size (default: auto, as the trainers)")
     p.add_argument("--logits-chunk", type=_positive, help="logits_chunk_size (default: the chunk)")
+    p.add_argument("--keep-every", type=_positive, default=1, help="stream rows: keep only every k-th layer's input")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 (float32 on the CPU)")
     p.add_argument("--optimizer", choices=OPTIMIZER_BYTES, default="none", help="optimizer state held during the step")
     p.add_argument("--mode", nargs="+", choices=ROWS, help="only these rows")
@@ -97,6 +98,13 @@ def _shape(name: str):
         return mm.ModelShape.from_config(build_config(canonical))
 
 
+def _label(mode: str, args: argparse.Namespace) -> str:
+    label = ROWS[mode][1]
+    if mode.startswith("stream") and args.keep_every > 1:
+        label += f", every {args.keep_every}th layer's input kept"
+    return label
+
+
 def _setup(mode: str, args: argparse.Namespace):
     from . import memory_model as mm
 
@@ -109,6 +117,7 @@ def _setup(mode: str, args: argparse.Namespace):
         chunk=args.chunk if stream else None,
         logits_chunk=(args.logits_chunk or args.chunk) if stream else None,
         optimizer_bytes_per_param=OPTIMIZER_BYTES[args.optimizer],
+        keep_every=args.keep_every if stream else 1,
     )
 
 
@@ -123,7 +132,7 @@ def estimate(args: argparse.Namespace, modes: list[str], budget: int) -> dict[st
         rows.append(
             {
                 "mode": mode,
-                "label": ROWS[mode][1],
+                "label": _label(mode, args),
                 "max_len": length,
                 "peak_bytes": mm.estimate_peak_bytes(shape, setup, length) if length else None,
                 "host_bytes": mm.estimate_host_bytes(shape, setup, length) if length and "offload" in mode else None,
@@ -190,6 +199,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
                 "repeats": 1,
                 "stream_chunk_size": args.chunk or _auto_chunk(n),
                 "logits_chunk_size": args.logits_chunk or args.chunk or _auto_chunk(n),
+                "keep_every": args.keep_every,
                 "reserve_bytes": reserve,
             }
             record = measure(spec, args.timeout, log=False)
@@ -224,7 +234,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
         rows.append(
             {
                 "mode": mode,
-                "label": ROWS[mode][1],
+                "label": _label(mode, args),
                 "max_len": best,
                 "first_failure": first_failure,
                 "peak_bytes": at_best["total_peak_mb"] * 2**20 if at_best else None,

@@ -135,6 +135,7 @@ class StepSetup:
     chunk: int | None = None
     logits_chunk: int | None = None
     optimizer_bytes_per_param: int = 0  # e.g. 8 for AdamW's two float32 moments of every trainable parameter
+    keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.segments)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -178,6 +179,20 @@ def _per_token_bytes(shape: ModelShape, db: int) -> int:
     return 2 * shape.head_dim * db + 48
 
 
+def _saved_inputs(layers: int, keep_every: int, offload: bool) -> int:
+    """Layer inputs on the device during the backward's worst layer. The first layer's is rebuilt from the token ids
+    (:mod:`streambp_trl.layers.rebuild`). Segments of ``keep_every`` layers keep their first input and rebuild the
+    others while the segment's backward runs (``keep_every=1``: every layer keeps its own): segment i's backward holds
+    its inputs and the kept first inputs of segments 1..i-1, or, with offload, its inputs and the prefetched first
+    input of segment i-1 (none for segment 0, whose first input is rebuilt from the ids)."""
+    worst = 0
+    for i, start in enumerate(range(0, layers, keep_every)):
+        size = min(keep_every, layers - start)
+        below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
+        worst = max(worst, size + below)
+    return worst
+
+
 def estimate_activation_bytes(
     shape: ModelShape,
     n: int,
@@ -188,14 +203,14 @@ def estimate_activation_bytes(
     offload: bool = False,
     head_trained: bool = True,
     layer_trained_params: int | None = None,
+    keep_every: int = 1,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
     layer's trainable parameters (all of them by default)."""
     h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
     group = shape.heads // shape.kv_heads
-    # the first layer's input is rebuilt from the token ids (streambp_trl.layers.rebuild), not kept
-    saved = (2 if offload else shape.layers - 1) * h * db * n
+    saved = _saved_inputs(shape.layers, keep_every, offload) * h * db * n
     common = saved + _per_token_bytes(shape, db) * n
     layer_grads = shape.layer_params if layer_trained_params is None else layer_trained_params
     # a layer's backward: dY, the keys/values and their gradient sums, the layer's parameter gradient sums, and either
@@ -244,6 +259,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             offload=setup.offload,
             head_trained=not setup.lora,
             layer_trained_params=_lora_params(shape) // shape.layers if setup.lora else None,
+            keep_every=setup.keep_every,
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
@@ -251,8 +267,10 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
 
 
 def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
-    """Pinned host bytes the step holds (the offloaded checkpoints; 0 without offload)."""
-    return shape.layers * shape.hidden * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
+    """Pinned host bytes the step holds: the offloaded layer inputs (all but the first layer's, rebuilt from the
+    token ids; with ``keep_every`` k, the first input of each further segment of k layers); 0 without offload."""
+    kept = -(-shape.layers // setup.keep_every) - 1
+    return kept * shape.hidden * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
 
 
 def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:

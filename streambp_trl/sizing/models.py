@@ -110,7 +110,9 @@ def _stream_options(spec: dict[str, Any]) -> dict[str, Any]:
         "temperature": TEMPERATURE[spec.get("objective", "sft")],
     }
     if spec["mode"] == "stream+offload":
-        options["offload_checkpoints"] = True  # a TypeError until the engine has the option
+        options["offload_checkpoints"] = True
+    if spec.get("keep_every", 1) > 1:
+        options["keep_every"] = spec["keep_every"]
     return options
 
 

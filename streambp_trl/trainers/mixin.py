@@ -104,6 +104,12 @@ class StreamTrainerMixin:
                 "without it."
             )
         options = resolve_stream_options(self.args)
+        if options["keep_every"] > 1 and (_zero3_run(self.args) or getattr(self, "is_fsdp_enabled", False)):
+            raise ValueError(
+                f"{type(self).__name__}: stream_keep_every={options['keep_every']} rebuilds layer inputs by running "
+                "decoder layers inside other layers' backward, where FSDP shards and ZeRO-3 partitions are not "
+                "gathered. Use stream_keep_every=1 (offload_checkpoints=True saves GPU memory there), or DDP / ZeRO-2."
+            )
         extra = self._engine_options()
         if _zero3_run(self.args) and not zero3_enabled(self.model):  # enable_streambp marks them when it can tell
             _mark_zero3_leaves([self.model])

@@ -40,6 +40,11 @@ class StreamArguments:
             one per layer, for host memory of layers x hidden x 2 bytes per token.
         memory_budget (`str` or `None`, defaults to `None`):
             GPU memory the step may use for `"auto"` chunk sizes, e.g. `"78GiB"`; `None`: the GPU's free memory.
+        stream_keep_every (`int`, defaults to `1`):
+            Keep only the first input of every `stream_keep_every` consecutive decoder layers (on the GPU, or in host
+            memory with `offload_checkpoints`); the layers between rebuild theirs in backward by one more chunked
+            forward. Divides the kept inputs (and the host memory of offload) by about k, for k - 1 extra layer
+            forwards out of every k. Not with FSDP or DeepSpeed ZeRO-3.
     """
 
     stream_chunk_size: str = field(
@@ -63,6 +68,10 @@ class StreamArguments:
         default=None,
         metadata={"help": "GPU memory for 'auto' chunk sizes, e.g. '78GiB' (default: the GPU's free memory)."},
     )
+    stream_keep_every: int = field(
+        default=1,
+        metadata={"help": "Keep only every k-th decoder layer's input; the others are recomputed in backward."},
+    )
 
     def __post_init__(self):
         self.stream_chunk_size = _chunk_value("stream_chunk_size", self.stream_chunk_size)
@@ -73,7 +82,14 @@ class StreamArguments:
             raise ValueError(f"`stream_kv_mode` must be one of {KV_MODES}, got {self.stream_kv_mode!r}.")
         if self.memory_budget is not None:
             parse_budget(self.memory_budget)
+        _keep_every(self.stream_keep_every)
         super().__post_init__()
+
+
+def _keep_every(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`stream_keep_every` must be a positive integer number of layers, got {value!r}.")
+    return value
 
 
 def resolve_stream_options(args) -> dict:
@@ -87,4 +103,5 @@ def resolve_stream_options(args) -> dict:
         "kv_mode": getattr(args, "stream_kv_mode", "recompute"),
         "offload_checkpoints": bool(getattr(args, "offload_checkpoints", False)),
         "memory_budget": None if budget is None else parse_budget(budget),
+        "keep_every": _keep_every(getattr(args, "stream_keep_every", 1)),
     }

@@ -1,0 +1,99 @@
+"""Segments of stream layers: only the first of every ``k`` consecutive layers keeps its input (``keep_every=k``).
+
+A streamed decoder call groups its stream layers into segments of up to ``k`` consecutive layers, each layer's input
+being the previous one's output (a layer whose input is anything else, or is watched by a hook or kept as a hidden
+state, starts a new segment). The segment's first layer keeps its input as any stream layer does: on the device, in
+pinned host memory with ``offload_checkpoints``, or as the token ids when it is the input embedding's output
+(:mod:`.rebuild`). The other layers keep nothing. In backward the segment's last layer, whose backward runs first,
+gets the first layer's input back and runs the segment's layers but the last forward again, under no grad and chunk
+by chunk, each chunk with the random state its forward drew (:mod:`.rng`): every layer's input comes back
+bit-identical to the forward's, so the gradient is exactly the one of ``keep_every=1``. Each layer's backward then
+takes its own input and writes its input gradient over it.
+
+Memory: an L-layer model keeps ceil(L / k) inputs (the host memory of ``offload_checkpoints`` divided by ~k), and a
+segment's backward holds its k inputs on the device. Time: one more chunked forward of k - 1 layers out of every k.
+The layers of a segment run in another layer's backward, so their parameters must be whole there: ZeRO-3 partitions
+and FSDP shards are refused (:func:`check_segmentable`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .rng import rng_fork
+
+_MARK = "_streambp_segment"  # on a segment layer's output: the segment the next layer may join
+
+
+class Segment:
+    """Up to ``size`` consecutive stream layer calls (held weakly: their autograd nodes own them), the first one's
+    input (what :meth:`keep_head` was given) and, in backward, every call's rebuilt input."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.calls: list[weakref.ref] = []
+        self.head: object = None  # the first call's kept input: a tuple (x,) or an offload host copy
+        self.inputs: list[torch.Tensor | None] | None = None
+
+    @staticmethod
+    def of(x: torch.Tensor) -> Segment | None:
+        """The segment whose last layer produced ``x``, if it has room for one more."""
+        segment = getattr(x, _MARK, None)
+        return segment if segment is not None and len(segment.calls) < segment.size else None
+
+    def join(self, call: object) -> int:
+        """Add ``call``; returns its position in the segment."""
+        self.calls.append(weakref.ref(call))
+        return len(self.calls) - 1
+
+    def mark(self, y: torch.Tensor) -> None:
+        setattr(y, _MARK, self)
+
+    def keep_head(self, kept: object) -> None:
+        self.head = kept
+
+    def input(self, position: int, load_head: Callable[[object], torch.Tensor]) -> torch.Tensor:
+        """Call ``position``'s input, rebuilding every call's on the first request (``load_head(head)`` gives the first
+        one's); each is handed out once."""
+        if self.inputs is None:
+            x = load_head(self.head)
+            self.head = None
+            inputs = [x]
+            with rng_fork(x):
+                for ref in self.calls[:-1]:
+                    inputs.append(_alive(ref).forward_chunks(inputs[-1], keep_kv=False, rng="replay")[0])
+            self.inputs = inputs
+        x, self.inputs[position] = self.inputs[position], None
+        if x is None:
+            raise RuntimeError(
+                "StreamBP: a segment layer's input was asked for twice (a second backward through the same graph). "
+                "Run one backward per forward, or use keep_every=1."
+            )
+        return x
+
+
+def _alive(ref: weakref.ref) -> object:
+    call = ref()
+    if call is None:
+        raise RuntimeError("StreamBP: a segment layer's graph was freed before the segment's backward.")
+    return call
+
+
+def check_segmentable(model: nn.Module, keep_every: int) -> None:
+    """Refuse ``keep_every > 1`` for a model whose parameters are ZeRO-3 partitions or FSDP shards: a segment's layers
+    run forward inside another layer's backward, where they are not gathered."""
+    if keep_every == 1:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"keep_every={keep_every} needs each decoder layer's parameters whole in this process, but "
+                f"{type(module).__name__} is sharded (FSDP) or partitioned (DeepSpeed ZeRO-3). Use keep_every=1 "
+                "(with offload_checkpoints to save device memory), or DDP / ZeRO-2."
+            )
