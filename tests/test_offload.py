@@ -111,15 +111,15 @@ def test_layer_outputs_are_recycled_only_when_nothing_else_keeps_them():
     layer = model.model.layers[1]
     handle = layer.register_forward_hook(lambda module, args, output: None)
     model.train()
-    from streambp_trl.layers import stream_layer
+    from streambp_trl.layers import hook
 
     seen = []
-    original = stream_layer._outputs_unobserved
-    stream_layer._outputs_unobserved = lambda layer: seen.append(original(layer)) or seen[-1]
+    original = hook._outputs_unobserved
+    hook._outputs_unobserved = lambda layer: seen.append(original(layer)) or seen[-1]
     try:
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     finally:
-        stream_layer._outputs_unobserved = original
+        hook._outputs_unobserved = original
         handle.remove()
     # every layer is asked (layer 0's input, the embedding output, is rebuilt when unobserved); layer 1 is watched
     assert seen == [True, False, True]

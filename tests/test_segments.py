@@ -19,7 +19,7 @@ def counts(monkeypatch):
     """First inputs kept by segments, and layer forwards replayed to rebuild the others."""
     seen = {"kept": 0, "replayed": 0}
     keep_head = segments.Segment.keep_head
-    forward_chunks = stream_layer._LayerCall.forward_chunks
+    forward_chunks = stream_layer.LayerCall.forward_chunks
 
     def counted_keep(self, kept):
         seen["kept"] += 1
@@ -30,7 +30,7 @@ def counts(monkeypatch):
         return forward_chunks(self, x, keep_kv, rng)
 
     monkeypatch.setattr(segments.Segment, "keep_head", counted_keep)
-    monkeypatch.setattr(stream_layer._LayerCall, "forward_chunks", counted_forward)
+    monkeypatch.setattr(stream_layer.LayerCall, "forward_chunks", counted_forward)
     return seen
 
 

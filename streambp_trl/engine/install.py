@@ -29,9 +29,9 @@ import functools
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..layers import KV_MODES, StreamSettings, stream_checkpoint
 from ..layers.offload import CheckpointOffload
 from ..layers.segments import check_segmentable
-from ..layers.stream_layer import KV_MODES, StreamSettings, stream_checkpoint
 from ..logits import STAT_OUTPUTS
 from ..patching import bind, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks

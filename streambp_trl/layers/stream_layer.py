@@ -1,8 +1,7 @@
 """The stream-checkpointed decoder layer: one autograd Function per layer call, chunked along the sequence.
 
-Installed as each Hugging Face decoder layer's ``_gradient_checkpointing_func`` (the hook transformers'
-``GradientCheckpointingLayer`` calls in training mode with ``partial(layer.forward, **kwargs)`` and the hidden
-states), so the model's own layer code runs, unpatched, on one chunk of the sequence at a time.
+Run by each Hugging Face decoder layer's checkpoint hook (:func:`~streambp_trl.layers.hook.stream_checkpoint`), so
+the model's own layer code runs, unpatched, on one chunk of the sequence at a time.
 
 Forward (no grad): the layer runs chunk by chunk, first to last, as a prefill against a :class:`ChunkCache`
 that serves the keys/values of earlier chunks. Only the layer input ``x`` (batch, T, hidden) is saved, as with
@@ -52,10 +51,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..attention import StreamMask, stream_configs, streaming
-from ..sizing.auto import AutoChunks, rule_of_thumb
+from ..attention import StreamMask, streaming
+from ..sizing.auto import AutoChunks
 from .kv_cache import ChunkCache, KVCollected, KVStore
-from .layer_args import CACHE_KWARGS, parameter_names, per_token, slice_arg
+from .layer_args import slice_arg
 from .offload import CheckpointOffload
 from .rebuild import EmbeddingSource
 from .rng import RngState, rng_fork
@@ -86,7 +85,7 @@ class StreamSettings:
 
 
 @dataclasses.dataclass
-class _LayerCall:
+class LayerCall:
     """One decoder-layer call, able to run any chunk of the sequence.
 
     ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument).
@@ -279,12 +278,12 @@ def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torc
     return grad.new_zeros(()).expand(grad.shape)
 
 
-class _StreamLayerFunction(torch.autograd.Function):
+class StreamLayerFunction(torch.autograd.Function):
     """Inputs: the call, the hidden states x, the gradient-carrying per-token arguments (``call.grad_inputs``, also
     held in ``call.kwargs``), then the layer's trainable parameters."""
 
     @staticmethod
-    def forward(ctx, call: _LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
         capture = call.settings.kv_mode == "capture"
         y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
@@ -319,97 +318,10 @@ class _StreamLayerFunction(torch.autograd.Function):
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
 
 
-def _segment_head(call: _LayerCall, head: object) -> torch.Tensor:
+def _segment_head(call: LayerCall, head: object) -> torch.Tensor:
     """A segment's first input again, from what ``call`` (the segment's last layer) finds kept for it."""
     first = call.segment.calls[0]()
     if first is not None and first.source is not None:
         return first.source.rebuild(first.autocast)
     offload = call.settings.offload
     return (offload.load(head) if offload is not None else head)[0]
-
-
-def _autocast_state(device_type: str) -> dict:
-    return {
-        "device_type": device_type,
-        "enabled": torch.is_autocast_enabled(device_type),
-        "dtype": torch.get_autocast_dtype(device_type),
-        "cache_enabled": torch.is_autocast_cache_enabled(),
-    }
-
-
-def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
-    """A streamed layer's ``_gradient_checkpointing_func``: ``forward`` is ``partial(layer.forward, layer, **kw)``.
-
-    A call that brings a real key/value cache without grad (generation while the model is in training mode) runs
-    the layer as it is, filling the cache. Every other training call is streamed; a cache is then dropped, as
-    Hugging Face gradient checkpointing does.
-    """
-    layer = forward.args[0]
-    names = parameter_names(layer)
-    kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
-    if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
-        return forward(*args)
-    cache_name = next((k for k in CACHE_KWARGS if k in names), None)
-    if cache_name is None:
-        raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
-    x = args[0]
-    batch, seq_len = x.shape[:2]
-    for k in CACHE_KWARGS:
-        kwargs.pop(k, None)
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor):  # a user-given 4D mask: sliced per chunk
-        if mask.dim() != 4 or mask.shape[-1] != seq_len:
-            raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
-        kwargs["attention_mask"] = StreamMask(batch_size=batch, dense=mask)
-    elif not isinstance(mask, StreamMask):
-        raise ValueError(f"StreamBP: {type(layer).__name__} was called without an attention mask.")
-    sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
-    call = _LayerCall(
-        layer,
-        forward.func,
-        kwargs,
-        sliced,
-        settings,
-        seq_len,
-        _autocast_state(x.device.type),
-        stream_configs(layer),
-        cache_name,
-        grad_inputs,
-    )
-    chunk = vars(layer).get("_streambp_chunk") or settings.chunk_size
-    call.chunk_size = chunk if isinstance(chunk, int) else rule_of_thumb(seq_len)
-    params = [p for p in layer.parameters() if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
-        return call.forward_chunks(x, keep_kv=False, rng="none")[0]
-    unobserved = _outputs_unobserved(layer)
-    call.source = EmbeddingSource.of(x) if unobserved else None
-    if settings.keep_every > 1:  # join the segment of the previous stream layer (its output is x), or start one
-        joined = Segment.of(x) if unobserved else None
-        call.segment = joined if joined is not None else Segment(settings.keep_every)
-        call.position = call.segment.join(call)
-    # dx may take the place of x where x is this layer's own (rebuilt, or the previous stream layer's output)
-    own = call.source is not None or call.position > 0 or getattr(x, _OUTPUT_MARK, False)
-    call.recycle_input = own and unobserved
-    y = _StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
-    setattr(y, _OUTPUT_MARK, True)
-    if call.segment is not None:
-        call.segment.mark(y)
-    return y
-
-
-_OUTPUT_MARK = "_streambp_layer_output"
-
-
-def _outputs_unobserved(layer: nn.Module) -> bool:
-    """Whether nothing but the next layer can keep ``layer``'s input: the decoder does not collect hidden states for
-    this call (it sets ``_streambp_recycle``) and no forward hook other than transformers' output capturing (active
-    only when hidden states are collected) watches the layer.
-
-    Then the layer's backward writes its input gradient over its saved input (see :class:`_LayerCall`), so a streamed
-    layer's backward holds dY and dx, not dY, dx and a third full-length tensor. A graph that needs the input again
-    (``retain_graph`` twice, or another node saving it) fails autograd's in-place check loudly.
-    """
-    if not vars(layer).get("_streambp_recycle", False) or nn.modules.module._global_forward_hooks:
-        return False
-    return all(getattr(hook, "__name__", "") == "output_capturing_hook" for hook in layer._forward_hooks.values())
