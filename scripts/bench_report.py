@@ -114,6 +114,9 @@ def _sim_label(rec: dict[str, Any]) -> str:
     label = LABELS.get(rec["mode"], rec["mode"])
     if kwargs.pop("offload_checkpoints", False):
         label += " + offload"
+    keep_every = kwargs.pop("keep_every", 1)
+    if keep_every > 1:
+        label += f", keep_every={keep_every}"
     return label + (f" {json.dumps(kwargs, sort_keys=True)}" if kwargs else "")
 
 

@@ -7,6 +7,7 @@ are allocated before the step (``--grads-ready``: what every step after the firs
 
     python scripts/bench_sim.py --model qwen3-8b qwen3-4b --mode streambp --seq-len 16384 32768 65536
     python scripts/bench_sim.py --model qwen3-8b --mode streambp --offload --chunk 8192 --seq-len 1048576
+    python scripts/bench_sim.py --model qwen3-8b --mode streambp --keep-every 6 --seq-len 393216
     python scripts/bench_sim.py --model qwen3-8b --mode gc gc+fused --seq-len 16384 32768
 
 The records go to ``benchmarks/sim_qwen3_bf16.jsonl`` (``--out``); ``scripts/bench_report.py`` plots them and
@@ -42,14 +43,17 @@ def estimate(record: dict) -> float:
         mode=mode,
         chunk=record.get("chunk") if stream else None,
         logits_chunk=record.get("logits_chunk") if stream else None,
+        keep_every=kwargs.get("keep_every", 1) if stream else 1,
     )
     # the simulator builds its models with to_empty(), which unties the embedding and the LM head (Qwen3-4B)
     shape = dataclasses.replace(mm.ModelShape.from_name(record["model"]), tied=False, params=0)
     return mm.gib(mm.estimate_peak_bytes(shape, setup, record["seq_len"]))
 
 
-def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout: int) -> dict:
+def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout: int, keep_every: int = 1) -> dict:
     kwargs = {"verify": False, **({"offload_checkpoints": True} if offload else {})}
+    if keep_every > 1:
+        kwargs["keep_every"] = keep_every
     cmd = [sys.executable, str(SIM), "--model", model, "--mode", mode, "--seq-len", str(seq_len), "--grads-ready"]
     if mode == "streambp":
         cmd += ["--chunk", str(chunk), "--logits-chunk", str(chunk), "--stream-kwargs", json.dumps(kwargs)]
@@ -73,13 +77,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", nargs="+", type=int, required=True)
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--offload", action="store_true", help="enable_streambp(offload_checkpoints=True)")
+    p.add_argument("--keep-every", type=int, default=1, help="enable_streambp(keep_every=K)")
     p.add_argument("--timeout", type=int, default=4 * 3600)
     p.add_argument("--out", type=Path, default=OUT)
     a = p.parse_args(argv)
     for model in a.model:
         for mode in a.mode:
             for seq_len in a.seq_len:
-                record = run(model, mode, seq_len, a.chunk, a.offload and mode == "streambp", a.timeout)
+                offload = a.offload and mode == "streambp"
+                record = run(model, mode, seq_len, a.chunk, offload, a.timeout, a.keep_every)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(json.dumps(record), flush=True)

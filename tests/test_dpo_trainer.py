@@ -54,6 +54,7 @@ def test_one_step_equals_dpo_trainer_for_every_loss_type(tmp_path, loss_type):
         {"f_divergence_type": "js_divergence"},
         {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
         {"precompute_ref_log_probs": True},
+        {"stream_keep_every": 2},  # the policy's layer inputs rebuilt in segments of two
     ],
     ids=[
         "weighted_combination",
@@ -63,6 +64,7 @@ def test_one_step_equals_dpo_trainer_for_every_loss_type(tmp_path, loss_type):
         "js_divergence",
         "accum2",
         "precompute",
+        "keep_every2",
     ],
 )
 def test_one_step_equals_dpo_trainer_with_options(tmp_path, overrides):

@@ -37,7 +37,10 @@ def record_setup(record: dict) -> mm.StepSetup:
     mode = MODES[record["mode"]]
     if mode == "stream" and (record.get("stream_kwargs") or {}).get("offload_checkpoints"):
         mode = "stream+offload"
-    return mm.StepSetup(mode=mode, chunk=record.get("chunk"), logits_chunk=record.get("logits_chunk"))
+    keep_every = (record.get("stream_kwargs") or {}).get("keep_every", 1)
+    return mm.StepSetup(
+        mode=mode, chunk=record.get("chunk"), logits_chunk=record.get("logits_chunk"), keep_every=keep_every
+    )
 
 
 def test_model_within_5_percent_of_the_simulator():
@@ -69,12 +72,12 @@ def test_max_len_is_where_the_estimate_crosses_the_budget():
 def test_auto_chunk_sizes_take_the_largest_that_fits():
     shape = mm.ModelShape.from_name("qwen3-8b")
     setup = mm.StepSetup(mode="stream")
-    chunk, logits = mm.auto_chunk_sizes(shape, setup, 155648, 78 * mm.GiB)
+    chunk, logits = mm.auto_chunk_sizes(shape, setup, 163840, 78 * mm.GiB)
     assert chunk == logits and chunk in mm.CHUNKS
     fits = [
         c
         for c in mm.CHUNKS
-        if mm.estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c), 155648) <= 78 * mm.GiB
+        if mm.estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c), 163840) <= 78 * mm.GiB
     ]
     assert chunk == max(fits) and max(fits) < mm.CHUNKS[-1]  # the budget rules some chunks out
 
@@ -117,8 +120,8 @@ def test_auto_chunks_stay_within_the_budget_under_the_simulator():
 
 def test_max_lengths_agree_with_the_simulators_bisections():
     """Qwen3-8B, 78 GiB: the simulator's longest sequences (../shared/ANCHORS.md: HF checkpointing 23.5k, TRL's
-    default 81k; benchmarks/sim_qwen3_8b_bf16_long.md: stream at chunk 4096 155,648, 156,672 not fitting)."""
+    default 81k; benchmarks/sim_qwen3_8b_bf16_long.md: stream at chunk 2048 163,840, 164,864 not fitting)."""
     shape, budget = mm.ModelShape.from_name("qwen3-8b"), 78 * mm.GiB
     assert abs(mm.max_len(shape, mm.StepSetup(mode="hf-gc"), budget) - 23552) <= 1024
     assert abs(mm.max_len(shape, mm.StepSetup(mode="trl-default"), budget) - 81920) <= 2048
-    assert mm.max_len(shape, mm.StepSetup(mode="stream", chunk=4096), budget) == 155648
+    assert mm.max_len(shape, mm.StepSetup(mode="stream", chunk=2048), budget) == 163840

@@ -75,6 +75,7 @@ def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
         ("text", {"packing": True, "packing_strategy": "wrapped", "max_length": 64}),
         ("chat", {"padding_free": True, "max_length": None}),
         ("chat", {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}),
+        ("chat", {"stream_keep_every": 2}),
     ],
     ids=[
         "nll",
@@ -85,6 +86,7 @@ def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
         "packing_wrapped",
         "padding_free",
         "accum2",
+        "keep_every2",
     ],
 )
 def test_one_step_equals_sft_trainer(tmp_path, kind, overrides):
@@ -142,6 +144,7 @@ def test_plain_sft_config_gets_default_stream_options(tmp_path):
         "kv_mode": "recompute",
         "offload_checkpoints": False,
         "memory_budget": None,
+        "keep_every": 1,
     }
     assert not trainer.args.gradient_checkpointing  # the engine owns checkpointing: layers are not wrapped twice
     logs = [h for h in trainer.state.log_history if "loss" in h]

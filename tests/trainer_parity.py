@@ -95,7 +95,8 @@ def train(trainer_cls, config_cls, output_dir, dataset, stream, ref="created", p
 
 def assert_same(trl_pair, stream_pair, output_dir, dataset, ref="created", peft_config=None, **overrides):
     """Our trainer's update and logged metrics equal TRL's (relative 1e-5), and its models stream."""
-    ref_trainer, ref_update = train(*trl_pair, output_dir, dataset, False, ref, peft_config, **overrides)
+    ref_overrides = {k: v for k, v in overrides.items() if not k.startswith("stream_")}  # ours only
+    ref_trainer, ref_update = train(*trl_pair, output_dir, dataset, False, ref, peft_config, **ref_overrides)
     ours, update = train(*stream_pair, output_dir, dataset, True, ref, peft_config, **overrides)
     compare(ref_trainer, ref_update, ours, update)
     return ref_trainer, ours

@@ -168,10 +168,12 @@ def _static_bytes(shape: ModelShape, setup: StepSetup) -> int:
 
 
 def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
-    """Activations of one chunk token while a layer's chunk runs its backward (MLP intermediates, attention inputs and
-    outputs, float32 norm statistics)."""
+    """Activations of one chunk token at the peak of a layer's chunk backward, in the SwiGLU MLP's backward (as the
+    simulator's peak shows them): eight intermediate-sized tensors (the MLP's saved and recomputed products and their
+    gradients), six hidden-sized ones and two float32 norm copies, four query-sized ones (projections, rotary,
+    attention output) and one float32 copy."""
     q = shape.heads * shape.head_dim
-    return 5 * shape.intermediate * db + 6 * shape.hidden * db + 8 * shape.hidden + 6 * q * db + 4 * q
+    return 8 * shape.intermediate * db + 6 * shape.hidden * db + 8 * shape.hidden + 4 * q * db + 4 * q
 
 
 def _per_token_bytes(shape: ModelShape, db: int) -> int:
