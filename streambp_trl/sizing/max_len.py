@@ -101,7 +101,7 @@ def _shape(name: str):
 def _label(mode: str, args: argparse.Namespace) -> str:
     label = ROWS[mode][1]
     if mode.startswith("stream") and args.keep_every > 1:
-        label += f", every {args.keep_every}th layer's input kept"
+        label += f", keep_every={args.keep_every}"
     return label
 
 
