@@ -88,3 +88,51 @@ def test_an_embedding_changed_before_backward_is_an_error():
         streamed.get_input_embeddings().weight.mul_(2)
     with pytest.raises(RuntimeError, match="embedding's weight .* was replaced or modified in place"):
         loss.backward()
+
+
+def test_an_embedding_output_changed_in_place_is_kept(rebuilds):
+    """A pre-hook of the first layer that scales its input in place: the changed input is what the layer used, so it
+    is kept (its version no longer matches the embedding's output) and the gradient is the hooked model's."""
+    reference = tiny_model("llama", num_hidden_layers=2)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    for model in (reference, streamed):
+        model.model.layers[0].register_forward_pre_hook(lambda module, args: args[0].mul_(1.5))
+    ids, mask, labels = batch()
+    reference_loss(reference, ids, mask, labels).backward()
+    streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert rebuilds == []
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < TOL, f"relative gradient error {err:.3e} at {where}"
+
+
+def test_ids_changed_after_the_forward_do_not_change_the_gradient(rebuilds):
+    """The rebuild uses a copy of the ids: a caller reusing its id buffer before the backward changes nothing (with a
+    frozen embedding plain autograd keeps no ids either)."""
+    reference = tiny_model("llama", num_hidden_layers=2)
+    reference.get_input_embeddings().weight.requires_grad_(False)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    ids, mask, labels = batch()
+    reference_loss(reference, ids, mask, labels).backward()
+    buffer = ids.clone()
+    loss = streamed(input_ids=buffer, attention_mask=mask, labels=labels).loss
+    buffer.fill_(5)
+    loss.backward()
+    assert rebuilds == [ids.shape]
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < TOL, f"relative gradient error {err:.3e} at {where}"
+
+
+def test_input_require_grads_hook_still_rebuilds(rebuilds):
+    """transformers' `enable_input_require_grads` (PEFT's k-bit preparation) hooks the embedding only to flag its
+    output as requiring grad: the input is still rebuilt, and exact."""
+    reference = tiny_model("qwen3", num_hidden_layers=2)
+    reference.get_input_embeddings().weight.requires_grad_(False)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    for model in (reference, streamed):
+        model.enable_input_require_grads()
+    ids, mask, labels = batch()
+    reference_loss(reference, ids, mask, labels).backward()
+    streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert rebuilds == [ids.shape]
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < TOL, f"relative gradient error {err:.3e} at {where}"

@@ -127,3 +127,19 @@ def test_sharded_parameters_are_refused():
     segments.check_segmentable(model, 1)
     with pytest.raises(ValueError, match="keep_every=2 needs each decoder layer's parameters whole"):
         segments.check_segmentable(model, 2)
+
+
+def test_a_layer_output_changed_in_place_starts_a_new_segment(counts):
+    """A forward hook that scales layer 0's output in place (activation steering): layer 1 cannot rebuild its input by
+    running layer 0 again, so it starts a segment and keeps the changed input; the gradient is the hooked model's."""
+    reference = tiny_model("llama", num_hidden_layers=3)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, keep_every=3)
+    for model in (reference, streamed):
+        model.model.layers[0].register_forward_hook(lambda module, args, output: output.mul_(1.5))
+    ids, mask, labels = batch()
+    reference_loss(reference, ids, mask, labels).backward()
+    streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    # segments [0] (a hooked layer keeps its input) and [1, 2] (layer 1's input kept, layer 2's rebuilt from it)
+    assert (counts["kept"], counts["replayed"]) == (2, 1), counts
+    err, where = max_rel_grad_error(reference, streamed)
+    assert err < 1e-10, f"relative gradient error {err:.3e} at {where}"

@@ -38,20 +38,28 @@ class Segment:
         self.calls: list[weakref.ref] = []
         self.head: object = None  # the first call's kept input: a tuple (x,) or an offload host copy
         self.inputs: list[torch.Tensor | None] | None = None
+        self.output_version: int | None = None  # the last call's output, as it left the layer; None once consumed
+        self._output: Callable[[], torch.Tensor | None] = _dead
 
     @staticmethod
     def of(x: torch.Tensor) -> Segment | None:
-        """The segment whose last layer produced ``x``, if it has room for one more."""
+        """The segment whose last layer produced ``x``, if it has room for one more, ``x`` is unchanged since (its
+        version: nothing wrote into it in place, e.g. a forward hook) and no other layer joined from it already."""
         segment = getattr(x, _MARK, None)
-        return segment if segment is not None and len(segment.calls) < segment.size else None
+        if segment is None or len(segment.calls) >= segment.size or segment.output_version != x._version:
+            return None
+        return segment if segment.calls[-1]() is not None and x is segment._output() else None
 
     def join(self, call: object) -> int:
         """Add ``call``; returns its position in the segment."""
         self.calls.append(weakref.ref(call))
+        self.output_version, self._output = None, _dead
         return len(self.calls) - 1
 
     def mark(self, y: torch.Tensor) -> None:
+        """``y`` (the last call's output) may be the next layer's input in this segment."""
         setattr(y, _MARK, self)
+        self.output_version, self._output = y._version, weakref.ref(y)
 
     def keep_head(self, kept: object) -> None:
         self.head = kept
@@ -74,6 +82,10 @@ class Segment:
                 "Run one backward per forward, or use keep_every=1."
             )
         return x
+
+
+def _dead() -> None:
+    return None
 
 
 def _alive(ref: weakref.ref) -> object:
