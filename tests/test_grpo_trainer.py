@@ -151,6 +151,7 @@ def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_inclu
     trainer.train()
     assert record.streaming == [True] * 3 and is_streaming(trainer.accelerator.unwrap_model(trainer.ref_model))
     lengths = [shape[1] for op, shape in record.recorder.shapes if op == "aten.embedding.default"]
-    # long rows: three policy passes, and an old-policy and a reference pass at each of the two generations
-    assert sum(n >= 250 for n in lengths) == 3 + 2 * 2
+    # long rows: three policy passes (each with its first layer's input rebuilt from the ids in backward), and an
+    # old-policy and a reference pass at each of the two generations
+    assert sum(n >= 250 for n in lengths) == 3 * 2 + 2 * 2
     assert [(op, s) for op, s in record.recorder.shapes if sum(d >= 150 for d in s) >= 2] == []
