@@ -144,3 +144,17 @@ def test_user_given_4d_mask_is_sliced_per_chunk():
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= TOL * ref_loss.item()
     assert max_rel_grad_error(reference, streamed)[0] < TOL
+
+
+def test_parameter_tensor_hooks_see_the_whole_gradient_once():
+    """A user's tensor hook on a parameter (here one that doubles, one that clamps) runs once, on the parameter's whole
+    gradient, as without streaming: not on each chunk's part."""
+    reference = tiny_model("qwen3")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    calls = []
+    for model in (reference, streamed):
+        layer = model.model.layers[0]
+        layer.mlp.up_proj.weight.register_hook(lambda g: calls.append(1) or g * 2)
+        layer.self_attn.q_proj.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    err = _compare(reference, streamed, *batch())
+    assert calls == [1, 1] and err < TOL  # once in the reference, once streamed

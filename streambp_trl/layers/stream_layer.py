@@ -211,12 +211,19 @@ class LayerCall:
         ]
         dextra = [torch.zeros_like(t) for _, t, _ in extra]
         dparams: list[torch.Tensor | None] = [None] * len(params)
+        # the parameters' own tensor hooks are set aside meanwhile: they run once, on the sums this Function returns
+        users = [dict(p._backward_hooks) if p._backward_hooks else {} for p in params]
+        for p, own in zip(params, users, strict=True):
+            if own:
+                p._backward_hooks.clear()
         hooks = [p.register_hook(functools.partial(_absorb, dparams, j)) for j, p in enumerate(params)]
         try:
             self._chunk_backwards(x, dy, kv, dkv, dx, extra, dextra, params)
         finally:
             for hook in hooks:
                 hook.remove()
+            for p, own in zip(params, users, strict=True):
+                p._backward_hooks.update(own)
         return dx, dextra, dparams
 
     def _chunk_backwards(self, x, dy, kv, dkv, dx, extra, dextra, params) -> None:
