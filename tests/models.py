@@ -105,3 +105,17 @@ def max_rel_grad_error(reference, candidate) -> tuple[float, str]:
         if err > worst:
             worst, where = err, name
     return worst, where
+
+
+def saved_hidden_sized(model, ids, mask, labels) -> tuple[torch.Tensor, int]:
+    """The loss, and how many (batch, T, hidden) tensors autograd keeps for the backward."""
+    count = [0]
+    shape = (*ids.shape, model.config.hidden_size)
+
+    def pack(t):
+        count[0] += tuple(t.shape) == shape
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    return loss, count[0]

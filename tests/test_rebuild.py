@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from models import batch, max_rel_grad_error, reference_loss, tiny_model
+from models import batch, max_rel_grad_error, reference_loss, saved_hidden_sized, tiny_model
 
 from streambp_trl import enable_streambp
 from streambp_trl.layers import rebuild
@@ -26,20 +26,6 @@ def rebuilds(monkeypatch):
     return calls
 
 
-def _saved_hidden_sized(model, ids, mask, labels) -> tuple[torch.Tensor, int]:
-    """The loss, and how many (batch, T, hidden) tensors autograd keeps for the backward."""
-    count = [0]
-    shape = (*ids.shape, model.config.hidden_size)
-
-    def pack(t):
-        count[0] += tuple(t.shape) == shape
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    return loss, count[0]
-
-
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: a scaled embedding (an nn.Embedding subclass)
 def test_first_layer_input_is_rebuilt_not_kept(family, rebuilds):
     reference = tiny_model(family, num_hidden_layers=3, layer_types=None)
@@ -47,7 +33,7 @@ def test_first_layer_input_is_rebuilt_not_kept(family, rebuilds):
     ids, mask, labels = batch(padding="left")
     ref_loss = reference_loss(reference, ids, mask, labels)
     ref_loss.backward()
-    loss, kept = _saved_hidden_sized(streamed, ids, mask, labels)
+    loss, kept = saved_hidden_sized(streamed, ids, mask, labels)
     loss.backward()
     assert rebuilds == [ids.shape]
     assert kept == 2  # layers 1 and 2; layer 0 keeps the ids (and the logit kernel, flattened rows, its input)
@@ -65,7 +51,7 @@ def test_a_hooked_embedding_is_kept(rebuilds):
         model.get_input_embeddings().register_forward_hook(lambda module, args, output: output * 1.5 + 0.25)
     ids, mask, labels = batch()
     reference_loss(reference, ids, mask, labels).backward()
-    loss, kept = _saved_hidden_sized(streamed, ids, mask, labels)
+    loss, kept = saved_hidden_sized(streamed, ids, mask, labels)
     loss.backward()
     assert rebuilds == [] and kept == 2
     err, where = max_rel_grad_error(reference, streamed)

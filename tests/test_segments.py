@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from models import batch, max_rel_grad_error, reference_loss, tiny_model
+from models import batch, max_rel_grad_error, reference_loss, saved_hidden_sized, tiny_model
 from test_offload import _CopyingOffload, _grads
 
 from streambp_trl import StreamSFTConfig, enable_streambp
@@ -34,19 +34,6 @@ def counts(monkeypatch):
     return seen
 
 
-def _saved_hidden_sized(model, ids, mask, labels):
-    count = [0]
-    shape = (*ids.shape, model.config.hidden_size)
-
-    def pack(t):
-        count[0] += tuple(t.shape) == shape
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    return loss, count[0]
-
-
 @pytest.mark.parametrize("kv_mode", ["recompute", "capture"])
 @pytest.mark.parametrize(("keep_every", "kept", "replayed"), [(2, 2, 2), (3, 1, 3), (5, 0, 4), (8, 0, 4)])
 def test_segments_give_the_same_gradient_bit_for_bit(counts, kv_mode, keep_every, kept, replayed):
@@ -61,7 +48,7 @@ def test_segments_give_the_same_gradient_bit_for_bit(counts, kv_mode, keep_every
     counts.update(kept=0, replayed=0)
     torch.manual_seed(5)
     segmented.zero_grad(set_to_none=True)
-    loss_seg, saved = _saved_hidden_sized(segmented, ids, mask, labels)
+    loss_seg, saved = saved_hidden_sized(segmented, ids, mask, labels)
     loss_seg.backward()
     assert torch.equal(loss, loss_seg.detach())
     for name, g in grads.items():

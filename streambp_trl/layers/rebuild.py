@@ -24,6 +24,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from .segments import sharded_module
+
 _MARK = "_streambp_embedding_source"
 
 
@@ -84,13 +86,11 @@ def _mark(module: nn.Embedding, args: tuple, output: torch.Tensor) -> None:
 @contextlib.contextmanager
 def embedding_sources(decoder: nn.Module) -> Iterator[None]:
     """Mark the outputs of ``decoder``'s input embedding while the block runs, where they can be rebuilt."""
-    from torch.distributed.fsdp import FSDPModule
-
     try:
         embedding = decoder.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         embedding = None
-    if not isinstance(embedding, nn.Embedding) or any(isinstance(m, FSDPModule) for m in decoder.modules()):
+    if not isinstance(embedding, nn.Embedding) or sharded_module(decoder) is not None:
         yield
         return
     handle = embedding.register_forward_hook(_mark)

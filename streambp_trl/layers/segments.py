@@ -95,17 +95,25 @@ def _alive(ref: weakref.ref) -> object:
     return call
 
 
+def sharded_module(model: nn.Module) -> nn.Module | None:
+    """The first submodule of ``model`` that FSDP shards or whose own parameters ZeRO-3 partitions, if any."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+            return module
+    return None
+
+
 def check_segmentable(model: nn.Module, keep_every: int) -> None:
     """Refuse ``keep_every > 1`` for a model whose parameters are ZeRO-3 partitions or FSDP shards: a segment's layers
     run forward inside another layer's backward, where they are not gathered."""
     if keep_every == 1:
         return
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
-            raise ValueError(
-                f"keep_every={keep_every} needs each decoder layer's parameters whole in this process, but "
-                f"{type(module).__name__} is sharded (FSDP) or partitioned (DeepSpeed ZeRO-3). Use keep_every=1 "
-                "(with offload_checkpoints to save device memory), or DDP / ZeRO-2."
-            )
+    module = sharded_module(model)
+    if module is not None:
+        raise ValueError(
+            f"keep_every={keep_every} needs each decoder layer's parameters whole in this process, but "
+            f"{type(module).__name__} is sharded (FSDP) or partitioned (DeepSpeed ZeRO-3). Use keep_every=1 "
+            "(with offload_checkpoints to save device memory), or DDP / ZeRO-2."
+        )
