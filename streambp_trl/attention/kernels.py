@@ -4,9 +4,10 @@
 mask block, or :class:`~streambp_trl.attention.masks.LowerRight` for a plainly causal chunk). On CUDA the kernel is
 chosen explicitly (flash, else memory-efficient; see :func:`_cuda_attention`) and SDPA's math kernel, which would
 hold a (chunk x prefix x heads) score tensor, is never used: where no fused kernel applies, a ``RuntimeError`` says
-why. Attention sinks are one extra key (:func:`_sink_inputs`). Attention dropout is applied by SDPA on each block;
-the stream decoder replays the random state of every chunk, so a recompute draws the same dropout mask as the
-forward did.
+why. Under autocast the inputs are first cast as autocast casts SDPA's (:func:`_autocast_inputs`), so every kernel
+computes in the dtype the un-streamed model's SDPA call does. Attention sinks are one extra key
+(:func:`_sink_inputs`). Attention dropout is applied by SDPA on each block; the stream decoder replays the random
+state of every chunk, so a recompute draws the same dropout mask as the forward did.
 """
 
 from __future__ import annotations
@@ -47,14 +48,55 @@ def stream_attention(
         raise ValueError(f"StreamBP cannot compute attention with `softcap` exactly for {type(module).__name__}.")
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if query.device.type == "cuda":
-        return _cuda_attention(module, query, key, value, block, sinks, scaling, dropout), None
+    query, key, value = _autocast_inputs(query, key, value)
+    attend = _cuda_attention if query.device.type == "cuda" else _cpu_attention
+    return attend(module, query, key, value, block, sinks, scaling, dropout), None
+
+
+def _autocast_inputs(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``query``, ``key``, ``value`` cast as autocast casts SDPA's inputs (each floating one but float64, to the
+    autocast dtype), else as they are. The un-streamed model's SDPA call computes in that dtype; the stream kernels
+    reach SDPA's kernels past autocast (the causal bias dispatches in Python, the CUDA path picks its kernel by
+    dtype). Under autocast on float32 weights, RoPE and q/k norms leave queries and keys float32, values bfloat16.
+    A joined key/value's :class:`PrefixGrad` goes with the cast: its chunk is cast in the graph, its sum is kept.
+    Holds the keys/values in the autocast dtype, as autocast does."""
+    device = query.device.type
+    if not torch.is_autocast_enabled(device):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+            return t
+        out = t.to(dtype)
+        prefix = getattr(t, _PREFIX_GRAD, None)
+        if prefix is not None:
+            PrefixGrad.attach(out, prefix.chunk.to(dtype), prefix.acc)
+        return out
+
+    return cast(query), cast(key), cast(value)
+
+
+def _cpu_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+    scaling: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    """:func:`stream_attention` on the CPU: SDPA with the mask block, or bottom-right causal (:class:`LowerRight`)
+    for a plainly causal chunk; attention sinks as one extra key."""
     if sinks is not None:
-        return _attention_with_sinks(query, key, value, block, sinks, scaling, dropout), None
+        return _attention_with_sinks(query, key, value, block, sinks, scaling, dropout)
     if block is not None:
         return sdpa_attention_forward(
             module, query, key, value, block, scaling=scaling, dropout=dropout, is_causal=False
-        )
+        )[0]
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(
         query,
@@ -65,7 +107,7 @@ def stream_attention(
         scale=scaling,
         enable_gqa=groups > 1,
     )
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 _SINK_PAD = 8  # extra query/key dimensions, so the head dimension stays a multiple of 8 for the fused kernels
