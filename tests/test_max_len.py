@@ -10,6 +10,7 @@ from streambp_trl import cli
 from streambp_trl.sizing import max_len as ml
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.measure import bisect_max_len
+from streambp_trl.sizing.models import build_config, canonical_model_name
 
 
 @pytest.mark.parametrize(
@@ -27,13 +28,13 @@ from streambp_trl.sizing.measure import bisect_max_len
     ],
 )
 def test_parse_size(text, expected):
-    assert ml.parse_size(text) == expected
+    assert mm.parse_size(text) == expected
 
 
 @pytest.mark.parametrize("text", ["", "GiB", "80 GiBs", "-1GiB", "80XB", "eighty"])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError, match="not a size"):
-        ml.parse_size(text)
+        mm.parse_size(text)
 
 
 @pytest.mark.parametrize(
@@ -177,3 +178,130 @@ def test_cpu_bisection_returns_a_length_that_fits_and_one_step_more_that_does_no
     assert probes[length]["status"] == "ok" and probes[length]["total_peak_mb"] * 2**20 <= budget
     assert probes[length + step]["status"] == "ok" and probes[length + step]["total_peak_mb"] * 2**20 > budget
     assert f"| {length:,} |" in out
+
+
+# --- issue 16, item 15: sizes, rows of 0, Hub names, --offload, keep_every with offload, the progress label --------
+
+
+@pytest.mark.parametrize(
+    "argv", [["--gpu-memory", "80"], ["--device", "cpu", "--budget", "80"]], ids=["gpu-memory", "budget"]
+)
+def test_a_size_without_a_unit_is_refused(argv, fake_model, fake_measure, capsys):
+    """``--gpu-memory 80`` was read as 80 bytes and every row was 0."""
+    with pytest.raises(SystemExit):
+        cli.main(["max-len", "--model", "qwen3-8b", *argv])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {argv[-2]}: '80' has no unit: write 80GiB (binary), 80GB (decimal) or 80MiB" in err
+    with pytest.raises(ValueError, match="no unit"):
+        mm.parse_size("80", unit_required=True)
+    assert mm.parse_size("80GiB", unit_required=True) == 80 * 2**30 and mm.parse_size("80") == 80
+
+
+def test_a_row_of_0_says_why(capsys):
+    """The real memory model: Qwen3-32B's weights and gradients alone exceed 78 GiB; with LoRA at 15.5 GiB each mode's
+    shortest length is over the budget."""
+    cli.main(["max-len", "--model", "Qwen/Qwen3-32B", "--gpu-memory", "78GiB"])
+    out = capsys.readouterr().out
+    static = mm.static_bytes(mm.ModelShape.from_name("qwen3-32b"), mm.StepSetup())
+    assert f"| {ml.ROWS['stream'][1]} | 0 |" in out
+    assert (
+        f"0 for every mode: the weights and gradients alone need {static / 2**30:.2f} GiB (32.76B parameters), "
+        "above the budget of 78.00 GiB: try --lora or a larger --gpu-memory." in out.splitlines()
+    )
+    cli.main(["max-len", "--model", "qwen3-8b", "--gpu-memory", "15.5GiB", "--lora", "--mode", "stream"])
+    out = capsys.readouterr().out
+    shape, setup = mm.ModelShape.from_name("qwen3-8b"), mm.StepSetup(lora=True)
+    peak, static = mm.estimate_peak_bytes(shape, setup, 1024), mm.static_bytes(shape, setup)
+    assert static < 15.5 * 2**30 < peak
+    assert (
+        f"0 for stream (streambp-trl): 1,024 tokens need {peak / 2**30:.2f} GiB (the weights and gradients: "
+        f"{static / 2**30:.2f} GiB), above the budget of 15.50 GiB." in out.splitlines()
+    )
+
+
+def test_the_hub_name_of_a_named_shape_needs_no_network(capsys, monkeypatch):
+    """``Qwen/Qwen3-0.6B`` raised an OSError offline while ``qwen3-0.6b`` worked."""
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the config was looked up")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    tables = []
+    for name in ("Qwen/Qwen3-0.6B", "qwen3-0.6b"):
+        cli.main(["max-len", "--model", name, "--gpu-memory", "78GiB"])
+        tables.append(capsys.readouterr().out.split("\n", 1)[1])
+    assert tables[0] == tables[1] and "| 0 |" not in tables[0]
+    assert build_config("Qwen/Qwen3-0.6B").num_hidden_layers == 28  # the measured path's config
+    assert canonical_model_name("Qwen/qwen3-tiny") == "Qwen/qwen3-tiny"  # our own test shapes are not Hub names
+
+
+def test_an_unknown_hub_name_offline_is_one_line():
+    """HF_HUB_OFFLINE=1 (tests/conftest.py): the config cannot be fetched."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["max-len", "--model", "nobody-here/unknown-model", "--gpu-memory", "78GiB"])
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("max-len: cannot read the config of --model 'nobody-here/unknown-model' (")
+    assert message.endswith(
+        "Give a local directory with its config.json, a named shape (qwen3-tiny, qwen3-cpu-bench, qwen3-0.6b, "
+        "qwen3-4b, qwen3-8b, qwen3-14b, qwen3-32b), or run with access to the Hub."
+    )
+
+
+def test_offload_in_an_estimate_says_it_changes_nothing(fake_model, capsys):
+    base = ["max-len", "--model", "qwen3-8b", "--gpu-memory", "80GiB"]
+    cli.main(base)
+    plain = capsys.readouterr().out
+    cli.main([*base, "--offload"])
+    offload = capsys.readouterr().out
+    note = "--offload changes nothing here: an estimate always has the stream + offload row."
+    assert note not in plain and offload == f"{plain}\n{note}\n"
+    cli.main([*base, "--mode", "stream", "--offload"])  # with --mode, --offload adds the row
+    assert f"| {ml.ROWS['stream+offload'][1]} |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_keep_every_with_offload_says_why_it_fits_less(k, capsys):
+    shape, budget = mm.ModelShape.from_name("qwen3-8b"), 78 * 2**30
+    one, every_k = (mm.StepSetup(mode="stream+offload", keep_every=j) for j in (1, k))
+    assert mm.max_len(shape, every_k, budget) < mm.max_len(shape, one, budget)
+    assert mm.estimate_host_bytes(shape, every_k, 2**20) < mm.estimate_host_bytes(shape, one, 2**20)
+    assert (mm._saved_inputs(shape.layers, k, True), mm._saved_inputs(shape.layers, 1, True)) == (k + 1, 2)
+    cli.main(["max-len", "--model", "qwen3-8b", "--gpu-memory", "78GiB", "--keep-every", str(k)])
+    assert (
+        f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
+        f"inputs (the kept one and {k - 1} rebuilt) and the prefetched input of the segment below, {k + 1} on the "
+        f"GPU against 2; what it saves is host memory (about 1/{k})." in capsys.readouterr().out.splitlines()
+    )
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+    """Measured runs without processes: 10 MiB plus 40 KiB per token."""
+
+    def measure(spec, timeout=None, log=True):
+        n = spec["seq_len"]
+        return {"status": "ok", "seq_len": n, "total_peak_mb": 10 + n * 40 / 1024, "time_s": 0.1, "mode": spec["mode"]}
+
+    monkeypatch.setattr(ml, "measure", measure)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+
+
+def test_measured_progress_labels_are_whole_and_offload_adds_its_row(fake_measure, capsys):
+    cli.main(["max-len", "--model", "qwen3-tiny", "--device", "cpu", "--budget", "20MiB", "--step", "64"])
+    captured = capsys.readouterr()
+    assert ml.ROWS["trl-default"][1] + ":" in captured.err  # was cut to 34 characters
+    assert f"| {ml.ROWS['trl-default'][1]} | 256 |" in captured.out and "offload" not in captured.out
+    cli.main(["max-len", "--model", "qwen3-tiny", "--device", "cpu", "--budget", "20MiB", "--mode", "stream"])
+    assert "offload" not in capsys.readouterr().out
+    cli.main(
+        ["max-len", "--model", "qwen3-tiny", "--device", "cpu", "--budget", "20MiB", "--mode", "stream", "--offload"]
+    )
+    assert f"| {ml.ROWS['stream+offload'][1]}" in capsys.readouterr().out
+
+
+def test_a_measured_row_of_0_says_why(fake_measure, capsys):
+    cli.main(["max-len", "--model", "qwen3-tiny", "--device", "cpu", "--budget", "12MiB", "--step", "256"])
+    out = capsys.readouterr().out
+    assert "0 for every mode: 256 tokens already peak at 20.00 MiB, above the --budget of 12.00 MiB." in out

@@ -10,7 +10,11 @@ Two ways, and the output says which one it used:
 * **estimated**: without a GPU, or with ``--gpu-memory``, from :mod:`streambp_trl.sizing.memory_model`.
 
 One row per mode: Hugging Face gradient checkpointing, TRL's default (checkpointing + its fused LM head), stream,
-and stream + checkpoint offload (always estimated; measured only with ``--offload``).
+and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it probes up to a
+million tokens and needs host memory). A row of 0 says why under the table.
+
+``--model``: a named shape of :data:`~streambp_trl.sizing.models.NAMED_MODELS` (or the Hub name of one, e.g.
+``Qwen/Qwen3-0.6B``: no network), a local config directory, or a Hub name (its config only).
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ import json
 import sys
 from typing import Any
 
+from . import memory_model as mm
 from .measure import bisect_max_len, measure
-from .memory_model import UNITS, parse_size
 from .metadata import environment
-from .models import NAMED_MODELS, OBJECTIVES, build_config, canonical_model_name
+from .models import NAMED_MODELS, OBJECTIVES
 
 # memory-model mode -> (measure mode, row label)
 ROWS: dict[str, tuple[str, str]] = {
@@ -38,7 +42,7 @@ DEFAULT_GPU_MEMORY = "78GiB"  # an 80 GB card less the CUDA context and library 
 
 def _size_arg(text: str) -> int:
     try:
-        return parse_size(text)
+        return mm.parse_size(text, unit_required=True)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -59,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="a size (qwen3-4b, qwen3-8b, 8b, ...), a Hub name or a local dir")
     p.add_argument("--objective", choices=OBJECTIVES, default="sft")
     p.add_argument("--lora", action="store_true", help="LoRA (r 16, all linear layers) instead of full fine-tuning")
-    p.add_argument("--offload", action="store_true", help="also measure stream + offload (always estimated)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="measured runs: add the stream + offload row (probes up to a million tokens, needs host memory); "
+        "an estimate always has it",
+    )
     p.add_argument("--gpu-memory", type=_size_arg, help="estimate for this much GPU memory (e.g. 80GiB, 141GB)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to measure")
     p.add_argument("--budget", type=_size_arg, help="measured runs: the most the peak may reach (cpu: required)")
@@ -86,16 +95,19 @@ def _auto_chunk(seq_len: int) -> int:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _shape(name: str):
-    from . import memory_model as mm
-
+def _shape(name: str) -> mm.ModelShape | None:
+    """The memory model's shape of ``--model`` (:meth:`~memory_model.ModelShape.from_name`). Exits with one line
+    when its config cannot be read; None when it reads but is not a decoder shape the memory model knows."""
     try:
         return mm.ModelShape.from_name(name)
-    except (KeyError, ValueError, OSError):
-        canonical = canonical_model_name(name)
-        if canonical not in NAMED_MODELS:
-            raise
-        return mm.ModelShape.from_config(build_config(canonical))
+    except (OSError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SystemExit(
+            f"max-len: cannot read the config of --model {name!r} ({reason}). Give a local directory with its "
+            f"config.json, a named shape ({', '.join(NAMED_MODELS)}), or run with access to the Hub."
+        ) from None
+    except (AttributeError, TypeError):
+        return None
 
 
 def _label(mode: str, args: argparse.Namespace) -> str:
@@ -105,9 +117,7 @@ def _label(mode: str, args: argparse.Namespace) -> str:
     return label
 
 
-def _setup(mode: str, args: argparse.Namespace):
-    from . import memory_model as mm
-
+def _setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
     stream = mode.startswith("stream")
     return mm.StepSetup(
         mode=mode,
@@ -121,10 +131,28 @@ def _setup(mode: str, args: argparse.Namespace):
     )
 
 
-def estimate(args: argparse.Namespace, modes: list[str], budget: int) -> dict[str, Any]:
-    from . import memory_model as mm
+def _human(n_bytes: float) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n_bytes >= mm.UNITS[unit.lower()]:
+            return f"{n_bytes / mm.UNITS[unit.lower()]:.2f} {unit}"
+    return f"{n_bytes:.0f} bytes"
 
-    shape = _shape(args.model)
+
+def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step: int) -> str:
+    """Why not even ``step`` tokens fit in ``budget``: the weights, gradients and optimizer state alone, or the
+    step's peak at ``step`` tokens."""
+    static = mm.static_bytes(shape, setup)
+    held = "the weights and gradients" + (" and optimizer states" if setup.optimizer_bytes_per_param else "")
+    if static > budget:
+        return (
+            f"{held} alone need {_human(static)} ({shape.params / 1e9:.2f}B parameters), above the budget of "
+            f"{_human(budget)}: try --lora or a larger --gpu-memory"
+        )
+    peak = mm.estimate_peak_bytes(shape, setup, step)
+    return f"{step:,} tokens need {_human(peak)} ({held}: {_human(static)}), above the budget of {_human(budget)}"
+
+
+def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], budget: int) -> dict[str, Any]:
     rows = []
     for mode in modes:
         setup = _setup(mode, args)
@@ -136,6 +164,7 @@ def estimate(args: argparse.Namespace, modes: list[str], budget: int) -> dict[st
                 "max_len": length,
                 "peak_bytes": mm.estimate_peak_bytes(shape, setup, length) if length else None,
                 "host_bytes": mm.estimate_host_bytes(shape, setup, length) if length and "offload" in mode else None,
+                "why": None if length else _why_none_fits(shape, setup, budget, args.step),
             }
         )
     return {"kind": "estimated", "budget_bytes": budget, "rows": rows}
@@ -146,27 +175,11 @@ def estimate(args: argparse.Namespace, modes: list[str], budget: int) -> dict[st
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _num_trainable_estimate(args: argparse.Namespace) -> int:
-    """Parameters whose optimizer state the measured step holds (a placeholder tensor of that size)."""
-    if OPTIMIZER_BYTES[args.optimizer] == 0:
-        return 0
-    try:
-        return _shape(args.model).params if not args.lora else 0
-    except Exception:  # noqa: BLE001 - no estimate of the size: no optimizer placeholder
-        return 0
-
-
-def _start_hint(args: argparse.Namespace, mode: str, device: str) -> int | None:
+def _start_hint(args: argparse.Namespace, shape: mm.ModelShape | None, mode: str, device: str) -> int | None:
     """The memory model's length for the GPU's memory: the first probe (None when there is no estimate)."""
-    if device != "cuda":
+    if device != "cuda" or shape is None:
         return None
-    try:
-        from . import memory_model as mm
-
-        budget = args.budget or _gpu_bytes()
-        return mm.max_len(_shape(args.model), _setup(mode, args), budget, step=args.step) or None
-    except Exception:  # noqa: BLE001 - the hint is optional
-        return None
+    return mm.max_len(shape, _setup(mode, args), args.budget or _gpu_bytes(), step=args.step) or None
 
 
 def _gpu_bytes() -> int:
@@ -175,11 +188,21 @@ def _gpu_bytes() -> int:
     return torch.cuda.mem_get_info()[1]
 
 
-def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[str, Any]:
+def _why_measured_none_fits(record: dict[str, Any], budget: int | None) -> str:
+    """Why not even the shortest length fits, from its probe's record."""
+    n = f"{record['seq_len']:,} tokens"
+    if record["status"] == "oom":
+        return f"{n} already ran out of memory"
+    return f"{n} already peak at {_human(record['total_peak_mb'] * 2**20)}, above the --budget of {_human(budget)}"
+
+
+def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[str], device: str) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
-    reserve = _num_trainable_estimate(args) * OPTIMIZER_BYTES[args.optimizer]
+    trainable = shape.params if shape is not None and not args.lora else 0  # an optimizer placeholder of this size
+    reserve = trainable * OPTIMIZER_BYTES[args.optimizer]
+    width = max(len(_label(mode, args)) for mode in modes)
     rows, all_probes = [], []
     for mode in modes:
         records: dict[int, dict[str, Any]] = {}
@@ -209,7 +232,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
                 raise _ProbeError
             return record["total_peak_mb"] * 2**20 if record["status"] == "ok" else None
 
-        bar = tqdm(desc=f"{ROWS[mode][1][:34]:<34}", unit="probe", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(desc=f"{_label(mode, args):<{width}}", unit="probe", file=sys.stderr, dynamic_ncols=True)
 
         def progress(n: int, fits: bool, bar=bar) -> None:
             bar.update(1)
@@ -221,7 +244,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
                 step=args.step,
                 budget=args.budget,
                 target=_gpu_bytes() if device == "cuda" and args.budget is None else None,
-                start=_start_hint(args, mode, device),
+                start=_start_hint(args, shape, mode, device),
                 limit=args.limit,
                 progress=progress,
             )
@@ -241,6 +264,7 @@ def measured(args: argparse.Namespace, modes: list[str], device: str) -> dict[st
                 "host_bytes": host * 2**20 if host is not None and mode == "stream+offload" else None,
                 "time_s": at_best.get("time_s"),
                 "error": failure[0].strip().splitlines()[-1] if failure else None,
+                "why": _why_measured_none_fits(records[first_failure], args.budget) if best == 0 else None,
             }
         )
         all_probes += [{**r, "row": mode} for _, r in sorted(records.items())]
@@ -259,7 +283,30 @@ class _ProbeError(Exception):
 
 
 def _size(value: float | None, unit: str = "GiB") -> str:
-    return "-" if value is None else f"{value / UNITS[unit.lower()]:.2f}"
+    return "-" if value is None else f"{value / mm.UNITS[unit.lower()]:.2f}"
+
+
+def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Lines under the table: why a row is 0, what ``--offload`` does in an estimate, and why ``keep_every`` with
+    offload fits less than offload alone."""
+    rows, notes = result["rows"], []
+    zero: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("why"):
+            zero.setdefault(row["why"], []).append(row["label"])
+    for why, labels in zero.items():
+        who = "every mode" if len(labels) == len(rows) > 1 else "; ".join(labels)
+        notes.append(f"0 for {who}: {why}.")
+    if args.offload and result["kind"] == "estimated":
+        notes.append("--offload changes nothing here: an estimate always has the stream + offload row.")
+    k = args.keep_every
+    if k > 1 and any(row["mode"] == "stream+offload" for row in rows):
+        notes.append(
+            f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
+            f"inputs (the kept one and {k - 1} rebuilt) and the prefetched input of the segment below, {k + 1} on "
+            f"the GPU against 2; what it saves is host memory (about 1/{k})."
+        )
+    return notes
 
 
 def render(result: dict[str, Any], args: argparse.Namespace) -> str:
@@ -272,13 +319,13 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
     if result["kind"] == "estimated":
         how = (
             f"Estimated from the memory model (streambp_trl.sizing.memory_model), not measured: budget "
-            f"{_size(result['budget_bytes'])} GiB of GPU memory (torch.cuda.max_memory_allocated)."
+            f"{_human(result['budget_bytes'])} of GPU memory (torch.cuda.max_memory_allocated)."
         )
         if args.gpu_memory is None:
             how += f" (No GPU here: {DEFAULT_GPU_MEMORY}, an 80 GB card less the CUDA context; see --gpu-memory.)"
     else:
         env = result["env"]
-        bound = f", budget {_size(result['budget_bytes'], unit)} {unit}" if result["budget_bytes"] else ""
+        bound = f", budget {_human(result['budget_bytes'])}" if result["budget_bytes"] else ""
         peak = "model + peak RSS above it" if env["device"] == "cpu" else "torch.cuda.max_memory_allocated"
         how = (
             f"Measured on {env['device_name']} ({env['device']}){bound}: each length one real forward+backward "
@@ -294,13 +341,14 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
             length += " (the --limit)"
         peak, host = _size(row["peak_bytes"], unit), _size(row["host_bytes"], unit)
         lines.append(f"| {row['label']} | {length} | {peak} | {host} |")
-    return "\n".join(lines)
+    notes = _notes(result, args)
+    return "\n".join([*lines, *([""] + notes if notes else [])])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    modes = list(dict.fromkeys(args.mode or ROWS))
+    modes = list(dict.fromkeys([*(args.mode or ROWS), *(["stream+offload"] if args.offload else [])]))
     import torch
 
     device = args.device
@@ -310,15 +358,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error("--device cuda: no CUDA device is available (without one, max-len estimates)")
     if device == "cpu" and args.budget is None:
         parser.error("--device cpu needs --budget (e.g. 512MiB): the CPU has no out-of-memory error to bisect on")
+    shape = _shape(args.model)
     if device == "estimate":
-        try:
-            result = estimate(args, modes, args.gpu_memory or parse_size(DEFAULT_GPU_MEMORY))
-        except NotImplementedError:
-            raise SystemExit("max-len: the memory model is not available in this version; run it on a GPU.") from None
+        if shape is None:
+            raise SystemExit(
+                f"max-len: the memory model does not know the shape of --model {args.model!r} (a decoder with "
+                "hidden_size, intermediate_size, attention heads); measure it on a GPU instead."
+            )
+        result = estimate(args, shape, modes, args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY))
     else:
         if not args.offload and args.mode is None:
             modes = [m for m in modes if m != "stream+offload"]
-        result = measured(args, modes, device)
+        result = measured(args, shape, modes, device)
     print(render(result, args))
     if args.json:
         with open(args.json, "w") as f:

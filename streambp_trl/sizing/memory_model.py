@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 from collections.abc import Callable
+
+from .models import NAMED_MODELS, canonical_model_name
 
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
@@ -40,16 +43,6 @@ GiB = 2**30
 _VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 _LORA_RANK = 16
-
-_PRESETS = {  # Qwen3 configs (the shapes the paper and ../shared/ANCHORS.md measure)
-    "qwen3-4b": dict(
-        layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936, tied=True
-    ),
-    "qwen3-8b": dict(layers=36, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128, vocab=151936),
-    "qwen3-14b": dict(layers=40, hidden=5120, intermediate=17408, heads=40, kv_heads=8, head_dim=128, vocab=151936),
-    "qwen3-32b": dict(layers=64, hidden=5120, intermediate=25600, heads=64, kv_heads=8, head_dim=128, vocab=151936),
-}
-_SIZES = {"4b": "qwen3-4b", "8b": "qwen3-8b", "14b": "qwen3-14b", "32b": "qwen3-32b"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,14 +103,12 @@ class ModelShape:
 
     @classmethod
     def from_name(cls, name: str) -> ModelShape:
-        """A preset (``qwen3-4b``, ``qwen3-8b``, ``qwen3-14b``, ``qwen3-32b``, or a size such as ``8B``), a local
-        config path, or a Hub model id (its ``config.json`` only)."""
-        key = name.lower()
-        key = _SIZES.get(key, key)
-        if key.startswith("qwen/"):
-            key = key.split("/", 1)[1]
-        if key in _PRESETS:
-            return cls(**_PRESETS[key])
+        """A named shape of :data:`streambp_trl.sizing.models.NAMED_MODELS` (``qwen3-8b``, a size such as ``8B``, or
+        the Hub name of one such as ``Qwen/Qwen3-8B``: no network), else a local config path or a Hub model id (its
+        ``config.json`` only; ``OSError`` when it cannot be read)."""
+        key = canonical_model_name(name)
+        if key in NAMED_MODELS:
+            return cls.from_config(types.SimpleNamespace(**NAMED_MODELS[key]))
         from transformers import AutoConfig
 
         return cls.from_config(AutoConfig.from_pretrained(name))
@@ -160,7 +151,7 @@ def _lora_params(shape: ModelShape) -> int:
     return shape.layers * per_layer * _LORA_RANK
 
 
-def _static_bytes(shape: ModelShape, setup: StepSetup) -> int:
+def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
     """Weights, parameter gradients and optimizer state."""
     trainable = _lora_params(shape) if setup.lora else shape.params
     weights = shape.params * setup.dtype_bytes + (trainable * setup.dtype_bytes if setup.lora else 0)
@@ -265,7 +256,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
-    return _static_bytes(shape, setup) + activations
+    return static_bytes(shape, setup) + activations
 
 
 def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
@@ -317,14 +308,18 @@ UNITS.update({f"{p}ib": v for p, v in list(UNITS.items()) if p not in ("", "b")}
 UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes of a size: ``80GiB`` / ``80G`` (binary), ``78GB`` (decimal), ``512MiB``, ``1.5TiB``, ``4096``."""
-    if isinstance(text, int) and not isinstance(text, bool):
+def parse_size(text: str | int, *, unit_required: bool = False) -> int:
+    """Bytes of a size: ``80GiB`` / ``80G`` (binary), ``78GB`` (decimal), ``512MiB``, ``1.5TiB``, ``4096`` (bytes;
+    with ``unit_required``, a number without a unit is refused: ``80`` is far more likely 80 GiB than 80 bytes)."""
+    if isinstance(text, int) and not isinstance(text, bool) and not unit_required:
         return text
     match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*", str(text), re.IGNORECASE)
     unit = match.group(2).lower() if match else None
     if unit not in UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 80GiB, 78GB, 512MiB, 4096)")
+    if unit_required and not unit:
+        number = match.group(1)
+        raise ValueError(f"{text!r} has no unit: write {number}GiB (binary), {number}GB (decimal) or {number}MiB")
     return int(float(match.group(1)) * UNITS[unit])
 
 

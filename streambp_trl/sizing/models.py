@@ -59,13 +59,18 @@ NAMED_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-4b": _qwen3(36, 2560, 9728, 32, 8, True),
     "qwen3-8b": _qwen3(36, 4096, 12288, 32, 8, False),
     "qwen3-14b": _qwen3(40, 5120, 17408, 40, 8, False),
+    "qwen3-32b": _qwen3(64, 5120, 25600, 64, 8, False),
 }
+_NOT_ON_THE_HUB = ("qwen3-tiny", "qwen3-cpu-bench")
 
 
 def canonical_model_name(name: str) -> str:
-    """``8b`` / ``Qwen3-8B`` -> ``qwen3-8b`` when that is a named size; anything else unchanged."""
+    """``8b`` / ``Qwen3-8B`` / the Hub name ``Qwen/Qwen3-8B`` -> ``qwen3-8b`` when that is a named size (the
+    published shape, so a Hub name of one needs no network); anything else unchanged."""
     low = name.lower()
-    for candidate in (low, f"qwen3-{low}"):
+    org, _, repo = low.rpartition("/")
+    candidates = (low, f"qwen3-{low}") if not org else (repo,) if org == "qwen" and repo not in _NOT_ON_THE_HUB else ()
+    for candidate in candidates:
         if candidate in NAMED_MODELS:
             return candidate
     return name
