@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every case runs under ../shared/cudasim
+
 CUDASIM = Path(__file__).parents[2] / "shared" / "cudasim"
 RUNNER = Path(__file__).with_name("cuda_sim_run.py")
 

@@ -15,6 +15,8 @@ from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 HERE = Path(__file__).resolve().parent
 LAYERS = 3
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 from test_distributed import torchrun
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 LAYERS = 2  # configs/tiny_model
 
 

@@ -38,6 +38,7 @@ def _same(tmp_path, ref="created", peft_config=None, **overrides):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_one_step_equals_dpo_trainer_for_every_loss_type(tmp_path, loss_type):
     extra = {"label_smoothing": 1e-3} if loss_type == "exo_pair" else {}  # TRL requires it for EXO
@@ -82,11 +83,13 @@ def test_lora_reference_is_the_adapter_disabled_policy(tmp_path):
     assert ours.ref_model is None
 
 
+@pytest.mark.slow
 def test_loss_curve_equals_dpo_trainer(tmp_path):
     _, ours = _same(tmp_path, max_steps=4, learning_rate=0.05, sync_ref_model=True, ref_model_sync_steps=2)
     assert len([h for h in ours.state.log_history if "loss" in h]) == 4
 
 
+@pytest.mark.slow
 def test_three_steps_build_no_full_mask_or_logits_reference_passes_included(tmp_path):
     """Pairs of ~210 tokens in chunks of 16: no tensor with two dimensions of at least 150 in any of three steps
     (policy and reference passes), so no (T x T) mask or score and no (tokens x vocab) logits (vocab 512, widest other

@@ -25,6 +25,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from streambp_trl import enable_streambp
 
+pytestmark = pytest.mark.slow  # ~200 model families, each exact against plain autograd
+
 EXACT, FLOAT32_INTERNAL = 1e-10, 1e-5
 SUPPORT_TABLE = Path(__file__).with_name("causal_lm_support.json")  # written by scripts/model_support.py
 CHUNK = 5

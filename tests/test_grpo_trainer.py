@@ -69,6 +69,7 @@ GRPO = ((GRPOTrainer, GRPOConfig), (StreamGRPOTrainer, StreamGRPOConfig))
 RLOO = ((RLOOTrainer, RLOOConfig), (StreamRLOOTrainer, StreamRLOOConfig))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 def test_grpo_one_step_equals_for_every_loss_type(tmp_path, loss_type):
     extra = {"importance_sampling_level": "sequence"} if loss_type == "luspo" else {}
@@ -118,6 +119,7 @@ def test_rloo_one_step_equals(tmp_path, overrides):
     _same(*RLOO, tmp_path, **overrides)
 
 
+@pytest.mark.slow
 def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_included(tmp_path):
     """Prompts of ~60 tokens and completions of 200 (prompt + completion ~260) in chunks of 16, with an old-policy
     pass (num_iterations 2) and a reference (beta 0.04): no tensor with two dimensions of at least 150 in any of

@@ -19,6 +19,7 @@ def _same(tmp_path, ref="created", peft_config=None, **overrides):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
 def test_one_step_equals_kto_trainer_for_every_loss_type(tmp_path, loss_type):
     _same(tmp_path, loss_type=loss_type)
@@ -48,6 +49,7 @@ def test_lora_reference_is_the_adapter_disabled_policy(tmp_path):
     assert ours.ref_model is None
 
 
+@pytest.mark.slow
 def test_loss_curve_equals_kto_trainer(tmp_path):
     _, ours = _same(tmp_path, max_steps=4, learning_rate=0.05)
     assert len([h for h in ours.state.log_history if "loss" in h]) == 4

@@ -122,6 +122,7 @@ def test_the_callers_config_is_not_changed(tmp_path):
     assert args.gradient_checkpointing and not trainer.args.gradient_checkpointing
 
 
+@pytest.mark.slow
 def test_loss_curve_equals_sft_trainer(tmp_path):
     kw = dict(max_steps=5, learning_rate=0.05)
     ref, *_ = _train(SFTTrainer, SFTConfig, tmp_path, **kw)
@@ -151,6 +152,7 @@ def test_plain_sft_config_gets_default_stream_options(tmp_path):
     assert logs[0]["stream_chunk_size"] == logs[0]["logits_chunk_size"] == 512  # "auto" on the CPU: the rule
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     kw = dict(max_steps=4, learning_rate=0.05, save_strategy="steps", save_steps=2)
     full, _, full_after = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "full", **kw)
