@@ -1,8 +1,10 @@
 """Instance patches recorded on the module they change: how the engine installs itself and leaves no trace.
 
 :func:`patch` sets an instance attribute and remembers what the instance had before (in the module's
-``_streambp_patches``); :func:`unpatch` puts that back. The records live on the module, so ``copy.deepcopy`` copies a
-patched model with its records (bound methods rebound to the copy), and no registry outside the model exists.
+``_streambp_patches``); :func:`unpatch` puts that back, and :func:`unpatched` does so for a ``with`` block. The
+records live on the module, and the methods the engine installs are :class:`Method` objects (a module-level function
+and the module), so ``copy.deepcopy`` and pickling (``torch.save(model)``) copy a patched model with its records and
+methods bound to the copy; no registry outside the model exists.
 :func:`guarded_set_gradient_checkpointing` lets transformers' checkpointing switches act on every other module while
 the streamed layers keep their hook.
 """
@@ -10,7 +12,7 @@ the streamed layers keep their hook.
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import types
 from collections.abc import Iterable, Iterator
 
@@ -62,15 +64,62 @@ def patch(module: nn.Module, name: str, value) -> None:
     setattr(module, name, value)
 
 
-def bind(function, module: nn.Module, wraps=None) -> types.MethodType:
-    """``function`` as a method of ``module`` (with the signature and docs of ``wraps``, if given)."""
-    return types.MethodType(functools.wraps(wraps)(function) if wraps else function, module)
+class Method:
+    """``function`` as a method of ``module``: ``Method(f, m)(*a, **kw)`` is ``f(m, *a, **kw)``.
+
+    Unlike a bound method (which pickles as ``getattr(module, function.__name__)``), it pickles and deep-copies as
+    its parts: ``function``, a module-level function, by its name, and ``module`` with the model it belongs to.
+    ``inspect.signature`` gives that of ``module``'s own method ``wraps`` when named (what transformers' ``generate``
+    and the Trainer's column filter read), and so does that of ``__func__`` (with ``__self__``, what accelerate's
+    mixed-precision wrapper rebinds).
+    """
+
+    def __init__(self, function, module: nn.Module, wraps: str | None = None):
+        self.function, self.__self__, self.wraps = function, module, wraps
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.__self__, *args, **kwargs)
+
+    @property
+    def __func__(self):
+        """``function`` as a plain function of the module and the call's arguments. It carries the signature and no
+        ``__wrapped__``, so accelerate, unwrapping its mixed-precision wrapper, stops at it."""
+        function = self.function
+        own = getattr(type(self.__self__), self.wraps) if self.wraps else function
+
+        def method(module, *args, **kwargs):
+            return function(module, *args, **kwargs)
+
+        method.__name__, method.__qualname__, method.__doc__ = own.__name__, own.__qualname__, own.__doc__
+        method.__signature__ = inspect.signature(own)
+        return method
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __repr__(self) -> str:
+        return f"<streambp method {self.function.__qualname__} of {type(self.__self__).__name__}>"
 
 
 def unpatch(module: nn.Module) -> None:
     if _PATCHES in vars(module):
         _put_back(module)
         del vars(module)[_PATCHES]
+
+
+@contextlib.contextmanager
+def unpatched(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """``modules`` as they were before the engine for the duration of a ``with`` block (what is set on them meanwhile
+    becomes what :func:`unpatch` restores), then patched again."""
+    modules = [m for m in modules if _PATCHES in vars(m)]
+    for module in modules:
+        _put_back(module)
+    try:
+        yield
+    finally:
+        for module in modules:
+            _reapply(module)
 
 
 def original(module: nn.Module, name: str):
@@ -83,21 +132,25 @@ def _streamed_layers(root: nn.Module) -> list[nn.Module]:
     return [m for m in root.modules() if isinstance(m, GradientCheckpointingLayer) and _PATCHES in vars(m)]
 
 
+# The patches are plain instance attributes (no parameters, buffers or submodules), so putting them back and
+# reapplying them write the instance dictionary directly: generation does so on every decoder call.
 def _put_back(module: nn.Module) -> None:
     """Give ``module`` the attributes it had before the engine's patches, keeping the records."""
-    for name, (had, previous) in vars(module)[_PATCHES]["saved"].items():
+    attributes = vars(module)
+    for name, (had, previous) in attributes[_PATCHES]["saved"].items():
         if had:
-            setattr(module, name, previous)
+            attributes[name] = previous
         else:
-            vars(module).pop(name, None)
+            attributes.pop(name, None)
 
 
 def _reapply(module: nn.Module) -> None:
     """Remember ``module``'s current attributes as those to restore, then set the engine's again."""
-    patches = vars(module)[_PATCHES]
+    attributes = vars(module)
+    patches = attributes[_PATCHES]
     for name, value in patches["applied"].items():
-        patches["saved"][name] = (name in vars(module), vars(module).get(name))
-        setattr(module, name, value)
+        patches["saved"][name] = (name in attributes, attributes.get(name))
+        attributes[name] = value
 
 
 def guarded_set_gradient_checkpointing(self, *args, **kwargs):
@@ -105,11 +158,5 @@ def guarded_set_gradient_checkpointing(self, *args, **kwargs):
 
     It runs on the layers as they were before the engine, so what it sets is what ``disable_streambp`` restores.
     """
-    layers = _streamed_layers(self)
-    for layer in layers:
-        _put_back(layer)
-    try:
+    with unpatched(_streamed_layers(self)):
         original(self, "_set_gradient_checkpointing")(*args, **kwargs)
-    finally:
-        for layer in layers:
-            _reapply(layer)

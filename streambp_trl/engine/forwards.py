@@ -22,9 +22,9 @@ from ..layers.rebuild import embedding_sources
 from ..layers.segments import check_segmentable
 from ..layers.stream_layer import StreamSettings
 from ..logits import chunked_logprobs
-from ..patching import bypassed, original, temporarily
+from ..patching import bypassed, original, temporarily, unpatched
 from ..sizing.auto import AUTO, AutoChunks
-from .model_parts import decoder_layers, find_decoder, lm_head_linear
+from .model_parts import find_decoder, lm_head_linear
 from .zero3 import zero3_gathered
 
 
@@ -41,16 +41,20 @@ class StreamState:
 
 def stream_decoder_forward(self, *args, **kwargs):
     """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call: masks as
-    descriptions, layers chunked. Calls that bring a key/value cache without grad (generation) are the model's own."""
+    descriptions, layers chunked. Other calls, and those that bring a key/value cache without grad (generation), are
+    the model's own, with the layers as they were before the engine (no checkpoint hook: they fill the cache)."""
     forward = original(self, "forward")
+    layers = vars(self)["_streambp_layers"]
     cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     streams = self.training or vars(self).get("_streambp_eval", False)
     if not streams or (cache is not None and not torch.is_grad_enabled()):
-        return forward(*args, **kwargs)
+        with unpatched(layers):
+            return forward(*args, **kwargs)
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
             f"StreamBP cannot train {type(self).__name__} on top of a filled key/value cache (past_key_values); "
-            "pass the whole sequence instead."
+            "pass the whole sequence instead. (PEFT prefix tuning passes its prefix this way: use LoRA, or prompt "
+            "tuning / p-tuning, which prepend embeddings.)"
         )
     if kwargs.get("output_attentions"):
         raise ValueError(
@@ -60,7 +64,6 @@ def stream_decoder_forward(self, *args, **kwargs):
     for k in CACHE_KWARGS:
         kwargs.pop(k, None)
     kwargs["use_cache"] = False
-    layers = decoder_layers(self)
     check_segmentable(self, vars(self).get("_streambp_keep_every", 1))  # FSDP/ZeRO-3 may have come after enabling
     hidden_states_kept = kwargs.get("output_hidden_states") or self.config.output_hidden_states
     auto = vars(self).get("_streambp_auto")
@@ -122,9 +125,44 @@ def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
         )
 
 
+def _scored_rows(
+    hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None, logits_to_keep
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next-token labels of a call and, in the same shape, the rows of the flattened (batch x T, hidden) states
+    whose logits they score, as the model's own forward pairs them.
+
+    The model's own forward computes the logits of ``hidden[:, -k:]`` for an int ``logits_to_keep`` k (0: every
+    position) or ``hidden[:, idx]`` for a 1D tensor ``idx``, and scores them against ``labels`` of the same length
+    shifted by one (the last kept position has no label), or against ``shift_labels`` as they are.
+    """
+    batch, seq_len = hidden.shape[:2]
+    positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    if isinstance(positions, torch.Tensor):
+        if positions.dim() != 1:
+            raise ValueError(
+                f"StreamBP takes logits_to_keep as an int or a 1D tensor of positions with labels, got a tensor of "
+                f"shape {tuple(positions.shape)}; mark the positions to skip with -100 in the labels instead."
+            )
+        positions = positions.to(hidden.device)
+    rows = torch.arange(batch * seq_len, device=hidden.device).view(batch, seq_len)[:, positions]
+    given, name = (labels, "labels") if shift_labels is None else (shift_labels, "shift_labels")
+    if given.shape != rows.shape:
+        kept = "" if isinstance(logits_to_keep, int) and logits_to_keep == 0 else f" (logits_to_keep={logits_to_keep})"
+        raise ValueError(
+            f"{name} of shape {tuple(given.shape)} do not match the logits the model computes{kept}: pass {name} of "
+            f"shape {tuple(rows.shape)}, one per position whose logits are kept."
+        )
+    if shift_labels is None:
+        given, rows = given[:, 1:], rows[:, :-1]
+    return given.to(hidden.device), rows
+
+
 def stream_forward(
     self, *args, labels=None, fused_lm_head=False, shift_labels=None, num_items_in_batch=None, **kwargs
 ):
+    """The causal LM's forward; in training with labels, and with ``fused_lm_head=True``, the decoder streamed and
+    the loss (and TRL's fused-head fields) from the logit kernel at the labelled positions. ``logits_to_keep``
+    selects the scored positions as in the model's own forward (see :func:`_scored_rows`)."""
     state: StreamState = self._streambp
     has_labels = labels is not None or shift_labels is not None
     if not fused_lm_head and not (self.training and has_labels):
@@ -143,6 +181,13 @@ def stream_forward(
             "StreamBP cannot backpropagate the MoE load-balancing loss through streamed layers; "
             "call without output_router_logits (and keep config.output_router_logits=False)."
         )
+    logits_to_keep = kwargs.pop("logits_to_keep", 0)
+    if fused_lm_head and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep!r} has no meaning with fused_lm_head=True: the fused head (TRL's and "
+            "StreamBP's) scores every position whose label is not -100, with outputs of shape (batch, seq_len - 1). "
+            "Set the labels of the positions to skip to -100 instead (as TRL's GRPO does), and drop logits_to_keep."
+        )
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
@@ -156,15 +201,14 @@ def stream_forward(
     head = lm_head_linear(self)
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)
-    labels = (labels[:, 1:] if shift_labels is None else shift_labels).to(head.weight.device)
+    labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep)
     _check_labels(labels, head.weight.shape[0])
     mask = labels != -100
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
         raise ValueError("Every label is -100: there is no token to compute the loss on.")
     softcap, scale = _logit_transform(self.config.get_text_config())
     # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
-    batch_idx, position = mask.nonzero(as_tuple=True)
-    rows = batch_idx * hidden.shape[1] + position
+    rows = scored[mask]
     stats = chunked_logprobs(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,

@@ -11,15 +11,16 @@ After :func:`enable_streambp`, in training mode,
   whether or not TRL's ``add_fused_lm_head`` patched the model first.
 
 Everything the engine installs lives on the model's own modules, as instance attributes recorded in each module's
-``_streambp_patches`` (so ``copy.deepcopy`` copies a streaming model, and :func:`disable_streambp` puts back exactly
-what was there); the model's config is changed only for the duration of a streamed call. The engine owns the decoder
-layers' checkpoint hook while enabled: transformers' ``gradient_checkpointing_enable/disable`` (and TRL's
-``disable_gradient_checkpointing`` context around reference and old-policy passes) still apply to every other
-module, but the decoder layers keep streaming.
+``_streambp_patches`` (so ``copy.deepcopy`` and ``torch.save(model)`` / ``torch.load`` copy a streaming model, and
+:func:`disable_streambp` puts back exactly what was there); the model's config is changed only for the duration of a
+streamed call. The engine owns the decoder layers' checkpoint hook while enabled: transformers'
+``gradient_checkpointing_enable/disable`` (and TRL's ``disable_gradient_checkpointing`` context around reference and
+old-policy passes) still apply to every other module, but the decoder layers keep streaming.
 
 In eval mode the layers, the attention and ``labels=`` calls behave as before (``fused_lm_head=True`` still
-uses the kernel, as TRL's own head does). Generation works in either mode. Nothing is saved differently:
-``save_pretrained`` writes the same files, loadable by plain transformers.
+uses the kernel, as TRL's own head does). Generation works in either mode: a decoder call with a key/value cache and
+no grad runs the layers as they were before the engine (with their cache and their own checkpointing settings).
+Nothing is saved differently: ``save_pretrained`` writes the same files, loadable by plain transformers.
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ from ..layers import KV_MODES, StreamSettings, stream_checkpoint
 from ..layers.offload import CheckpointOffload
 from ..layers.segments import check_segmentable
 from ..logits import STAT_OUTPUTS
-from ..patching import bind, guarded_set_gradient_checkpointing, patch, unpatch
+from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks
 from ..sizing.memory_model import parse_budget
 from . import probe
 from .forwards import StreamState, head_logits, stream_decoder_forward, stream_forward
 from .model_parts import causal_lm, decoder_layers, final_norm_name, find_decoder, lm_head_linear
-from .support import check_supported, refuse
+from .support import check_peft_method, check_supported, refuse
 from .zero3 import mark_zero3_leaves, zero3_enabled
 
 
@@ -109,6 +110,7 @@ def enable_streambp(
     if unknown:
         raise ValueError(f"Unknown fused_outputs {sorted(unknown)}; choose among {STAT_OUTPUTS}.")
     lm = causal_lm(model)
+    check_peft_method(model, lm)
     if getattr(lm, "_streambp", None) is not None:
         disable_streambp(lm)
     decoder = find_decoder(lm)
@@ -166,14 +168,14 @@ def _install(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list, settin
     for layer in layers:
         patch(layer, "gradient_checkpointing", True)
         patch(layer, "_gradient_checkpointing_func", hook)
-        patch(layer, "_can_checkpoint_with_cache", True)  # a generation cache reaches the hook, which keeps it
         patch(layer, "_streambp_recycle", False)  # set for a streamed call that keeps no hidden states
         patch(layer, "_streambp_chunk", None)  # set for a streamed call whose chunk "auto" chose
     for module in lm.modules():
         if isinstance(module, PreTrainedModel):
-            patch(module, "_set_gradient_checkpointing", bind(guarded_set_gradient_checkpointing, module))
-    patch(decoder, "forward", bind(stream_decoder_forward, decoder, wraps=type(decoder).forward))
-    patch(lm, "forward", bind(stream_forward, lm, wraps=type(lm).forward))
+            patch(module, "_set_gradient_checkpointing", Method(guarded_set_gradient_checkpointing, module))
+    patch(decoder, "_streambp_layers", layers)  # read on every decoder call (each generated token)
+    patch(decoder, "forward", Method(stream_decoder_forward, decoder, wraps="forward"))
+    patch(lm, "forward", Method(stream_forward, lm, wraps="forward"))
 
 
 def disable_streambp(model: nn.Module) -> nn.Module:

@@ -7,6 +7,7 @@ causal LM of the installed transformers in ``tests/test_every_causal_lm.py``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from torch import nn
@@ -16,16 +17,41 @@ from ..layers.layer_args import CACHE_KWARGS
 
 _SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
+# PEFT methods whose trained tokens reach the decoder as a filled key/value cache (past_key_values)
+_PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
 
 
 def takes_cache(layer: nn.Module) -> bool:
     """Whether ``layer``'s forward takes a key/value cache: what marks a causal self-attention decoder layer."""
-    parameters = inspect.signature(type(layer).forward).parameters
+    return _forward_takes_cache(type(layer))
+
+
+@functools.cache
+def _forward_takes_cache(cls: type) -> bool:  # read on every decoder call: once per class
+    parameters = inspect.signature(cls.forward).parameters
     return any(name in parameters for name in CACHE_KWARGS)
 
 
 def refuse(model: nn.Module, why: str) -> None:
     raise ValueError(f"StreamBP cannot train {type(model).__name__} exactly: {why}.")
+
+
+def check_peft_method(model: nn.Module, lm: PreTrainedModel) -> None:
+    """Raise ``ValueError`` if ``model`` is a PEFT model with an adapter that hands the decoder its trained prefix as
+    a filled key/value cache (prefix tuning): a streamed call runs whole sequences from position 0. Prompt tuning and
+    p-tuning prepend trained embeddings to the input instead, and stream exactly."""
+    for name, config in (getattr(model, "peft_config", None) or {}).items():
+        peft_type = getattr(config, "peft_type", None)
+        peft_type = getattr(peft_type, "value", peft_type)  # a peft.PeftType, a str enum
+        method = _PREFIX_PEFT.get(peft_type)
+        if method is not None:
+            refuse(
+                lm,
+                f"PEFT {method} (adapter {name!r}, peft_type={peft_type}) passes its trained prefix to the "
+                "decoder as a filled key/value cache (past_key_values), which the streamed layers do not take; use "
+                "LoRA (peft.LoraConfig) or prompt tuning / p-tuning (PromptTuningConfig, PromptEncoderConfig), "
+                "which prepend trained embeddings and stream exactly",
+            )
 
 
 def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers: list[nn.Module]) -> None:

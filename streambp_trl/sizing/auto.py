@@ -26,6 +26,10 @@ AUTO = "auto"
 _FALLBACK = (512, 4096)
 
 
+def _gone() -> None:
+    return None
+
+
 def rule_of_thumb(seq_len: int) -> int:
     """The chunk without a memory figure: an eighth of the sequence, clamped to [512, 4096]."""
     return min(max(seq_len // 8, _FALLBACK[0]), _FALLBACK[1])
@@ -50,6 +54,14 @@ class AutoChunks:
         model = self._model()
         copy._model = weakref.ref(memo.get(id(model), model)) if model is not None else self._model
         return copy
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save`` of a streaming model) with the model itself, which pickle stores once."""
+        return {**self.__dict__, "_model": self._model()}
+
+    def __setstate__(self, state: dict) -> None:
+        model = state.pop("_model")
+        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _gone)
 
     def choose(self, rows: int, seq_len: int, device: torch.device) -> int:
         key = (rows, seq_len)
