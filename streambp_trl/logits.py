@@ -28,6 +28,11 @@ issues the same collectives. The norm is applied with its ``forward`` (no module
 and norm parameters are read inside that context: the backward nodes keep the parameters themselves (not detached
 copies), so they see whatever the parameters hold when the node runs (DeepSpeed ZeRO-3 swaps ``param.data``).
 
+What the backward reads again (the hidden states, the weight and bias, the norm's parameters, trainable or frozen,
+the rows and targets) goes through ``save_for_backward``, so autograd's own check raises its in-place error if one
+was changed in place between the forward and the backward, as it does for plain autograd (a ``param.data`` swap
+keeps the version). The backward is not differentiable: ``create_graph=True`` is refused (:func:`_first_order`).
+
 Memory beyond the inputs: a few tiles, per-row statistics (a few floats per row), dh (M, H) in the hidden node and
 dW (V, H) in the weight node. ``h`` is saved as it is (no gathered copy of the labelled rows, no normalised copy).
 """
@@ -124,6 +129,10 @@ class _Head:
     def vocab_tiles(self, vocab: int) -> list[tuple[int, int]]:
         return [(v, min(v + self.vocab_chunk, vocab)) for v in range(0, vocab, self.vocab_chunk)]
 
+    def reread(self) -> tuple[torch.Tensor | None, ...]:
+        """What both backward nodes read again besides their own inputs, saved so that autograd checks its version."""
+        return self.weight, self.bias, self.targets, self.rows, *(self.norm.parameters() if self.norm else ())
+
     def hidden_rows(self, hidden: torch.Tensor, i: int, j: int) -> torch.Tensor:
         return hidden[i:j] if self.rows is None else hidden.index_select(0, self.rows[i:j])
 
@@ -205,6 +214,16 @@ def _statistics(head: _Head, hidden, weight, bias) -> tuple:
     return log_z, log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
 
+def _first_order() -> None:
+    """Refuse a differentiable backward (``create_graph=True``): the kernel's backward builds no graph."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "StreamBP's chunked logit kernel has no differentiable backward, so create_graph=True (double backward, "
+            "gradient penalties) cannot be honoured. Call disable_streambp(model) for steps that need higher-order "
+            "gradients."
+        )
+
+
 class _HiddenNode(torch.autograd.Function):
     """(head, hidden (M, H), weight, bias, *norm parameters) -> statistics and log Z; gradients of the hidden states
     and the norm's parameters only (the weight and bias reach this node detached)."""
@@ -214,7 +233,7 @@ class _HiddenNode(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         with torch.no_grad():
             log_z, *stats = _statistics(head, hidden, weight, bias)
-        ctx.save_for_backward(hidden, head.weight, head.bias, log_z, stats[1])
+        ctx.save_for_backward(hidden, log_z, stats[1], *head.reread())
         ctx.head, ctx.norm_params = head, norm_params
         ctx.mark_non_differentiable(log_z, *(x for x in stats[2:] if x is not None))
         return log_z, *stats
@@ -225,8 +244,9 @@ class _HiddenNode(torch.autograd.Function):
         need_h, need_p = ctx.needs_input_grad[1], [ctx.needs_input_grad[4 + k] for k in range(len(params))]
         if (g_logp is None and g_ent is None) or not (need_h or any(need_p)):
             return (None,) * (4 + len(params))
+        _first_order()
         with ctx.head.gathered():
-            hidden, weight, bias, log_z, entropy = ctx.saved_tensors
+            hidden, log_z, entropy, weight, bias, *_ = ctx.saved_tensors
             weight, bias = weight.detach(), None if bias is None else bias.detach()
             dh, dparams = _HiddenNode._backward(ctx, hidden, weight, bias, log_z, entropy, g_logp, g_ent, need_p)
         return None, dh, None, None, *dparams
@@ -275,7 +295,7 @@ class _WeightNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, head: _Head, weight, bias, hidden, log_z, entropy):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(weight, bias, hidden, log_z, entropy)
+        ctx.save_for_backward(hidden, log_z, entropy, *head.reread())
         ctx.head = head
         zeros = log_z.new_zeros(head.n)
         return zeros, (log_z.new_zeros(head.n) if entropy is not None else None)
@@ -284,8 +304,9 @@ class _WeightNode(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         if g_logp is None and g_ent is None:
             return (None,) * 6
+        _first_order()
         with ctx.head.gathered():
-            weight, bias, hidden, log_z, entropy = ctx.saved_tensors
+            hidden, log_z, entropy, weight, bias, *_ = ctx.saved_tensors
             weight, bias = weight.detach(), None if bias is None else bias.detach()
             dw, db = _WeightNode._backward(ctx, weight, bias, hidden, log_z, entropy, g_logp, g_ent)
         return None, dw, db, None, None, None

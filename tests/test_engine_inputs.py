@@ -68,8 +68,8 @@ def test_saved_model_loads_streaming_and_exact(tmp_path):
 
 
 def test_saved_model_with_auto_chunks_loads_streaming_and_exact(tmp_path):
-    """The "auto" chunk policy (the trainers' default) keeps the model weakly in its chunk policy: it pickles with the model and
-    chooses again after loading."""
+    """The "auto" chunk policy (the trainers' default) holds the model weakly: it pickles with the model and chooses
+    again after loading."""
     reference = tiny_model("llama")
     model = enable_streambp(copy.deepcopy(reference), stream_chunk_size="auto")
     torch.save(model, tmp_path / "model.pt")

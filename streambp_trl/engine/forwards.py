@@ -12,6 +12,8 @@ import contextlib
 import dataclasses
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
@@ -157,6 +159,17 @@ def _scored_rows(
     return given.to(hidden.device), rows
 
 
+def _hooked(module: nn.Module, global_hooks: bool) -> bool:
+    """Whether user code hooks ``module``'s forward or backward: its own hooks (and, with ``global_hooks``, global
+    module hooks). The hooks of FSDP2 and DeepSpeed ZeRO-3, which gather a sharded module's parameters, are not user
+    code."""
+    if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+        return False
+    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    modules = nn.modules.module
+    return any(own) or (global_hooks and bool(modules._global_forward_hooks or modules._global_forward_pre_hooks))
+
+
 def stream_forward(
     self, *args, labels=None, fused_lm_head=False, shift_labels=None, num_items_in_batch=None, **kwargs
 ):
@@ -193,8 +206,18 @@ def stream_forward(
         return_dict = self.config.return_dict
     kwargs["use_cache"] = False
     decoder = find_decoder(self)
-    # the final norm runs inside the logit kernel (when it is the decoder's last step and no hidden states are asked)
+    head_module = self.get_output_embeddings()
+    if _hooked(head_module, False) or _hooked(lm_head_linear(self), False):
+        raise ValueError(
+            f"{type(self).__name__}.lm_head has a forward or backward hook, which would not run: StreamBP computes "
+            "the loss from the hidden states tile by tile and never forms the (tokens x vocab) logits the hook would "
+            "see. Remove the hook for streamed training calls, or disable_streambp(model) to train with full logits."
+        )
+    # the final norm runs inside the logit kernel when it is the decoder's last step, no hidden states are asked and
+    # no hook watches it (else it runs as the model runs it, and its hooks see what they see without streaming);
+    # (global hooks are not refused for lm_head: they watch every module, and a streamed call has no head call)
     norm = getattr(decoder, state.final_norm) if state.final_norm and not kwargs.get("output_hidden_states") else None
+    norm = None if norm is not None and _hooked(norm, True) else norm
     with bypassed(norm) if norm is not None else contextlib.nullcontext():
         decoded = decoder(*args, return_dict=True, **kwargs)
     hidden = decoded.last_hidden_state

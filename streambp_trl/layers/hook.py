@@ -4,8 +4,13 @@
 transformers' ``GradientCheckpointingLayer`` calls in training mode with ``partial(layer.forward, **kwargs)`` and the
 hidden states). It binds the call's arguments, chooses the chunk, decides what the layer keeps for its backward (its
 input; or nothing, when the input is rebuilt from the token ids or by its segment; see :mod:`.rebuild` and
-:mod:`.segments`) and whether its input gradient may take its input's place, and runs the layer through
-:class:`~streambp_trl.layers.stream_layer.StreamLayerFunction`.
+:mod:`.segments`) and runs the layer through :class:`~streambp_trl.layers.stream_layer.StreamLayerFunction`.
+
+Module hooks run outside this hook (transformers checkpoints ``forward``, not ``__call__``): a layer's pre-hooks see
+its input before, its forward hooks its input and output after. So the input a layer gets may be held by the
+previous layer's forward hooks, its own hooks, the caller (hidden states) or any autograd node; whether its input
+gradient may take the input's place is decided in backward, by what then holds the input's memory
+(:func:`~streambp_trl.layers.guards.sole_holder`), not by which hooks exist.
 """
 
 from __future__ import annotations
@@ -84,27 +89,20 @@ def stream_checkpoint(settings: StreamSettings, forward: functools.partial, *arg
         joined = Segment.of(x) if unobserved else None
         call.segment = joined if joined is not None else Segment(settings.keep_every)
         call.position = call.segment.join(call)
-    # dx may take the place of x where x is this layer's own (rebuilt, or the previous stream layer's output)
-    own = call.source is not None or call.position > 0 or getattr(x, _OUTPUT_MARK, False)
-    call.recycle_input = own and unobserved
     y = StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
-    setattr(y, _OUTPUT_MARK, True)
     if call.segment is not None:
         call.segment.mark(y)
     return y
 
 
-_OUTPUT_MARK = "_streambp_layer_output"
-
-
 def _outputs_unobserved(layer: nn.Module) -> bool:
-    """Whether nothing but the next layer can keep ``layer``'s input: the decoder does not collect hidden states for
-    this call (it sets ``_streambp_recycle``) and no forward hook other than transformers' output capturing (active
-    only when hidden states are collected) watches the layer.
+    """Whether ``layer``'s input may be rebuilt in backward (from the token ids, or by its segment) rather than kept:
+    the decoder does not collect hidden states for this call (it sets ``_streambp_recycle``) and no forward hook other
+    than transformers' output capturing (active only when hidden states are collected) watches the layer.
 
-    Then the layer's backward writes its input gradient over its saved input (see :class:`LayerCall`), so a streamed
-    layer's backward holds dY and dx, not dY, dx and a third full-length tensor. A graph that needs the input again
-    (``retain_graph`` twice, or another node saving it) fails autograd's in-place check loudly.
+    Otherwise the input is the caller's, or may be a hook's, and rebuilding it would cost a recompute without freeing
+    its memory, so the layer keeps it. (Correctness does not rest on this: a rebuilt input is checked to be what the
+    layer used, see :mod:`.rebuild` and :mod:`.segments`.)
     """
     if not vars(layer).get("_streambp_recycle", False) or nn.modules.module._global_forward_hooks:
         return False

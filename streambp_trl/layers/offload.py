@@ -59,11 +59,8 @@ class _HostCopy:
             self.event.record(side)
 
     def fetch(self, side: torch.Stream | None) -> tuple[torch.Tensor, ...]:
-        if self.host is None:
-            raise RuntimeError(
-                "StreamBP with offload_checkpoints=True brings each layer's saved input back once: a second backward "
-                "through the same graph (retain_graph=True) is not available. Run the forward again instead."
-            )
+        """The tensors back on the device, once (a second backward is refused before it asks again: see
+        :func:`~streambp_trl.layers.guards.check_backward`)."""
         self.prefetch(side)
         if self.event is not None:
             torch.accelerator.current_stream(self.device).wait_event(self.event)

@@ -72,8 +72,11 @@ def _rebuildable(module: nn.Module) -> bool:
 
 
 def _mark(module: nn.Embedding, args: tuple, output: torch.Tensor) -> None:
-    # only when no other forward hook could change the output (or draw random noise); transformers' own
+    # only for a call with grad (nothing rebuilds what a no-grad or inference-mode call makes; inference tensors have
+    # no version), and when no other forward hook could change the output (or draw random noise); transformers' own
     # `enable_input_require_grads` hook (PEFT's k-bit preparation) only flags the output as requiring grad
+    if not torch.is_grad_enabled():
+        return
     others = [h for h in module._forward_hooks.values() if h is not _mark]
     harmless = all(getattr(h, "__name__", "") == "make_inputs_require_grads" for h in others)
     if harmless and _rebuildable(module) and args and isinstance(args[0], torch.Tensor):

@@ -66,21 +66,21 @@ class Segment:
 
     def input(self, position: int, load_head: Callable[[object], torch.Tensor]) -> torch.Tensor:
         """Call ``position``'s input, rebuilding every call's on the first request (``load_head(head)`` gives the first
-        one's); each is handed out once."""
+        one's); each is handed out once (a second backward is refused before it asks again: see
+        :func:`~streambp_trl.layers.guards.check_backward`). The replayed layers' parameters and arguments and the
+        kept input must be as their forwards left them (each call's ``versions``)."""
         if self.inputs is None:
+            calls = [_alive(ref) for ref in self.calls]
+            for call in calls:
+                call.versions.check()
             x = load_head(self.head)
             self.head = None
             inputs = [x]
             with rng_fork(x):
-                for ref in self.calls[:-1]:
-                    inputs.append(_alive(ref).forward_chunks(inputs[-1], keep_kv=False, rng="replay")[0])
+                for call in calls[:-1]:
+                    inputs.append(call.forward_chunks(inputs[-1], keep_kv=False, rng="replay")[0])
             self.inputs = inputs
         x, self.inputs[position] = self.inputs[position], None
-        if x is None:
-            raise RuntimeError(
-                "StreamBP: a segment layer's input was asked for twice (a second backward through the same graph). "
-                "Run one backward per forward, or use keep_every=1."
-            )
         return x
 
 

@@ -33,13 +33,17 @@ Randomness: each chunk's random state (CPU and the input's device) is kept from 
 recompute of that chunk, so dropout, LoRA dropout, sampled routing and jitter draw what the forward drew.
 
 Memory of one layer's backward beyond the saved inputs: dY and dx (batch, T, hidden; dx is written over the saved
-input when that is the previous stream layer's output and nothing else keeps it), K, V, dK_acc, dV_acc (batch, T,
-kv_dim each, per slot), the parameter gradient sums and one parameter's fresh gradient, one chunk's activations and
-one (chunk x prefix) attention block (with grouped heads, one group's key/value gradients over the prefix: the
-attention adds them into dK_acc, dV_acc itself; see :class:`~streambp_trl.attention.PrefixGrad`). The first layer's
-input, when it is the input embedding's output, is not kept but rebuilt from the token ids
+or rebuilt input when nothing else holds its memory, see :func:`~streambp_trl.layers.guards.sole_holder`), K, V,
+dK_acc, dV_acc (batch, T, kv_dim each, per slot), the parameter gradient sums and one parameter's fresh gradient, one
+chunk's activations and one (chunk x prefix) attention block (with grouped heads, one group's key/value gradients
+over the prefix: the attention adds them into dK_acc, dV_acc itself; see :class:`~streambp_trl.attention.PrefixGrad`).
+The first layer's input, when it is the input embedding's output, is not kept but rebuilt from the token ids
 (:mod:`streambp_trl.layers.rebuild`). With ``offload`` the saved inputs wait in host memory
 (:mod:`streambp_trl.layers.offload`), and the device holds the current and the next layer's.
+
+What the backward reads again besides its saved tensors (the layer's parameters, trainable or frozen, its tensor
+arguments) must be as the forward left it, and a layer's backward runs once per forward and is not differentiable:
+:mod:`streambp_trl.layers.guards` checks both before anything else runs.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from torch import nn
 
 from ..attention import StreamMask, streaming
 from ..sizing.auto import AutoChunks
+from .guards import Versions, check_backward, saved_tensors_hooked, sole_holder
 from .kv_cache import ChunkCache, KVCollected, KVStore
 from .layer_args import slice_arg
 from .offload import CheckpointOffload
@@ -103,13 +108,26 @@ class LayerCall:
     configs: tuple
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
-    recycle_input: bool = False  # x is the previous stream layer's output, held by nothing else: dx may reuse it
     source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
     chunk_size: int = 0  # tokens per chunk of this call
     rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
+    versions: Versions | None = None  # what the backward reads again, as the forward left it
+
+    def record_versions(self, kept: torch.Tensor | None) -> None:
+        """Record the versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
+        named = [(f"the parameter `{n}`", p) for n, p in self.layer.named_parameters()]
+        for name, value in self.kwargs.items():
+            if isinstance(value, StreamMask):
+                value = (value.padding, value.dense)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    named.append((f"the argument `{name}`", t))
+        if kept is not None:
+            named.append(("the kept input (hidden states)", kept))
+        self.versions = Versions.record(_layer_name(self.layer), named)
 
     @property
     def mask(self) -> StreamMask | None:
@@ -194,16 +212,18 @@ class LayerCall:
         params: list[nn.Parameter],
         need_dx: bool,
         need_extra: tuple[bool, ...],
+        recycle: bool,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """``recycle``: nothing but this backward holds ``x``'s memory, so dx may take its place."""
         with rng_fork(x):
-            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra)
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, recycle)
 
-    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra):
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, recycle):
         kv = kv if kv is not None else self.collect_kv(x)
         dkv = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in kv.kv.items()}
         # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
-        # gradient can take its place when x is only this layer's saved input
-        dx = (x if self.recycle_input else torch.empty_like(x)) if need_dx else None
+        # gradient can take its place when nothing else holds x
+        dx = (x if recycle else torch.empty_like(x)) if need_dx else None
         extra = [
             (n, self.kwargs[n], self.per_token[n])
             for n, need in zip(self.grad_inputs, need_extra, strict=True)
@@ -296,19 +316,26 @@ class StreamLayerFunction(torch.autograd.Function):
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
         offload = call.settings.offload
         keeps_x = call.source is None and (call.segment is None or call.position == 0)
+        # a tensor of our own over x's memory: whoever else holds x (or a view of it) is seen by `sole_holder`
+        kept_x = x.detach() if keeps_x else None
+        call.record_versions(kept_x)
         if call.segment is not None:  # the segment keeps its first layer's input, for all its layers' backwards
             if keeps_x:
-                call.segment.keep_head(offload.save((x,)) if offload is not None else (x,))
+                call.segment.keep_head(offload.save((kept_x,)) if offload is not None else (kept_x,))
             keeps_x = False
-        saved = (*((x,) if keeps_x else ()), *(kv.flat() if capture else ()))
+        saved = (*((kept_x,) if keeps_x else ()), *(kv.flat() if capture else ()))
         kept = offload.save(saved) if offload is not None else saved
         ctx.kept = None if isinstance(kept, tuple) else kept
         ctx.save_for_backward(*(kept if ctx.kept is None else ()))
+        # a pack hook may keep what save_for_backward is given: x then comes back as nobody's alone
+        ctx.packed = keeps_x and ctx.kept is None and saved_tensors_hooked()
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         call = ctx.call
+        check_backward(ctx, _layer_name(call.layer))
+        call.versions.check()
         saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
         ctx.kept = None
         if call.segment is not None:
@@ -320,9 +347,17 @@ class StreamLayerFunction(torch.autograd.Function):
         kv = KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
-        dx, dextra, dparams = call.backward_chunks(x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra)
+        recycle = not ctx.packed and sole_holder(x)
+        dx, dextra, dparams = call.backward_chunks(
+            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, recycle
+        )
         it = iter(dextra)
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
+
+
+def _layer_name(layer: nn.Module) -> str:
+    index = getattr(layer, "layer_idx", getattr(getattr(layer, "self_attn", None), "layer_idx", None))
+    return f"decoder layer {index} ({type(layer).__name__})" if index is not None else type(layer).__name__
 
 
 def _segment_head(call: LayerCall, head: object) -> torch.Tensor:
