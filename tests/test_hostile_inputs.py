@@ -178,3 +178,19 @@ def test_one_backward_with_retain_graph_is_exact():
     _loss(streamed, *data, streamed=True).backward(retain_graph=True)
     err, where = max_rel_grad_error(reference, streamed)
     assert err < TOL, f"relative gradient error {err:.3e} at {where}"
+
+
+def test_sole_holder_sees_tensor_subclasses_like_plain_tensors():
+    """FakeTensors (the CUDA memory simulator's) are a tensor subclass: the input gradient must take the input's
+    place for them as for plain tensors, else the simulator measures one (T x hidden) buffer more than a GPU holds."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from streambp_trl.layers.guards import sole_holder
+
+    with FakeTensorMode():
+        x = torch.empty(4, 8)
+        assert sole_holder(x)
+        view = x[1:]
+        assert not sole_holder(x)
+        del view
+        assert sole_holder(x)

@@ -26,12 +26,16 @@ import torch
 
 
 def sole_holder(x: torch.Tensor) -> bool:
-    """Whether ``x`` (a plain tensor) is the only tensor over its memory and nothing else holds the memory.
+    """Whether ``x`` is the only tensor over its memory and nothing else holds the memory.
 
-    Measured as for a fresh tensor of our own, so the count of the storage's C++ references and of the Python
-    references to its one storage object (a caller holding ``x.untyped_storage()``) are compared like for like.
+    Measured as for a fresh tensor of the same kind (``x.new_empty(0)``: the same tensor type and device), so the
+    count of the storage's C++ references and of the Python references to its one storage object (a caller holding
+    ``x.untyped_storage()``) are compared like for like. A tensor without a storage of its own is never reused.
     """
-    return type(x) is torch.Tensor and _references(x) == _references(torch.empty(0))
+    try:
+        return _references(x) == _references(x.new_empty(0))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def _references(t: torch.Tensor) -> tuple[int, int]:
