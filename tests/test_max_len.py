@@ -162,6 +162,7 @@ def test_cpu_needs_a_budget(capsys):
 # --- a real bisection on the CPU ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cpu_bisection_returns_a_length_that_fits_and_one_step_more_that_does_not(tmp_path, capsys, monkeypatch):
     """Every probe is one real forward+backward in a fresh process; its peak is the model plus peak RSS above it."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # quicker on a busy machine; the measurement is per process
