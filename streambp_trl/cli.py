@@ -1,24 +1,44 @@
 """The ``streambp-trl`` command: one subcommand per objective, each parsed by TRL's ``TrlParser``.
 
-``streambp-trl {sft,dpo,kto} --config FILE.yaml [--any_config_field value ...]`` reads TRL's script, model and
-dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` / ``trl kto`` do, and trains
-with the objective's ``Stream*Trainer``. Unknown fields in the YAML file or on the command line are errors.
+``streambp-trl {sft,dpo,kto,grpo,rloo} --config FILE.yaml [--any_config_field value ...]`` reads TRL's script, model
+and dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` / ... do, and trains with
+the objective's ``Stream*Trainer``. The inputs a config names (model, data files, reward model) are looked up next to
+the config file first, so a config runs from any directory. A mistake in the command or its config (an unknown
+field, a missing file, a model that is neither a directory nor reachable on the Hub, a launch that would not train the
+processes it started) ends the command with one line naming it and the fix, before any model or data is loaded.
 ``streambp-trl max-len --model NAME [...]`` (plain argparse) gives the longest sequence a step fits, per mode.
+``streambp-trl --version`` prints the versions of the package, torch, transformers and TRL.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import difflib
 import importlib
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from trl import ScriptArguments
+from trl import ScriptArguments, TrlParser
 
 # objectives whose trainers score generated completions with reward functions
 _RL = ("grpo", "rloo")
+# config fields that name inputs, and those of each `datasets:` entry: looked up next to the config file first
+_INPUT_FIELDS = ("model_name_or_path", "reward_model_name_or_path", "dataset_name", "chat_template_path", "deepspeed")
+_DATASET_INPUT_FIELDS = ("path", "data_dir", "data_files")
+# what launchers set for the number of processes of a run (torchrun, MPI)
+_WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+class UsageError(ValueError):
+    """A mistake in the command or its config; ``main`` prints it as one line, ``streambp-trl CMD: error: ...``."""
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 @dataclass
@@ -54,12 +74,12 @@ def reward_functions(script_args: RewardScriptArguments) -> list:
             sys.path.insert(0, os.getcwd())
             rewards.append(getattr(importlib.import_module(module), attribute))
         else:
-            raise ValueError(
+            raise UsageError(
                 f"Unknown reward function {name!r}: give one of {sorted(REWARDS)}, a function of trl.rewards, or a "
                 "dotted import path (my_lib.rewards.my_reward)."
             )
     if not rewards:
-        raise ValueError("Give the rewards to train on: `reward_funcs` (names or import paths) and/or a reward model.")
+        raise UsageError("Give the rewards to train on: `reward_funcs` (names or import paths) and/or a reward model.")
     return rewards
 
 
@@ -71,27 +91,188 @@ def _objective(name: str) -> tuple[type, type]:
     return getattr(trainers, f"Stream{upper}Config"), getattr(trainers, f"Stream{upper}Trainer")
 
 
-def _command(name: str) -> Callable[[list[str]], None]:
-    def run(argv: list[str]) -> None:
-        from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+def _next_to(value, base: Path):
+    """``value`` (a path, or a list or mapping of paths) with each relative path that exists under ``base`` made
+    absolute there; anything else (a Hub name, ``json``, a path found only from the current directory) as it is."""
+    if isinstance(value, str):
+        return str(base / value) if not os.path.isabs(value) and (base / value).exists() else value
+    if isinstance(value, list):
+        return [_next_to(v, base) for v in value]
+    if isinstance(value, dict):
+        return {k: _next_to(v, base) for k, v in value.items()}
+    return value
 
-        config_cls, _ = _objective(name)
-        script_cls = RewardScriptArguments if name in _RL else ScriptArguments
-        parser = TrlParser((script_cls, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}")
-        train(name, *parser.parse_args_and_config(argv))
 
-    return run
+def read_config(path: str) -> dict:
+    """The fields of a YAML config file, with the inputs it names (model, data files, reward model, chat template,
+    DeepSpeed config) that exist relative to the file's directory made absolute: the config runs from any directory.
+    Other paths, ``output_dir`` among them, stay relative to the current directory."""
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(
+            f"config file {path!r} not found (relative to {os.getcwd()}): give the path of a YAML file, e.g. "
+            "--config configs/sft_tiny.yaml"
+        )
+    try:
+        config = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as error:
+        raise UsageError(f"config file {path} is not valid YAML: {_one_line(error)}") from error
+    if not isinstance(config, dict):
+        raise UsageError(f"config file {path} must hold a YAML mapping of fields (`max_steps: 10`, ...).")
+    base = file.resolve().parent
+    for key in _INPUT_FIELDS:
+        if isinstance(config.get(key), str):  # (`deepspeed` may be the DeepSpeed config itself)
+            config[key] = _next_to(config[key], base)
+    for entry in config.get("datasets") or []:
+        for key in _DATASET_INPUT_FIELDS if isinstance(entry, dict) else ():
+            if key in entry:
+                entry[key] = _next_to(entry[key], base)
+    return config
+
+
+class _Parser(TrlParser):
+    """``TrlParser`` whose mistakes raise :class:`UsageError` (argparse would print the usage of all ~400 options),
+    reading an ``int | str`` field (``stream_chunk_size``) as given, for the config to check: TRL's parser would
+    convert every value to int, ``'auto'`` included."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message}; `{self.prog} --help` lists the options")
+
+    @staticmethod
+    def _parse_dataclass_field(parser, dataclass_field):
+        if dataclass_field.type == int | str:
+            dataclass_field = copy.copy(dataclass_field)
+            dataclass_field.type = str
+        TrlParser._parse_dataclass_field(parser, dataclass_field)
+
+    def unknown(self, names: list[str], where: str) -> UsageError:
+        """The error for ``names`` (config fields or ``--options``) that no argument takes, with the closest ones."""
+        fields = sorted({action.dest for action in self._actions})
+        hints = []
+        for name in names:
+            prefix = "--" if name.startswith("-") else ""
+            close = difflib.get_close_matches(name.lstrip("-"), fields, n=1)
+            hints.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
+        return UsageError(f"unknown {where}: {', '.join(hints)}; `{self.prog} --help` lists the options")
+
+
+def _option(arg: str) -> str:
+    """The field an ``--option`` or ``--option=value`` argument sets (``--max-steps`` and ``--max_steps`` alike)."""
+    return arg.split("=")[0].lstrip("-").replace("-", "_") if arg.startswith("--") else ""
+
+
+def parse_args(name: str, argv: list[str]) -> tuple:
+    """(script, training, model, dataset) arguments of ``streambp-trl <name> ARGV``: TRL's dataclasses, with the
+    values of the ``--config`` file (:func:`read_config`) as defaults and the command line over them."""
+    from trl import DatasetMixtureConfig, ModelConfig
+
+    config_cls, _ = _objective(name)
+    script_cls = RewardScriptArguments if name in _RL else ScriptArguments
+    parser = _Parser((script_cls, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}")
+    argv = list(argv)
+    if "--config" in argv:
+        at = argv.index("--config")
+        if at + 1 == len(argv):
+            raise UsageError("--config needs a file: --config FILE.yaml")
+        path = argv[at + 1]
+        del argv[at : at + 2]
+        config = read_config(path)
+        for key, value in (config.pop("env", None) or {}).items():  # as TrlParser does
+            os.environ[key] = str(value)
+        unknown = parser.set_defaults_with_config(**config)[::2]
+        if unknown:
+            raise parser.unknown([key.removeprefix("--") for key in unknown], f"field in {path}")
+    elif not {"-h", "--help"} & set(argv) and "model_name_or_path" not in {_option(a) for a in argv}:
+        raise UsageError(
+            f"no config: give one, `streambp-trl {name} --config FILE.yaml` (configs/{name}_tiny.yaml trains a tiny "
+            f"model on a CPU), or --model_name_or_path and a dataset; `streambp-trl {name} --help` lists the options"
+        )
+    try:
+        *parsed, remaining = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    except UsageError:
+        raise
+    except ValueError as error:  # a value the config classes refuse (their __post_init__)
+        raise UsageError(_one_line(error)) from error
+    if remaining:
+        raise parser.unknown([a for a in remaining if a.startswith("-")] or remaining, "option")
+    return tuple(parsed)
+
+
+def _check_launch(training_args) -> None:
+    """Refuse a launch whose processes would not train together, each alone (on the CPU)."""
+    launched = max(int(os.environ.get(name, "1")) for name in _WORLD_SIZE_VARIABLES)
+    accelerate_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if accelerate_cpu and "MASTER_ADDR" in os.environ and launched == 1 and "LOCAL_RANK" not in os.environ:
+        raise UsageError(
+            "`accelerate launch --cpu` starts one process whatever --num_processes says: drop --cpu, and launch "
+            "`accelerate launch --config_file configs/accelerate/ddp.yaml --num_processes N -m streambp_trl.cli ...` "
+            "with `use_cpu: true` in the training config (the tiny configs have it), or `torchrun --nproc_per_node N "
+            "-m streambp_trl.cli ...`"
+        )
+    if launched > 1 and training_args.world_size == 1:
+        raise UsageError(
+            f"{launched} processes were launched, but each would train alone: without GPUs set `use_cpu: true` "
+            "(--use_cpu true) so that they train as one data-parallel group on the CPU (gloo)"
+        )
+
+
+def _model_path(name: str, revision: str | None, field_name: str) -> str:
+    """``name`` as the trainer should load it: a local directory as an absolute path (a LoRA adapter saved from it
+    then names its base model from anywhere); otherwise a Hub repository, whose config is fetched (or found in the
+    cache) now, so that a wrong name or no network is said before any data is loaded."""
+    if os.path.isdir(name):
+        return os.path.abspath(name)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{field_name} {name!r} is not a directory (relative to {os.getcwd()})"
+    try:
+        hf_hub_download(name, "config.json", revision=revision)
+    except LocalEntryNotFoundError as error:
+        raise UsageError(
+            f"{where} nor in the Hugging Face cache, and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
+            f"give a local directory, or download it once with network access (`hf download {name}`)"
+        ) from error
+    except EntryNotFoundError:
+        pass  # a Hub repository without config.json (a PEFT adapter): loading it says what it lacks
+    except GatedRepoError as error:
+        raise UsageError(f"{where}, and on the Hub it is gated: accept its terms there and `hf auth login`") from error
+    except RevisionNotFoundError as error:
+        raise UsageError(f"{where}, and on the Hub it has no revision {revision!r}: fix `model_revision`") from error
+    except (RepositoryNotFoundError, HFValidationError) as error:
+        raise UsageError(
+            f"{where} nor a model on the Hugging Face Hub: fix the path or the name (a private model needs "
+            "`hf auth login`)"
+        ) from error
+    return name
 
 
 def _load_dataset(script_args, dataset_args):
     from datasets import load_dataset
     from trl import get_dataset
 
-    if dataset_args.datasets:
-        return get_dataset(dataset_args)
-    if script_args.dataset_name:
-        return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    raise ValueError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
+    try:
+        if dataset_args.datasets:
+            return get_dataset(dataset_args)
+        if script_args.dataset_name:
+            return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    except FileNotFoundError as error:
+        raise UsageError(
+            f"cannot load the dataset: {_one_line(error)} (a config's data paths are looked up next to the config "
+            "file, then from the current directory)"
+        ) from error
+    except OSError as error:  # a Hub dataset without network
+        raise UsageError(f"cannot load the dataset: {_one_line(error)}") from error
+    raise UsageError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
 
 
 def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
@@ -99,23 +280,30 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
     from trl import get_peft_config, get_quantization_config
 
     _, trainer_cls = _objective(objective)
+    _check_launch(training_args)
+    if not model_args.model_name_or_path:
+        raise UsageError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
+    revision = model_args.model_revision
+    model_args.model_name_or_path = _model_path(model_args.model_name_or_path, revision, "model_name_or_path")
+    if objective in _RL and script_args.reward_model_name_or_path:
+        script_args.reward_model_name_or_path = _model_path(
+            script_args.reward_model_name_or_path, None, "reward_model_name_or_path"
+        )
     rewards = {"reward_funcs": reward_functions(script_args)} if objective in _RL else {}
 
     model_init_kwargs = {
-        "revision": model_args.model_revision,
+        "revision": revision,
         "trust_remote_code": training_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
-    if not model_args.model_name_or_path:
-        raise ValueError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
     dataset = _load_dataset(script_args, dataset_args)
     eval_dataset = None
     if training_args.eval_strategy != "no":
         split, strategy = script_args.dataset_test_split, str(training_args.eval_strategy.value)
         if split not in dataset:
-            raise ValueError(
+            raise UsageError(
                 f"eval_strategy={strategy!r} needs an evaluation split, but the dataset has no "
                 f"split {split!r} (it has {sorted(dataset)}). Set `dataset_test_split` to one of them, add a "
                 "test split to the dataset, or set `eval_strategy: 'no'`."
@@ -130,12 +318,22 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
         peft_config=get_peft_config(model_args),
         **rewards,
     )
+    state = trainer.accelerator.state
+    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
+    trainer.accelerator.print(f"Training on {processes} ({state.distributed_type.value}, {trainer.args.device.type})")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     return training_args.output_dir
+
+
+def _command(name: str) -> Callable[[list[str]], None]:
+    def run(argv: list[str]) -> None:
+        train(name, *parse_args(name, argv))
+
+    return run
 
 
 def _max_len(argv: list[str]) -> None:
@@ -173,6 +371,20 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
 }
 
 
+def versions() -> str:
+    """``streambp-trl X (torch X, transformers X, trl X)``."""
+    import torch
+    import transformers
+    import trl
+
+    from . import __version__
+
+    return (
+        f"streambp-trl {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
@@ -180,15 +392,18 @@ def main(argv: list[str] | None = None) -> None:
         description="Fine-tune with TRL trainers whose backpropagation streams along the sequence (StreamBP). "
         "Each command takes --config FILE.yaml and any config field as --field value; --help lists them.",
     )
+    parser.add_argument("--version", action="version", version=versions())
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     for name, (help_text, _) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0] in ("-h", "--help"):
-        parser.print_help()
-        return
+    if not argv or argv[0].startswith("-"):
+        parser.parse_args(argv or ["--help"])  # --help, --version: prints and exits
     if argv[0] not in COMMANDS:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
-    COMMANDS[argv[0]][1](argv[1:])
+    try:
+        COMMANDS[argv[0]][1](argv[1:])
+    except UsageError as error:
+        sys.exit(f"streambp-trl {argv[0]}: error: {error}")
 
 
 if __name__ == "__main__":

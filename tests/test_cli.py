@@ -13,10 +13,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cli(*args, timeout=600):
+def _cli(*args, timeout=600, cwd=ROOT):
     return subprocess.run(
-        [sys.executable, "-m", "streambp_trl.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "streambp_trl.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _one_line_error(out, command: str = "sft") -> str:
+    """The error of a command that failed with one line on stderr and no traceback."""
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"streambp-trl {command}: error: "), out.stderr[-3000:]
+    return lines[0]
 
 
 def _sft_tiny(output_dir, *extra):
@@ -47,11 +55,81 @@ def test_tiny_config_trains_and_saves_a_plain_transformers_model(tmp_path):
     assert not torch.equal(model.lm_head.weight, shipped.lm_head.weight)  # it trained
 
 
+def test_version_names_the_package_and_its_libraries():
+    import transformers
+    import trl
+
+    from streambp_trl import __version__
+
+    out = _cli("--version")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == (
+        f"streambp-trl {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"trl {trl.__version__})"
+    )
+
+
 def test_unknown_config_field_fails_before_training(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text((ROOT / "configs" / "sft_tiny.yaml").read_text() + "\nstream_chunk_sise: 64\n")
-    out = _cli("sft", "--config", str(config))
-    assert out.returncode != 0 and "stream_chunk_sise" in out.stderr
+    assert _one_line_error(_cli("sft", "--config", str(config))) == (
+        f"streambp-trl sft: error: unknown field in {config}: stream_chunk_sise (did you mean stream_chunk_size?); "
+        "`streambp-trl sft --help` lists the options"
+    )
+
+
+def test_unknown_option_is_one_line_naming_it_and_the_closest(tmp_path):
+    out = _sft_tiny(tmp_path, "--max_stepz", "2")
+    assert _one_line_error(out) == (
+        "streambp-trl sft: error: unknown option: --max_stepz (did you mean --max_steps?); "
+        "`streambp-trl sft --help` lists the options"
+    )
+    assert "invalid int value: 'two'" in _one_line_error(_sft_tiny(tmp_path, "--max_steps", "two"))
+
+
+def test_missing_config_file_is_one_line(tmp_path):
+    out = _cli("sft", "--config", "configs/sft_tiny.yml", cwd=tmp_path)
+    assert _one_line_error(out) == (
+        f"streambp-trl sft: error: config file 'configs/sft_tiny.yml' not found (relative to {tmp_path}): give the "
+        "path of a YAML file, e.g. --config configs/sft_tiny.yaml"
+    )
+
+
+def test_no_config_is_one_line_naming_the_tiny_config():
+    """Without a config TRL's defaults would ask for bf16 and die on a CPU; the missing config is the problem."""
+    line = _one_line_error(_cli("dpo"), "dpo")
+    assert line.startswith("streambp-trl dpo: error: no config: give one, `streambp-trl dpo --config FILE.yaml` ")
+    assert "configs/dpo_tiny.yaml trains a tiny model on a CPU" in line and "bf16" not in line
+
+
+def test_hub_model_without_network_is_one_line(tmp_path):
+    out = _sft_tiny(tmp_path, "--model_name_or_path", "Qwen/Qwen3-0.6B-Not-Cached")  # HF_HUB_OFFLINE=1 (conftest)
+    assert _one_line_error(out) == (
+        f"streambp-trl sft: error: model_name_or_path 'Qwen/Qwen3-0.6B-Not-Cached' is not a directory (relative to "
+        f"{ROOT}) nor in the Hugging Face cache, and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
+        "give a local directory, or download it once with network access (`hf download Qwen/Qwen3-0.6B-Not-Cached`)"
+    )
+
+
+def test_missing_data_file_is_one_line(tmp_path):
+    config = tmp_path / "sft.yaml"
+    config.write_text((ROOT / "configs" / "sft_tiny.yaml").read_text().replace("tiny_chat.jsonl", "nope.jsonl"))
+    line = _one_line_error(
+        _cli("sft", "--config", str(config), "--model_name_or_path", str(ROOT / "configs/tiny_model"))
+    )
+    assert line.startswith("streambp-trl sft: error: cannot load the dataset: Unable to find") and "nope.jsonl" in line
+
+
+def test_tiny_config_runs_from_another_directory_and_its_adapter_names_its_base_from_anywhere(tmp_path):
+    """The config's inputs (tiny_model, data/...) are found next to it; the LoRA adapter saved by the run names its
+    base model by an absolute path, not one relative to where the run started."""
+    out = _cli(
+        "sft", "--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--use_peft", "true", "--max_steps", "1",
+        "--output_dir", "out", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(ROOT / "configs" / "tiny_model")
 
 
 @pytest.mark.parametrize("value", ["0", "-8"])
@@ -93,14 +171,10 @@ def test_tiny_configs_of_every_objective_train_and_save(tmp_path, objective):
 @pytest.mark.parametrize("config", ["dpo_qwen3_8b.yaml", "sft_qwen3_8b.yaml", "grpo_qwen3_4b.yaml"])
 def test_hub_example_configs_parse(config):
     """The Hub examples cannot run offline; their fields must still all be known to the parser."""
-    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+    from streambp_trl.cli import parse_args
 
-    from streambp_trl.cli import RewardScriptArguments, _objective
-
-    config_cls, _ = _objective(config.split("_")[0])
-    parser = TrlParser((RewardScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig))
-    _, training_args, model_args, _ = parser.parse_args_and_config(
-        ["--config", str(ROOT / "configs" / config), "--use_cpu", "true", "--bf16", "false"]
+    _, training_args, model_args, _ = parse_args(
+        config.split("_")[0], ["--config", str(ROOT / "configs" / config), "--use_cpu", "true", "--bf16", "false"]
     )
     assert model_args.model_name_or_path.startswith("Qwen/")
     assert training_args.stream_chunk_size in (4096, "auto") and not training_args.offload_checkpoints

@@ -6,6 +6,7 @@ import copy
 import logging
 
 import torch
+from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
 from ..engine import chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
@@ -19,7 +20,7 @@ def take_over_checkpointing(args):
     streams) every decoder layer itself. The caller's config object is never changed."""
     if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
         return args
-    logger.info("gradient_checkpointing=True is provided by the stream engine; Hugging Face's own is turned off.")
+    logger.info("activation_checkpointing=True is provided by the stream engine; Hugging Face's own is turned off.")
     args = copy.copy(args)
     args.activation_checkpointing = args.gradient_checkpointing = False
     return args
@@ -84,6 +85,25 @@ class StreamTrainerMixin:
         if _zero3_run(config):
             _mark_zero3_leaves([*args, *kwargs.values()])
         super().__init__(*args, **kwargs)
+
+    def _build_accelerator_args(self, **kwargs) -> dict:
+        """transformers' accelerator arguments, with DDP's ``find_unused_parameters`` off unless the config (or TRL,
+        for a vision-language model) sets it.
+
+        transformers turns the search on for a model without Hugging Face checkpointing, which the stream trainers
+        turn off; the engine is that checkpointing, and with it every trainable parameter reaches autograd in every
+        backward: each decoder layer's parameters are inputs of its streamed Function, which returns a gradient for
+        each (``None`` for one no chunk reached, e.g. an unrouted expert, which DDP's reducer takes as zeros), and the
+        embedding, final norm and LM head take part in every step. The search would find nothing, at the price of a
+        graph traversal and an extra all-reduce per step and PyTorch's warning saying so. (A parameter no rank reached
+        then steps with a zero gradient rather than none; ``ddp_find_unused_parameters=True`` keeps it at none.)
+        """
+        args = super()._build_accelerator_args(**kwargs)
+        if self.args.ddp_find_unused_parameters is None:
+            for handler in args.get("kwargs_handlers", ()):
+                if isinstance(handler, DistributedDataParallelKwargs):
+                    handler.find_unused_parameters = False
+        return args
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs",)

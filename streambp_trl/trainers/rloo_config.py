@@ -11,6 +11,6 @@ from .stream_config import StreamArguments
 class StreamRLOOConfig(StreamArguments, RLOOConfig):
     """[`~trl.RLOOConfig`] with the options of [`StreamArguments`].
 
-    `gradient_checkpointing` (TRL's default `True`) is taken over by the stream engine, which checkpoints and streams
-    every decoder layer of the policy (and streams the old-policy and reference no-grad passes) itself.
+    `activation_checkpointing` (on by default, as in TRL) is taken over by the stream engine, which checkpoints and
+    streams every decoder layer of the policy (and streams the old-policy and reference no-grad passes) itself.
     """

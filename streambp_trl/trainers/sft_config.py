@@ -11,6 +11,7 @@ from .stream_config import StreamArguments
 class StreamSFTConfig(StreamArguments, SFTConfig):
     """[`~trl.SFTConfig`] with the options of [`StreamArguments`].
 
-    `gradient_checkpointing` (TRL's default `True`) is taken over by the stream engine, which checkpoints and streams
-    every decoder layer itself; the trainer turns Hugging Face's own checkpointing off so layers are not wrapped twice.
+    `activation_checkpointing` (on by default, as in TRL) is taken over by the stream engine, which checkpoints and
+    streams every decoder layer itself; the trainer turns Hugging Face's own checkpointing off so layers are not
+    wrapped twice.
     """

@@ -45,16 +45,25 @@ class StreamArguments:
             memory with `offload_checkpoints`); the layers between rebuild theirs in backward by one more chunked
             forward. Divides the kept inputs (and the host memory of offload) by about k, for k - 1 extra layer
             forwards out of every k. Not with FSDP or DeepSpeed ZeRO-3.
+        activation_checkpointing (`bool`, defaults to `True`):
+            TRL's default (which TRL writes as the deprecated `gradient_checkpointing=True`, a FutureWarning on every
+            config), under the current name. A stream trainer takes it over: the engine checkpoints and streams every
+            decoder layer itself, and Hugging Face's own checkpointing is turned off in the trainer's copy of the
+            config. Setting `gradient_checkpointing` still works, with transformers' deprecation warning.
     """
 
-    stream_chunk_size: str = field(
+    # `int | str`: the `streambp-trl` parser reads it as given (TRL's parser would take every value for an int)
+    stream_chunk_size: int | str = field(
         default=AUTO,
         metadata={
-            "help": "Tokens per chunk of each streamed decoder layer (int or 'auto': max_length/8 in [512, 4096])."
+            "help": "Tokens per chunk of each streamed decoder layer: an int, or 'auto' (default): per batch shape, "
+            "the largest chunk whose estimated peak memory fits memory_budget (or the GPU's free memory); on the "
+            "CPU an eighth of the length in [512, 4096]."
         },
     )
-    logits_chunk_size: str | None = field(
-        default=None, metadata={"help": "Tokens per tile of the logit kernel (default: the stream chunk size)."}
+    logits_chunk_size: int | str | None = field(
+        default=None,
+        metadata={"help": "Tokens per tile of the logit kernel: an int or 'auto' (default: the stream chunk size)."},
     )
     stream_kv_mode: str = field(
         default="recompute",
@@ -72,6 +81,16 @@ class StreamArguments:
         default=1,
         metadata={"help": "Keep only every k-th decoder layer's input; the others are recomputed in backward."},
     )
+    activation_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Hugging Face activation checkpointing (default: on, as in TRL); a stream trainer takes it over: "
+            "the engine checkpoints and streams every decoder layer itself."
+        },
+    )
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers)."}
+    )
 
     def __post_init__(self):
         self.stream_chunk_size = _chunk_value("stream_chunk_size", self.stream_chunk_size)
@@ -83,6 +102,8 @@ class StreamArguments:
         if self.memory_budget is not None:
             parse_budget(self.memory_budget)
         _keep_every(self.stream_keep_every)
+        if self.activation_checkpointing is None and self.gradient_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default, without the deprecated name
         super().__post_init__()
 
 
