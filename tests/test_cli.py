@@ -10,6 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+pytestmark = pytest.mark.slow  # each test runs the command line in a fresh process (~10 s of imports)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -100,6 +100,7 @@ def test_auto_on_cpu_uses_the_rule_of_thumb_and_is_logged():
         enable_streambp(tiny_model("qwen3"), stream_chunk_size="big")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not CUDASIM.is_dir() or shutil.which("g++") is None, reason="needs ../shared/cudasim and g++")
 def test_auto_chunks_stay_within_the_budget_under_the_simulator():
     budget = 700 * 2**20
