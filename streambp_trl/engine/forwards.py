@@ -13,7 +13,6 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
@@ -21,7 +20,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 from ..attention import stream_configs, streaming
 from ..layers.layer_args import CACHE_KWARGS
 from ..layers.rebuild import embedding_sources
-from ..layers.segments import check_segmentable
+from ..layers.segments import check_segmentable, sharded
 from ..layers.stream_layer import StreamSettings
 from ..logits import chunked_logprobs
 from ..patching import bypassed, original, temporarily, unpatched
@@ -163,7 +162,7 @@ def _hooked(module: nn.Module, global_hooks: bool) -> bool:
     """Whether user code hooks ``module``'s forward or backward: its own hooks (and, with ``global_hooks``, global
     module hooks). The hooks of FSDP2 and DeepSpeed ZeRO-3, which gather a sharded module's parameters, are not user
     code."""
-    if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
+    if sharded(module):
         return False
     own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
     modules = nn.modules.module

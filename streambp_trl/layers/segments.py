@@ -95,14 +95,16 @@ def _alive(ref: weakref.ref) -> object:
     return call
 
 
-def sharded_module(model: nn.Module) -> nn.Module | None:
-    """The first submodule of ``model`` that FSDP shards or whose own parameters ZeRO-3 partitions, if any."""
+def sharded(module: nn.Module) -> bool:
+    """Whether FSDP shards ``module`` or ZeRO-3 partitions its own parameters."""
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
-            return module
-    return None
+    return isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
+
+
+def sharded_module(model: nn.Module) -> nn.Module | None:
+    """The first submodule of ``model`` that FSDP shards or whose own parameters ZeRO-3 partitions, if any."""
+    return next((module for module in model.modules() if sharded(module)), None)
 
 
 def check_segmentable(model: nn.Module, keep_every: int) -> None:
