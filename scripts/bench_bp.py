@@ -6,8 +6,8 @@ checkpointing), ``checkpoint+chunked-loss`` (TRL 1.16's default: checkpointing +
 ``stream`` (``enable_streambp(model, stream_chunk_size=..., logits_chunk_size=..., kv_mode=...)`` and the same
 ``fused_lm_head=True`` call) and ``stream+offload`` (the same with ``offload_checkpoints=True``).
 
-The measuring lives in ``streambp_trl.sizing.measure`` (shared with ``streambp-trl max-len``; its docstrings and
-those of ``sizing.worker`` / ``sizing.memory_probe`` describe it exactly): every (mode, seq_len) runs in a fresh
+The measuring lives in ``streambp_trl.bench.measure`` (shared with ``streambp-trl max-len``; its docstrings and
+those of ``bench.worker`` / ``bench.memory_probe`` describe it exactly): every (mode, seq_len) runs in a fresh
 subprocess, one warm-up step, then ``--repeats`` measured forward+backward steps; ``peak_mb`` is the peak above the
 loaded model in MiB (CPU: peak RSS with ``MALLOC_MMAP_THRESHOLD_=131072`` and ``/proc/self/clear_refs``; CUDA:
 ``max_memory_allocated``), parameter gradients included; the time is the median wall-clock seconds (synchronised on
@@ -30,16 +30,13 @@ the shortest and the longest length, and for ``stream`` the ratios to ``checkpoi
 memory) and to ``checkpoint`` (time at each length). ``--baseline FILE`` takes records of modes not measured in
 this run from an earlier JSON output (e.g. to compare ``--kv-mode capture`` against an earlier full run).
 
-``--find-max-seq`` (CUDA only) searches, per mode, for the longest sequence (a multiple of 1024) whose
-forward+backward fits in GPU memory: doubling from 1024, then bisecting, every probe in a fresh subprocess
-(``streambp-trl max-len`` does the same for the four training modes, with a progress bar).
+The longest sequence that fits, per training mode, is ``streambp-trl max-len`` (the same measuring, one probe per
+length in a fresh process, e.g. ``streambp-trl max-len --model qwen3-8b --json h100_qwen3_8b_max_len.json``).
 
-Examples::
+Example::
 
     python scripts/bench_bp.py --model qwen3-cpu-bench --dtype float32 --seq-len 8192 16384 \\
         --mode plain checkpoint checkpoint+chunked-loss stream --out cpu_qwen3_4l_fp32
-    python scripts/bench_bp.py --model qwen3-8b --dtype bfloat16 --mode checkpoint+chunked-loss stream \\
-        --find-max-seq --out h100_qwen3_8b_maxseq
 """
 
 from __future__ import annotations
@@ -54,16 +51,12 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
 sys.path.insert(0, str(REPO_ROOT))
-from streambp_trl.sizing.measure import (  # noqa: E402
-    DTYPES,
-    KV_MODES,
-    MODES,
-    NAMED_MODELS,
-    bisect_max_len,
-    environment,
-    measure,
-    trl_token_chunk,
-)
+from streambp_trl.bench.measure import measure  # noqa: E402
+from streambp_trl.bench.metadata import environment  # noqa: E402
+from streambp_trl.bench.models import trl_token_chunk  # noqa: E402
+from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode  # noqa: E402
+from streambp_trl.layers import KV_MODES  # noqa: E402
+from streambp_trl.sizing.shapes import NAMED_MODELS  # noqa: E402
 
 # Acceptance targets of the CPU benchmark (reported, never enforced).
 TARGET_MEM_RATIO = 0.35  # stream KiB per extra token <= 0.35 x checkpoint+chunked-loss's
@@ -71,7 +64,7 @@ TARGET_TIME_RATIO = 1.3  # stream time <= 1.3 x checkpoint's
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Metadata, summary, output files (the measuring itself: streambp_trl.sizing.measure).
+# Metadata, summary, output files (the measuring itself: streambp_trl.bench.measure).
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -154,10 +147,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     phase_slopes = _phase_slopes(by_mode)
     if phase_slopes:
         summary["phase_memory_per_extra_token"] = phase_slopes
-        if "stream" in phase_slopes and "checkpoint+chunked-loss" in phase_slopes:
+        if Mode.STREAM in phase_slopes and Mode.CHECKPOINT_CHUNKED_LOSS in phase_slopes:
             ratio = (
-                phase_slopes["stream"]["max_kib_per_token"]
-                / phase_slopes["checkpoint+chunked-loss"]["max_kib_per_token"]
+                phase_slopes[Mode.STREAM]["max_kib_per_token"]
+                / phase_slopes[Mode.CHECKPOINT_CHUNKED_LOSS]["max_kib_per_token"]
             )
             summary["stream_vs_chunked_loss_steepest_phase"] = {
                 "ratio": ratio,
@@ -165,13 +158,13 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                 "met": ratio <= TARGET_MEM_RATIO,
             }
     hashes = sorted(
-        {r.get("engine_sha256") or "?" for r in records if r.get("status") == "ok" and r["mode"] == "stream"}
+        {r.get("engine_sha256") or "?" for r in records if r.get("status") == "ok" and r["mode"] == Mode.STREAM}
     )
     if len(hashes) > 1:
         summary["warning"] = f"records come from different streambp_trl sources (engine_sha256 {', '.join(hashes)})"
-    stream = by_mode.get("stream", {})
-    if "stream" in per_token and "checkpoint+chunked-loss" in per_token:
-        ratio = per_token["stream"]["kib_per_token"] / per_token["checkpoint+chunked-loss"]["kib_per_token"]
+    stream = by_mode.get(Mode.STREAM, {})
+    if Mode.STREAM in per_token and Mode.CHECKPOINT_CHUNKED_LOSS in per_token:
+        ratio = per_token[Mode.STREAM]["kib_per_token"] / per_token[Mode.CHECKPOINT_CHUNKED_LOSS]["kib_per_token"]
         summary["stream_vs_chunked_loss_memory_per_token"] = {
             "ratio": ratio,
             "target": TARGET_MEM_RATIO,
@@ -179,7 +172,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         }
     time_ratios = {}
     for seq_len, rec in sorted(stream.items()):
-        base = by_mode.get("checkpoint", {}).get(seq_len)
+        base = by_mode.get(Mode.CHECKPOINT, {}).get(seq_len)
         if base is not None:
             ratio = rec["time_s"] / base["time_s"]
             time_ratios[str(seq_len)] = {
@@ -205,7 +198,7 @@ def _phase_markdown(records: list[dict[str, Any]], summary: dict[str, Any]) -> l
     lines += ["| mode | seq_len | " + " | ".join(names) + " |", "|---|---:|" + "---:|" * len(names)]
     for r in with_phases:
         cells = {p["phase"]: f"{p['peak_mb']:.1f} ({p['time_s']:.1f})" for p in r["phases"]}
-        mode = r["mode"] + (f" ({r['kv_mode']})" if r["mode"] == "stream" else "")
+        mode = r["mode"] + (f" ({r['kv_mode']})" if r["mode"] == Mode.STREAM else "")
         lines.append(f"| {mode} | {r['seq_len']} | " + " | ".join(cells.get(n, "–") for n in names) + " |")
     slopes = summary.get("phase_memory_per_extra_token", {})
     if slopes:
@@ -259,7 +252,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["records"]:
-        mode = r["mode"] + (f" ({r['kv_mode']})" if r["mode"] == "stream" else "") + ("*" if r.get("source") else "")
+        mode = (
+            r["mode"] + (f" ({r['kv_mode']})" if r["mode"] == Mode.STREAM else "") + ("*" if r.get("source") else "")
+        )
         lines.append(
             f"| {mode} | {r['seq_len']} | {_fmt(r.get('peak_mb'), '.1f')} | {_fmt(r.get('time_s'), '.2f')} | "
             f"{_fmt(r.get('cpu_s'), '.1f')} | "
@@ -286,14 +281,6 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"(target ≤ {v['target']}: {'met' if v['met'] else 'NOT met'})"
         )
     lines += _phase_markdown(result["records"], summary)
-    if result.get("max_seq"):
-        lines += ["", "Longest sequence that fits (multiple of 1024):", ""]
-        lines += ["| mode | max seq_len | peak MiB | time s | first failure |", "|---|---:|---:|---:|---:|"]
-        for m in result["max_seq"]:
-            lines.append(
-                f"| {m['mode']} | {_fmt(m['max_seq_len'], 'd')} | {_fmt(m.get('peak_mb'), '.1f')} | "
-                f"{_fmt(m.get('time_s'), '.2f')} | {_fmt(m.get('first_failure'), 'd')} |"
-            )
     return "\n".join(lines) + "\n"
 
 
@@ -305,7 +292,7 @@ def write_outputs(name: str | None, result: dict[str, Any]) -> None:
     (BENCH_DIR / f"{name}.md").write_text(render_markdown(result))
 
 
-def load_baseline(path: str, meta: dict[str, Any], modes: list[str]) -> list[dict[str, Any]]:
+def load_baseline(path: str, meta: dict[str, Any], modes: list[Mode]) -> list[dict[str, Any]]:
     """Records of modes not measured in this run, from an earlier output with the same model, dtype and batch."""
     earlier = json.loads(Path(path).read_text())
     em = earlier["metadata"]
@@ -315,33 +302,10 @@ def load_baseline(path: str, meta: dict[str, Any], modes: list[str]) -> list[dic
     return [{**r, "source": path} for r in earlier["records"] if r["mode"] not in modes]
 
 
-def find_max_seq(base_spec: dict[str, Any], limit: int, timeout: float | None) -> tuple[dict[str, Any], list]:
-    """Longest multiple of 1024 that fits in GPU memory for ``base_spec["mode"]``; a fresh process per probe."""
-    probes: list[dict[str, Any]] = []
-
-    def probe(seq_len: int) -> float | None:
-        record = measure({**base_spec, "seq_len": seq_len}, timeout)
-        probes.append(record)
-        if record["status"] == "error":
-            raise SystemExit(f"--find-max-seq: probe {base_spec['mode']} @ {seq_len} failed:\n{record['error']}")
-        return record["peak_mb"] if record["status"] == "ok" else None
-
-    best, first_failure, _ = bisect_max_len(probe, step=1024, limit=limit)
-    at_best = next((p for p in probes if p["status"] == "ok" and p["seq_len"] == best), {})
-    return {
-        "mode": base_spec["mode"],
-        "max_seq_len": best or None,
-        "first_failure": first_failure,
-        "limit": limit,
-        "peak_mb": at_best.get("peak_mb"),
-        "time_s": at_best.get("time_s"),
-    }, probes
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Peak memory and time of one forward+backward: plain, HF checkpointing, TRL's chunked loss, "
-        "StreamBP.",
+        "StreamBP. The longest sequence that fits, per mode: streambp-trl max-len.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
@@ -349,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="qwen3-cpu-bench",
         help=f"a named size ({', '.join(NAMED_MODELS)}) or a Hub name / local dir (config only; random weights)",
     )
-    parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--mode", nargs="+", choices=[m.value for m in Mode], default=[m.value for m in Mode])
     parser.add_argument("--seq-len", nargs="+", type=int, default=[8192, 16384])
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -374,12 +338,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", metavar="NAME", help="write benchmarks/NAME.json and benchmarks/NAME.md")
     parser.add_argument("--baseline", metavar="FILE", help="earlier JSON output supplying the modes not run here")
-    parser.add_argument(
-        "--find-max-seq",
-        action="store_true",
-        help="CUDA only: per mode, the longest seq_len (multiple of 1024) that fits",
-    )
-    parser.add_argument("--max-seq-limit", type=int, default=1 << 20, help="--find-max-seq: largest length tried")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per measurement subprocess")
     return parser
 
@@ -387,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("batch_size", "stream_chunk_size", "logits_chunk_size", "repeats", "max_seq_limit"):
+    for name in ("batch_size", "stream_chunk_size", "logits_chunk_size", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if any(n < 2 for n in args.seq_len):
@@ -397,51 +355,39 @@ def main(argv: list[str] | None = None) -> None:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    if args.find_max_seq and device != "cuda":
-        parser.error(
-            "--find-max-seq needs a CUDA device: it searches for the longest sequence that fits in GPU memory "
-            "(catching CUDA out-of-memory); on CPU the limit is the host RAM and an overrun is an OS kill."
-        )
-    modes = list(dict.fromkeys(args.mode))
+    modes = [Mode(m) for m in dict.fromkeys(args.mode)]
     meta = metadata(args, device)
     result: dict[str, Any] = {"metadata": meta, "records": []}
     baseline_records = load_baseline(args.baseline, meta, modes) if args.baseline else []
     if args.baseline:
         result["baseline"] = args.baseline
 
-    def spec_for(mode: str, seq_len: int) -> dict[str, Any]:
-        return {
-            "mode": mode,
-            "seq_len": seq_len,
-            "batch_size": args.batch_size,
-            "dtype": args.dtype,
-            "model": args.model,
-            "device": device,
-            "seed": args.seed,
-            "repeats": args.repeats,
-            "stream_chunk_size": args.stream_chunk_size,
-            "logits_chunk_size": args.logits_chunk_size,
-            "kv_mode": args.kv_mode,
-            "phases": args.phases,
-            "same_logits_tile": args.same_logits_tile,
-        }
+    def spec_for(mode: Mode, seq_len: int) -> MeasureSpec:
+        return MeasureSpec(
+            mode=mode,
+            seq_len=seq_len,
+            batch_size=args.batch_size,
+            dtype=args.dtype,
+            model=args.model,
+            device=device,
+            seed=args.seed,
+            repeats=args.repeats,
+            stream_chunk_size=args.stream_chunk_size,
+            logits_chunk_size=args.logits_chunk_size,
+            kv_mode=args.kv_mode,
+            phases=args.phases,
+            same_logits_tile=args.same_logits_tile,
+        )
 
     measured: list[dict[str, Any]] = []
-    if args.find_max_seq:
-        result["max_seq"], result["probes"] = [], []
+    for seq_len in sorted(dict.fromkeys(args.seq_len)):
         for mode in modes:
-            best, probes = find_max_seq(spec_for(mode, 1024), args.max_seq_limit, args.timeout)
-            result["max_seq"].append(best)
-            result["probes"] += probes
+            measured.append(measure(spec_for(mode, seq_len), args.timeout))
+            result["records"] = baseline_records + measured
+            result["summary"] = summarize(result["records"])
             write_outputs(args.out, result)
-    else:
-        for seq_len in sorted(dict.fromkeys(args.seq_len)):
-            for mode in modes:
-                measured.append(measure(spec_for(mode, seq_len), args.timeout))
-                result["records"] = baseline_records + measured
-                result["summary"] = summarize(result["records"])
-                write_outputs(args.out, result)
-    result["records"] = sorted(baseline_records + measured, key=lambda r: (MODES.index(r["mode"]), r["seq_len"]))
+    order = list(Mode)
+    result["records"] = sorted(baseline_records + measured, key=lambda r: (order.index(r["mode"]), r["seq_len"]))
     result["summary"] = summarize(result["records"])
     write_outputs(args.out, result)
     print(render_markdown(result))

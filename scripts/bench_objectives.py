@@ -1,5 +1,5 @@
 """Memory and time of one step of a preference or RL objective with TRL's defaults and with the stream engine,
-each measurement in a fresh process (``streambp_trl.sizing.measure``, the measuring code of ``bench_bp.py`` and
+each measurement in a fresh process (``streambp_trl.bench.measure``, the measuring code of ``bench_bp.py`` and
 ``streambp-trl max-len``, which runs these objectives too).
 
 * ``--objective dpo``: a DPO step as TRL's ``DPOTrainer`` runs it: the batch is [chosen; rejected], two sequences of
@@ -10,6 +10,8 @@ each measurement in a fresh process (``streambp_trl.sizing.measure``, the measur
   rewards excluded, beta 0): two sequences of ``--seq-len`` tokens, the first eighth the prompt, per-token
   log-probs of the completions at the sampling temperature through the fused head, the token-level clipped
   surrogate with advantages +1 and -1, backpropagated through the policy.
+
+Modes (:data:`streambp_trl.bench.spec.OBJECTIVE_MODES`):
 
 * ``trl``: DPOTrainer's defaults: Hugging Face gradient checkpointing on the policy, TRL's fused LM head on both
   models (its token tile set to ``--logits-chunk-size``, so both modes hold the same logit tile).
@@ -32,11 +34,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_bp  # noqa: E402  (metadata and output directory)
 
-from streambp_trl.sizing.measure import measure  # noqa: E402
+from streambp_trl.bench.measure import measure  # noqa: E402
+from streambp_trl.bench.spec import DTYPES, OBJECTIVE_MODES, MeasureSpec  # noqa: E402
+from streambp_trl.sizing import memory_model as mm  # noqa: E402
 
-MODES = ("trl", "stream")
-MEASURE_MODE = {"trl": "checkpoint+chunked-loss", "stream": "stream"}  # streambp_trl.sizing.measure's names
-OBJECTIVES = ("dpo", "grpo")
+MODES = tuple(OBJECTIVE_MODES)  # this script's names of the modes: "trl", "stream"
+OBJECTIVES = tuple(o for o in mm.OBJECTIVES if o != "sft")  # the preference / RL objectives
 TITLE = {"dpo": "One DPO step (reference + policy)", "grpo": "The policy update of a GRPO step (temperature 0.7)"}
 TARGET_MEM_RATIO = 0.4  # stream KiB per extra token <= 0.4 x TRL's (reported, never enforced)
 
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="qwen3-cpu-bench", help="named size of bench_bp.py, Hub name or dir")
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048, 4096], help="tokens per sequence")
-    parser.add_argument("--dtype", choices=bench_bp.DTYPES, default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--stream-chunk-size", type=int, default=1024)
     parser.add_argument("--logits-chunk-size", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=1)
@@ -108,20 +111,20 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for seq_len in args.seq_len:
         for mode in args.mode:
-            spec = {
-                "objective": args.objective,
-                "mode": MEASURE_MODE[mode],
-                "same_logits_tile": True,
-                "seq_len": seq_len,
-                "batch_size": 2,
-                "model": args.model,
-                "dtype": args.dtype,
-                "device": args.device,
-                "seed": args.seed,
-                "repeats": args.repeats,
-                "stream_chunk_size": args.stream_chunk_size,
-                "logits_chunk_size": args.logits_chunk_size,
-            }
+            spec = MeasureSpec(
+                objective=args.objective,
+                mode=OBJECTIVE_MODES[mode],
+                same_logits_tile=True,
+                seq_len=seq_len,
+                batch_size=2,
+                model=args.model,
+                dtype=args.dtype,
+                device=args.device,
+                seed=args.seed,
+                repeats=args.repeats,
+                stream_chunk_size=args.stream_chunk_size,
+                logits_chunk_size=args.logits_chunk_size,
+            )
             records.append({**measure(spec, args.timeout), "mode": mode})
     meta_args = argparse.Namespace(**vars(args), batch_size=2, kv_mode="recompute", same_logits_tile=True)
     meta = {**bench_bp.metadata(meta_args, args.device), "objective": args.objective}

@@ -28,22 +28,28 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from streambp_trl.bench.simulator import SIMULATOR_MODES
+from streambp_trl.bench.spec import OBJECTIVE_MODES, Mode
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "benchmarks"
 
 LABELS = {
-    "plain": "no checkpointing",
-    "checkpoint": "HF checkpointing",
-    "gc": "HF checkpointing",
-    "checkpoint+chunked-loss": "TRL default (ckpt + fused head)",
-    "gc+fused": "TRL default (ckpt + fused head)",
-    "trl": "TRL default (ckpt + fused head)",
-    "stream": "stream",
-    "streambp": "stream",
-    "streambp-labels": "stream (labels= call)",
-    "stream+offload": "stream + offload",
+    Mode.PLAIN: "no checkpointing",
+    Mode.CHECKPOINT: "HF checkpointing",
+    Mode.CHECKPOINT_CHUNKED_LOSS: "TRL default (ckpt + fused head)",
+    Mode.STREAM: "stream",
+    Mode.STREAM_OFFLOAD: "stream + offload",
 }
+# a record's mode by any of its names: bench_bp.py's, the simulator's and bench_objectives.py's
+MODE_NAMES: dict[str, Mode] = {**{m.value: m for m in Mode}, **SIMULATOR_MODES, **OBJECTIVE_MODES}
+SIMULATOR_ONLY = {"streambp-labels": "stream (labels= call)"}  # simulator modes no measured mode matches
 ORDER = ["no checkpointing", "HF checkpointing", "TRL default", "stream"]
+
+
+def _label(name: str) -> str:
+    """The label of the mode a record names."""
+    return LABELS[MODE_NAMES[name]] if name in MODE_NAMES else SIMULATOR_ONLY.get(name, name)
 
 
 def _order(label: str) -> tuple[int, str]:
@@ -68,12 +74,13 @@ def read_bench(path: Path) -> dict[str, Any] | None:
 
 
 def _bench_label(record: dict[str, Any], meta: dict[str, Any]) -> str:
-    label = LABELS.get(record["mode"], record["mode"])
+    mode = MODE_NAMES.get(record["mode"])
+    label = _label(record["mode"])
     details = []
-    if record["mode"].startswith("stream"):
+    if mode is not None and mode.streams:
         details.append(f"kv {record.get('kv_mode') or meta.get('kv_mode') or 'recompute'}")
     tile = record.get("logits_chunk_size") or meta.get("logits_chunk_size")
-    if record["mode"] != "plain" and record["mode"] != "checkpoint" and tile and tile != 4096:
+    if mode not in (Mode.PLAIN, Mode.CHECKPOINT) and tile and tile != 4096:
         details.append(f"tile {tile}")
     return label + (f" ({', '.join(details)})" if details else "")
 
@@ -111,7 +118,7 @@ def read_sim(paths: list[Path]) -> tuple[list[dict[str, Any]], list[str]]:
 def _sim_label(rec: dict[str, Any]) -> str:
     kwargs = dict(rec.get("stream_kwargs") or {})
     kwargs.pop("verify", None)
-    label = LABELS.get(rec["mode"], rec["mode"])
+    label = _label(rec["mode"])
     if kwargs.pop("offload_checkpoints", False):
         label += " + offload"
     keep_every = kwargs.pop("keep_every", 1)
@@ -184,8 +191,10 @@ def plot_objectives(files: list[dict[str, Any]], out: Path) -> Path | None:
                 by_mode[r["mode"]][r["seq_len"]] = r["peak_mb"]
         for mode, points in sorted(by_mode.items()):
             xs = sorted(points)
-            label = f"{f['meta'].get('objective', '?').upper()}: {LABELS.get(mode, mode)}"
-            ax.plot(xs, [points[n] for n in xs], marker="o", label=label, linestyle="-" if mode == "stream" else "--")
+            label = f"{f['meta'].get('objective', '?').upper()}: {_label(mode)}"
+            ax.plot(
+                xs, [points[n] for n in xs], marker="o", label=label, linestyle="-" if mode == Mode.STREAM else "--"
+            )
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     return _save(fig, out)

@@ -2,8 +2,9 @@
 """Simulated CUDA peak memory of one forward+backward (``../shared/cudasim``), appended to a JSON-lines file.
 
 Each (model, mode, length, options) runs ``sim.py`` in a fresh process; the record it prints gets the exact command
-and the memory model's estimate for the same setup (``streambp_trl.sizing.memory_model``) added. Parameter gradients
-are allocated before the step (``--grads-ready``: what every step after the first holds). Examples::
+and the memory model's estimate for the same setup (``streambp_trl.bench.simulator.estimate_peak_gib``) added.
+Parameter gradients are allocated before the step (``--grads-ready``: what every step after the first holds).
+Examples::
 
     python scripts/bench_sim.py --model qwen3-8b qwen3-4b --mode streambp --seq-len 16384 32768 65536
     python scripts/bench_sim.py --model qwen3-8b --mode streambp --offload --chunk 8192 --seq-len 1048576
@@ -17,37 +18,17 @@ The records go to ``benchmarks/sim_qwen3_bf16.jsonl`` (``--out``); ``scripts/ben
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+from streambp_trl.bench.simulator import SIMULATOR_MODES, estimate_peak_gib
+
 ROOT = Path(__file__).resolve().parent.parent
 SIM = ROOT.parent / "shared" / "cudasim" / "sim.py"
 OUT = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
-MODES = {"gc": "hf-gc", "gc+fused": "trl-default", "streambp": "stream"}
-
-
-def estimate(record: dict) -> float:
-    """The memory model's peak (GiB) for a simulator record."""
-    from streambp_trl.sizing import memory_model as mm
-
-    kwargs = record.get("stream_kwargs") or {}
-    mode = MODES[record["mode"]]
-    if mode == "stream" and kwargs.get("offload_checkpoints"):
-        mode = "stream+offload"
-    stream = mode.startswith("stream")
-    setup = mm.StepSetup(
-        mode=mode,
-        chunk=record.get("chunk") if stream else None,
-        logits_chunk=record.get("logits_chunk") if stream else None,
-        keep_every=kwargs.get("keep_every", 1) if stream else 1,
-    )
-    # the simulator builds its models with to_empty(), which unties the embedding and the LM head (Qwen3-4B)
-    shape = dataclasses.replace(mm.ModelShape.from_name(record["model"]), tied=False, params=0)
-    return mm.gib(mm.estimate_peak_bytes(shape, setup, record["seq_len"]))
 
 
 def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout: int, keep_every: int = 1) -> dict:
@@ -55,7 +36,8 @@ def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout:
     if keep_every > 1:
         kwargs["keep_every"] = keep_every
     cmd = [sys.executable, str(SIM), "--model", model, "--mode", mode, "--seq-len", str(seq_len), "--grads-ready"]
-    if mode == "streambp":
+    stream = SIMULATOR_MODES[mode].streams
+    if stream:
         cmd += ["--chunk", str(chunk), "--logits-chunk", str(chunk), "--stream-kwargs", json.dumps(kwargs)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
@@ -64,16 +46,16 @@ def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout:
     record = json.loads(line)
     shown = [c if c != str(SIM) else "../shared/cudasim/sim.py" for c in cmd[1:]]
     record.update(command="python " + shlex.join(shown))
-    if mode == "streambp":
+    if stream:
         record.update(chunk=chunk, logits_chunk=chunk)
-    record["model_estimate_gib"] = round(estimate(record), 3)
+    record["model_estimate_gib"] = round(estimate_peak_gib(record), 3)
     return record
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["qwen3-8b"])
-    p.add_argument("--mode", nargs="+", default=["streambp"], choices=sorted(MODES))
+    p.add_argument("--mode", nargs="+", default=["streambp"], choices=sorted(SIMULATOR_MODES))
     p.add_argument("--seq-len", nargs="+", type=int, required=True)
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--offload", action="store_true", help="enable_streambp(offload_checkpoints=True)")
@@ -84,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in a.model:
         for mode in a.mode:
             for seq_len in a.seq_len:
-                offload = a.offload and mode == "streambp"
+                offload = a.offload and SIMULATOR_MODES[mode].streams
                 record = run(model, mode, seq_len, a.chunk, offload, a.timeout, a.keep_every)
                 with open(a.out, "a") as f:
                     f.write(json.dumps(record) + "\n")

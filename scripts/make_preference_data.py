@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from pathlib import Path
@@ -17,7 +18,8 @@ from pathlib import Path
 DATA = Path(__file__).resolve().parents[1] / "configs" / "data"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     rows = [json.loads(line) for line in (DATA / "tiny_prompt_completion.jsonl").read_text().splitlines()]
     rng = random.Random(0)
     others = list(range(len(rows)))

@@ -1,9 +1,9 @@
 """Which causal LMs of the installed transformers the stream engine trains exactly, and which it refuses and why.
 
-Runs the classification of ``tests/test_every_causal_lm.py`` (a tiny random float64 model of every type in
+Runs :func:`streambp_trl.bench.model_support.classify` (a tiny random float64 model of every type in
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, streamed and compared with plain autograd) and writes
 
-* ``tests/causal_lm_support.json``: the status the test then holds every model type to, and
+* ``tests/causal_lm_support.json``: the status ``tests/test_every_causal_lm.py`` then holds every model type to, and
 * the model-support table of ``README.md`` (between its ``model-support`` markers).
 
     python scripts/model_support.py            # about a minute on a CPU
@@ -11,15 +11,14 @@ Runs the classification of ``tests/test_every_causal_lm.py`` (a tiny random floa
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
+SUPPORT_TABLE = ROOT / "tests" / "causal_lm_support.json"  # what tests/test_every_causal_lm.py holds each type to
 START, END = "<!-- model-support:start -->", "<!-- model-support:end -->"
 
 
@@ -48,10 +47,12 @@ def _table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     import transformers
-    from causal_lm_zoo import ZOO_TYPES
-    from test_every_causal_lm import NOT_BUILDABLE, SUPPORT_TABLE, classify
+
+    from streambp_trl.bench.causal_lm_zoo import ZOO_TYPES
+    from streambp_trl.bench.model_support import NOT_BUILDABLE, classify
 
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")

@@ -337,7 +337,7 @@ def _command(name: str) -> Callable[[list[str]], None]:
 
 
 def _max_len(argv: list[str]) -> None:
-    from .sizing.max_len import main
+    from .bench.max_len import main
 
     main(argv)
 

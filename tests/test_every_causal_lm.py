@@ -16,129 +16,24 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
-from causal_lm_zoo import ZOO_TYPES, tiny_causal_lm
-from models import batch
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from streambp_trl import enable_streambp
+from streambp_trl.bench.causal_lm_zoo import ZOO_TYPES, batch, tiny_causal_lm
+from streambp_trl.bench.model_support import (
+    CHUNK,
+    EXACT,
+    FLOAT32_INTERNAL,
+    NOT_BUILDABLE,
+    UNPADDED,
+    classify,
+    float32_ops_in_layers,
+    plain_loss,
+    relative_errors,
+)
 
 pytestmark = pytest.mark.slow  # ~200 model families, each exact against plain autograd
 
-EXACT, FLOAT32_INTERNAL = 1e-10, 1e-5
 SUPPORT_TABLE = Path(__file__).with_name("causal_lm_support.json")  # written by scripts/model_support.py
-CHUNK = 5
-
-# Models the test cannot build or run at all here, with the reason; each is still covered where it can be.
-NOT_BUILDABLE = {
-    "gemma3n": "its vision tower needs timm, pillow and torchvision, which this CPU setup does not install; its text "
-    "decoder is the gemma3n_text case (refused: shared keys/values and AltUp streams)",
-}
-# transformers' own float64 forward gives NaN on fully masked padded query rows of these models (eager attention
-# with sinks); they are compared unpadded.
-UNPADDED = {"granite_swa", "granitemoe_swa"}
-
-
-class _Float32InLayers(TorchDispatchMode):
-    """Records whether any op inside a decoder layer produces a float32 tensor."""
-
-    def __init__(self):
-        super().__init__()
-        self.depth, self.seen = 0, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.depth:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
-                    self.seen.add(str(func))
-        return out
-
-
-def _float32_ops_in_layers(model, ids, mask) -> set[str]:
-    recorder = _Float32InLayers()
-
-    def enter(*_):
-        recorder.depth += 1
-
-    def leave(*_):
-        recorder.depth -= 1
-
-    hooks = []
-    for m in model.modules():
-        if isinstance(m, GradientCheckpointingLayer):
-            hooks += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
-    try:
-        with recorder, torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return recorder.seen
-
-
-def _plain_loss(model, ids, mask, labels):
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-
-
-def _relative_errors(reference, streamed) -> tuple[float, str]:
-    """Worst relative gradient error; a parameter whose true gradient is ~0 (e.g. a key bias, which softmax
-    ignores) is measured against 1e-8 of the largest gradient norm instead of its own."""
-    grads = dict(streamed.named_parameters())
-    norms = {n: p.grad.norm() for n, p in reference.named_parameters() if p.grad is not None}
-    floor = 1e-8 * max(norms.values())
-    worst, where = 0.0, ""
-    for name, p in reference.named_parameters():
-        if p.grad is None:
-            continue
-        q = grads[name].grad
-        assert q is not None, f"{name} got no gradient"
-        err = ((p.grad - q).norm() / torch.maximum(norms[name], floor)).item()
-        if not err <= worst:
-            worst, where = err, name
-    return worst, where
-
-
-def classify(model_type: str) -> dict:
-    """Build the tiny model, enable the engine, and compare with plain autograd.
-
-    Returns ``{"class", "status", ...}``: status ``"refused"`` (with ``reason``, the refusal's text after the model
-    name), ``"exact"`` (``bound`` 1e-10) or ``"exact, float32 internals"`` (``bound`` 1e-5, with the float32 ops
-    seen), or ``"inexact"`` (with the error): the last is always a failure.
-    """
-    reference = tiny_causal_lm(model_type)
-    name = type(reference).__name__
-    result = {"class": name}
-    streamed = copy.deepcopy(reference)
-    try:
-        enable_streambp(streamed, stream_chunk_size=CHUNK, logits_chunk_size=7)
-    except ValueError as error:
-        message = str(error)
-        assert message.startswith(f"StreamBP cannot train {name} exactly: "), message
-        reason = message.split(" exactly: ", 1)[1]
-        return {**result, "status": "refused", "reason": reason.split(" (")[0].rstrip(".")}
-    worst, float32_ops = 0.0, set()
-    for padding in ("none",) if model_type in UNPADDED else ("right", "left"):
-        ids, mask, labels = batch(padding=padding)
-        float32_ops |= _float32_ops_in_layers(reference, ids, mask)
-        reference.zero_grad()
-        streamed.zero_grad()
-        ref_loss = _plain_loss(reference, ids, mask, labels)
-        ref_loss.backward()
-        loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-        assert torch.isfinite(ref_loss), f"{name}: plain transformers gives {ref_loss.item()}"
-        loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-        grad_err, where = _relative_errors(reference, streamed)
-        worst = max(worst, loss_err, grad_err)
-    if worst <= EXACT:
-        return {**result, "status": "exact", "bound": EXACT}
-    if float32_ops and worst <= FLOAT32_INTERNAL:
-        return {**result, "status": "exact, float32 internals", "bound": FLOAT32_INTERNAL}
-    return {**result, "status": "inexact", "error": worst, "where": where, "float32_ops": sorted(float32_ops)}
 
 
 def _expected() -> dict:
@@ -171,8 +66,8 @@ def test_capture_mode_for_the_new_layer_shapes(model_type):
     reference = tiny_causal_lm(model_type)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK, kv_mode="capture")
     ids, mask, labels = batch(padding="none" if model_type in UNPADDED else "right")
-    _plain_loss(reference, ids, mask, labels).backward()
+    plain_loss(reference, ids, mask, labels).backward()
     streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    bound = FLOAT32_INTERNAL if _float32_ops_in_layers(reference, ids, mask) else EXACT
-    err, where = _relative_errors(reference, streamed)
+    bound = FLOAT32_INTERNAL if float32_ops_in_layers(reference, ids, mask) else EXACT
+    err, where = relative_errors(reference, streamed)
     assert err <= bound, f"{err:.2e} at {where}"

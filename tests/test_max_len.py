@@ -7,10 +7,11 @@ import math
 import pytest
 
 from streambp_trl import cli
-from streambp_trl.sizing import max_len as ml
+from streambp_trl.bench import max_len as ml
+from streambp_trl.bench.measure import bisect_max_len
+from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
-from streambp_trl.sizing.measure import bisect_max_len
-from streambp_trl.sizing.models import build_config, canonical_model_name
+from streambp_trl.sizing.shapes import canonical_model_name
 
 
 @pytest.mark.parametrize(
@@ -282,8 +283,8 @@ def fake_measure(monkeypatch):
     """Measured runs without processes: 10 MiB plus 40 KiB per token."""
 
     def measure(spec, timeout=None, log=True):
-        n = spec["seq_len"]
-        return {"status": "ok", "seq_len": n, "total_peak_mb": 10 + n * 40 / 1024, "time_s": 0.1, "mode": spec["mode"]}
+        n = spec.seq_len
+        return {"status": "ok", "seq_len": n, "total_peak_mb": 10 + n * 40 / 1024, "time_s": 0.1, "mode": spec.mode}
 
     monkeypatch.setattr(ml, "measure", measure)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)

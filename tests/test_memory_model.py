@@ -14,33 +14,17 @@ import pytest
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
+from streambp_trl.bench.simulator import record_setup, record_shape
 from streambp_trl.engine import chunk_sizes
 from streambp_trl.sizing import memory_model as mm
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
 CUDASIM = ROOT.parent / "shared" / "cudasim"
-MODES = {"gc": "hf-gc", "gc+fused": "trl-default", "streambp": "stream"}
 
 
 def _records() -> list[dict]:
     return [json.loads(line) for line in RECORDS.read_text().splitlines() if line.startswith("{")]
-
-
-def record_shape(record: dict) -> mm.ModelShape:
-    """The simulator's model: its embedding and head are separate tensors even for Qwen3-4B (``to_empty`` unties
-    them), so they are counted untied."""
-    return dataclasses.replace(mm.ModelShape.from_name(record["model"]), tied=False, params=0)
-
-
-def record_setup(record: dict) -> mm.StepSetup:
-    mode = MODES[record["mode"]]
-    if mode == "stream" and (record.get("stream_kwargs") or {}).get("offload_checkpoints"):
-        mode = "stream+offload"
-    keep_every = (record.get("stream_kwargs") or {}).get("keep_every", 1)
-    return mm.StepSetup(
-        mode=mode, chunk=record.get("chunk"), logits_chunk=record.get("logits_chunk"), keep_every=keep_every
-    )
 
 
 def test_model_within_5_percent_of_the_simulator():

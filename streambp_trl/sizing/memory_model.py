@@ -35,7 +35,7 @@ import re
 import types
 from collections.abc import Callable
 
-from .models import NAMED_MODELS, canonical_model_name
+from .shapes import NAMED_MODELS, canonical_model_name
 
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
@@ -103,7 +103,7 @@ class ModelShape:
 
     @classmethod
     def from_name(cls, name: str) -> ModelShape:
-        """A named shape of :data:`streambp_trl.sizing.models.NAMED_MODELS` (``qwen3-8b``, a size such as ``8B``, or
+        """A named shape of :data:`streambp_trl.sizing.shapes.NAMED_MODELS` (``qwen3-8b``, a size such as ``8B``, or
         the Hub name of one such as ``Qwen/Qwen3-8B``: no network), else a local config path or a Hub model id (its
         ``config.json`` only; ``OSError`` when it cannot be read)."""
         key = canonical_model_name(name)

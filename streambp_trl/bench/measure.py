@@ -1,13 +1,12 @@
 """Measure one training step for real: peak memory and time, each (mode, length) in a fresh process.
 
 This is the measuring code shared by ``streambp-trl max-len`` (its real bisection) and ``scripts/bench_bp.py`` /
-``scripts/bench_objectives.py``. A *spec* (a JSON-able dict) names the model, the mode and the length (see
-:mod:`streambp_trl.sizing.models`); :func:`measure` runs it in a fresh ``python`` process (the worker,
-:mod:`streambp_trl.sizing.worker`, run as a script, which prints one JSON line back), so no allocator cache, peak
-counter or patched model leaks between measurements. On the CPU the child runs with
-``MALLOC_MMAP_THRESHOLD_=131072`` (glibc then returns large frees to the OS, so peak RSS tracks live tensors). An
-out-of-memory error (or a child killed by the OS) gives ``status: "oom"``. :func:`bisect_max_len` finds the longest
-length that fits from such measurements.
+``scripts/bench_objectives.py``. A :class:`~streambp_trl.bench.spec.MeasureSpec` names the model, the mode and the
+length; :func:`measure` runs it in a fresh ``python`` process (the worker, :mod:`streambp_trl.bench.worker`, run as
+a script, which prints one JSON line back), so no allocator cache, peak counter or patched model leaks between
+measurements. On the CPU the child runs with ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc then returns large frees to
+the OS, so peak RSS tracks live tensors). An out-of-memory error (or a child killed by the OS) gives
+``status: "oom"``. :func:`bisect_max_len` finds the longest length that fits from such measurements.
 """
 
 from __future__ import annotations
@@ -21,48 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from . import worker
-from .metadata import PACKAGE_ROOT, environment
-from .models import (
-    DTYPES,
-    KV_MODES,
-    MODES,
-    NAMED_MODELS,
-    OBJECTIVES,
-    build_config,
-    canonical_model_name,
-    trl_token_chunk,
-)
-
-__all__ = [  # the measuring API of the scripts and of max-len
-    "DTYPES",
-    "KV_MODES",
-    "MODES",
-    "NAMED_MODELS",
-    "OBJECTIVES",
-    "bisect_max_len",
-    "build_config",
-    "canonical_model_name",
-    "environment",
-    "measure",
-    "trl_token_chunk",
-]
+from .metadata import PACKAGE_ROOT
+from .spec import MeasureSpec
 
 
-def measure(
-    spec: dict[str, Any], timeout: float | None = None, *, script: str | None = None, log: bool = True
-) -> dict[str, Any]:
+def measure(spec: MeasureSpec, timeout: float | None = None, *, log: bool = True) -> dict[str, Any]:
     """Run ``spec`` in a fresh process; returns its record (status "ok", "oom", or "error" if the child failed).
 
-    ``script`` runs ``python SCRIPT --worker SPEC`` instead of this module's worker (it must print one line
-    ``worker.RESULT_PREFIX + json``). ``log`` prints a line per measurement on stderr.
+    ``log`` prints a line per measurement on stderr.
     """
-    target = [str(Path(script).resolve()), "--worker"] if script else [str(Path(worker.__file__).resolve())]
-    cmd = [sys.executable, *target, json.dumps(spec)]
+    cmd = [sys.executable, str(Path(worker.__file__).resolve()), spec.to_json()]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
-    if spec["device"] == "cpu":
+    if spec.device == "cpu":
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    label = f"mode={spec['mode']} seq_len={spec['seq_len']}"
+    label = f"mode={spec.mode} seq_len={spec.seq_len}"
     say = (lambda text: print(f"[measure] {text}", file=sys.stderr, flush=True)) if log else (lambda text: None)
     say(f"{label} ...")
     try:
@@ -81,8 +53,7 @@ def measure(
             record = {"status": "oom" if oom else "error", "returncode": proc.returncode, "error": why[-2000:]}
             say(f"{label} failed (rc={proc.returncode}):\n" + "\n".join(tail))
     for key in ("mode", "seq_len", "batch_size", "dtype", "model"):
-        if key in spec:
-            record.setdefault(key, spec[key])
+        record.setdefault(key, getattr(spec, key))
     if record["status"] == "ok":
         say(f"{label}: peak {record['peak_mb']:.1f} MiB, {record['time_s']:.2f} s, loss {record['loss']:.6f}")
     return record

@@ -1,16 +1,19 @@
-"""The measuring worker: one spec, in a fresh process, printed back as one JSON line.
+"""The measuring worker: one :class:`~streambp_trl.bench.spec.MeasureSpec`, in a fresh process, printed back as
+one JSON line.
 
-:func:`~streambp_trl.sizing.measure.measure` runs this file as a script (``python worker.py SPEC_JSON``), so no
+:func:`~streambp_trl.bench.measure.measure` runs this file as a script (``python worker.py SPEC_JSON``), so no
 allocator cache, peak counter or patched model leaks between measurements; it imports its siblings by absolute
 name (the parent puts the package root on ``PYTHONPATH``).
 
-Objectives (``spec["objective"]``): ``sft`` (the loss over ``batch_size`` sequences, every token labelled),
+Objectives (``spec.objective``): ``sft`` (the loss over ``batch_size`` sequences, every token labelled),
 ``dpo`` (a frozen reference in eval mode and the policy score [chosen; rejected], the sigmoid loss) and ``grpo``
 (the policy update: per-token log-probs at temperature 0.7 of two sequences, the clipped surrogate). Random token
-ids, random weights (fixed seed), dropout set to 0 (modes and models: :mod:`streambp_trl.sizing.models`).
+ids, random weights (fixed seed), dropout set to 0 (modes: :mod:`streambp_trl.bench.spec`; models:
+:mod:`streambp_trl.bench.models`). A stream mode's ``"auto"`` chunk sizes are the engine's own choice
+(:mod:`streambp_trl.sizing.auto`), recorded as chosen.
 
-One warm-up step runs (``spec["warmup"]``, default on), the gradients are dropped (``set_to_none``), then the
-measured step runs ``repeats`` times, its memory taken as :mod:`streambp_trl.sizing.memory_probe` describes.
+One warm-up step runs (``spec.warmup``, default on), the gradients are dropped (``set_to_none``), then the
+measured step runs ``repeats`` times, its memory taken as :mod:`streambp_trl.bench.memory_probe` describes.
 
 ``peak_mb`` is the peak above the loaded model(s) in MiB, parameter gradients included; ``total_peak_mb`` adds
 the model: on CUDA the allocated baseline (what ``max_memory_allocated`` reports), on CPU the bytes of the
@@ -27,16 +30,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from streambp_trl.sizing.memory_probe import MemoryProbe, PhaseMarks
-from streambp_trl.sizing.metadata import engine_hash
-from streambp_trl.sizing.models import (
-    FUSED_MODES,
-    STREAM_MODES,
-    TEMPERATURE,
-    build_model,
-    prepare_model,
-    trl_token_chunk,
-)
+from streambp_trl.bench.memory_probe import MemoryProbe, PhaseMarks
+from streambp_trl.bench.metadata import engine_hash
+from streambp_trl.bench.models import build_model, prepare_model, trl_token_chunk
+from streambp_trl.bench.spec import TEMPERATURE, MeasureSpec, Mode
+from streambp_trl.engine import chunk_sizes
+from streambp_trl.sizing.auto import AUTO
 
 RESULT_PREFIX = "BENCH_BP_RESULT "
 
@@ -47,33 +46,33 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
-def _log_probs(model: Any, ids: Any, labels: Any, spec: dict[str, Any]) -> Any:
+def _log_probs(model: Any, ids: Any, labels: Any, spec: MeasureSpec) -> Any:
     """Per-token log-probs of the next-token labels (0 where the label is -100), shape (batch, seq_len - 1)."""
-    if spec["mode"] in FUSED_MODES:
+    if spec.mode.fused:
         return model(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).log_probs
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / TEMPERATURE[spec["objective"]]
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / TEMPERATURE[spec.objective]
     target = labels[:, 1:]
     logp = logits.log_softmax(-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return logp * (target != -100)
 
 
-def _step_function(spec: dict[str, Any], device: Any, models: list[Any]) -> tuple[Callable[[], Any], int]:
+def _step_function(spec: MeasureSpec, device: Any, models: list[Any]) -> tuple[Callable[[], Any], int]:
     """``(loss_fn, tokens)``: the objective's loss of one step on random ids, and the tokens it processes."""
     import torch
     import torch.nn.functional as F
 
-    objective = spec.get("objective", "sft")
+    objective = spec.objective
     policy = models[0]
     vocab = policy.config.get_text_config().vocab_size
-    rows = spec["batch_size"] if objective == "sft" else 2  # DPO: [chosen; rejected]; GRPO: two completions
-    generator = torch.Generator().manual_seed(spec["seed"] + 1)
-    ids = torch.randint(0, vocab, (rows, spec["seq_len"]), generator=generator).to(device)
+    rows = spec.batch_size if objective == "sft" else 2  # DPO: [chosen; rejected]; GRPO: two completions
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    ids = torch.randint(0, vocab, (rows, spec.seq_len), generator=generator).to(device)
     labels = ids.clone()
     if objective == "sft":
-        if spec["mode"] in FUSED_MODES:
+        if spec.mode.fused:
             return lambda: policy(input_ids=ids, labels=labels, fused_lm_head=True, use_cache=False).loss, ids.numel()
         return lambda: policy(input_ids=ids, labels=labels, use_cache=False).loss, ids.numel()
-    labels[:, : spec["seq_len"] // 8] = -100  # the prompt
+    labels[:, : spec.seq_len // 8] = -100  # the prompt
     completion = (labels[:, 1:] != -100).float()
     advantages = torch.tensor([[1.0], [-1.0]], device=device)
 
@@ -91,33 +90,33 @@ def _step_function(spec: dict[str, Any], device: Any, models: list[Any]) -> tupl
     return loss_fn, ids.numel()
 
 
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def run_worker(spec: MeasureSpec) -> dict[str, Any]:
     """Build the model(s), warm up, measure; returns the record (``status`` "ok" or "oom")."""
     import torch
 
-    device = torch.device(spec["device"])
-    objective = spec.get("objective", "sft")
-    record: dict[str, Any] = {k: spec[k] for k in ("mode", "seq_len", "batch_size", "dtype", "model") if k in spec}
+    device = torch.device(spec.device)
+    objective = spec.objective
+    record: dict[str, Any] = {k: getattr(spec, k) for k in ("mode", "seq_len", "batch_size", "dtype", "model")}
     if objective != "sft":
         record["objective"] = objective
-    if spec["mode"] in STREAM_MODES:
-        record.update({k: spec.get(k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
-    if spec["mode"] == "checkpoint+chunked-loss":
-        record["logits_chunk_size"] = spec["logits_chunk_size"] if spec.get("same_logits_tile") else trl_token_chunk()
+    if spec.mode.streams:
+        record.update({k: getattr(spec, k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
+    if spec.mode is Mode.CHECKPOINT_CHUNKED_LOSS:
+        record["logits_chunk_size"] = spec.logits_chunk_size if spec.same_logits_tile else trl_token_chunk()
     try:
-        policy = prepare_model(build_model(spec["model"], spec["dtype"], device, spec["seed"]), spec)
+        policy = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
         models = [policy]
         if objective == "dpo":
-            reference = build_model(spec["model"], spec["dtype"], device, spec["seed"]).eval()
+            reference = build_model(spec.model, spec.dtype, device, spec.seed).eval()
             reference.requires_grad_(False)
             models.append(prepare_model(reference, spec, trainable=False))
         model_bytes = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
         # held through the step like optimizer states (zeros: resident on the CPU too); counted with the model
-        reserved = torch.zeros(spec.get("reserve_bytes", 0), dtype=torch.uint8, device=device)
+        reserved = torch.zeros(spec.reserve_bytes, dtype=torch.uint8, device=device)
         model_bytes += reserved.numel()
         loss_fn, tokens = _step_function(spec, device, models)
         probe = MemoryProbe(device)
-        marks = PhaseMarks(policy, probe) if spec.get("phases") else None
+        marks = PhaseMarks(policy, probe) if spec.phases else None
 
         def step() -> float:
             if marks is not None:
@@ -135,12 +134,12 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
                 marks.mark("rest")
             return value
 
-        if spec.get("warmup", True):
+        if spec.warmup:
             step()  # first-touch pages, lazy initialisation, kernel selection
             policy.zero_grad(set_to_none=True)
         times, cpu_times, peaks, host_peaks, losses, baselines = [], [], [], [], [], []
         grad_norm = None
-        for i in range(spec.get("repeats", 1)):
+        for i in range(spec.repeats):
             baselines.append(probe.reset())
             start, cpu_start = time.perf_counter(), time.process_time()
             losses.append(step())
@@ -149,10 +148,12 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
             peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else probe.peak_above_baseline())
             host_peaks.append(probe.host_peak_above_baseline())
-            if i == spec.get("repeats", 1) - 1:
+            if i == spec.repeats - 1:
                 norms = [p.grad.detach().double().norm() for p in policy.parameters() if p.grad is not None]
                 grad_norm = float(torch.stack(norms).norm()) if norms else None
             policy.zero_grad(set_to_none=True)
+        if spec.mode.streams and AUTO in (spec.stream_chunk_size, spec.logits_chunk_size):
+            record["stream_chunk_size"], record["logits_chunk_size"] = chunk_sizes(policy)  # what "auto" chose
     except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
         if not is_oom(exc):
             raise
@@ -184,4 +185,4 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":  # the worker: python worker.py SPEC_JSON
-    print(RESULT_PREFIX + json.dumps(run_worker(json.loads(sys.argv[-1]))), flush=True)
+    print(RESULT_PREFIX + json.dumps(run_worker(MeasureSpec.from_json(sys.argv[-1]))), flush=True)

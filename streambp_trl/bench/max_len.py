@@ -4,16 +4,20 @@ Two ways, and the output says which one it used:
 
 * **measured**: on a GPU (``torch.cuda.is_available()`` and no ``--gpu-memory``), or on the CPU against a
   ``--budget`` (``--device cpu``), a real search: every probe is one forward+backward at that length in a fresh
-  process (:mod:`streambp_trl.sizing.measure`); lengths are multiples of ``--step``. On CUDA a length fits when it
+  process (:mod:`streambp_trl.bench.measure`); lengths are multiples of ``--step``. On CUDA a length fits when it
   runs without running out of memory (and, with ``--budget``, when ``max_memory_allocated`` stays within it); on
   the CPU when the model's bytes plus the step's peak RSS above the loaded model stay within ``--budget``.
 * **estimated**: without a GPU, or with ``--gpu-memory``, from :mod:`streambp_trl.sizing.memory_model`.
+
+The stream rows' chunk sizes default to ``"auto"``: a measured row runs what a trainer with
+``stream_chunk_size="auto"`` runs (the engine's own policy, :mod:`streambp_trl.sizing.auto`); an estimate takes the
+smallest chunk, where ``"auto"`` ends up at the longest lengths.
 
 One row per mode: Hugging Face gradient checkpointing, TRL's default (checkpointing + its fused LM head), stream,
 and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it probes up to a
 million tokens and needs host memory). A row of 0 says why under the table.
 
-``--model``: a named shape of :data:`~streambp_trl.sizing.models.NAMED_MODELS` (or the Hub name of one, e.g.
+``--model``: a named shape of :data:`~streambp_trl.sizing.shapes.NAMED_MODELS` (or the Hub name of one, e.g.
 ``Qwen/Qwen3-0.6B``: no network), a local config directory, or a Hub name (its config only).
 """
 
@@ -24,18 +28,23 @@ import json
 import sys
 from typing import Any
 
-from . import memory_model as mm
+from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.auto import AUTO
+from streambp_trl.sizing.shapes import NAMED_MODELS
+
 from .measure import bisect_max_len, measure
 from .metadata import environment
-from .models import NAMED_MODELS, OBJECTIVES
+from .spec import MeasureSpec, Mode
 
-# memory-model mode -> (measure mode, row label)
-ROWS: dict[str, tuple[str, str]] = {
-    "hf-gc": ("checkpoint", "HF gradient checkpointing"),
-    "trl-default": ("checkpoint+chunked-loss", "TRL's default (checkpointing + fused LM head)"),
-    "stream": ("stream", "stream (streambp-trl)"),
-    "stream+offload": ("stream+offload", "stream + checkpoint offload"),
+_LABELS = {
+    Mode.CHECKPOINT: "HF gradient checkpointing",
+    Mode.CHECKPOINT_CHUNKED_LOSS: "TRL's default (checkpointing + fused LM head)",
+    Mode.STREAM: "stream (streambp-trl)",
+    Mode.STREAM_OFFLOAD: "stream + checkpoint offload",
 }
+# a row by its memory-model name (the --mode choices, the rows of the output) -> (its measured mode, its label)
+ROWS: dict[str, tuple[Mode, str]] = {mode.memory_model_mode: (mode, label) for mode, label in _LABELS.items()}
+OFFLOAD_ROW = Mode.STREAM_OFFLOAD.memory_model_mode  # the row --offload adds to a measured run
 OPTIMIZER_BYTES = {"none": 0, "adamw": 8, "adamw-8bit": 2}  # state bytes per trainable parameter
 DEFAULT_GPU_MEMORY = "78GiB"  # an 80 GB card less the CUDA context and library workspaces
 
@@ -61,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "against --budget), or estimated from the memory model (no GPU, or --gpu-memory).",
     )
     p.add_argument("--model", required=True, help="a size (qwen3-4b, qwen3-8b, 8b, ...), a Hub name or a local dir")
-    p.add_argument("--objective", choices=OBJECTIVES, default="sft")
+    p.add_argument("--objective", choices=mm.OBJECTIVES, default="sft")
     p.add_argument("--lora", action="store_true", help="LoRA (r 16, all linear layers) instead of full fine-tuning")
     p.add_argument(
         "--offload",
@@ -85,11 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _auto_chunk(seq_len: int) -> int:
-    """``stream_chunk_size="auto"`` of the trainers: an eighth of the length, clamped to [512, 4096]."""
-    return min(max(seq_len // 8, 512), 4096)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # Estimated from the memory model
 # ------------------------------------------------------------------------------------------------------------
@@ -111,14 +115,14 @@ def _shape(name: str) -> mm.ModelShape | None:
 
 
 def _label(mode: str, args: argparse.Namespace) -> str:
-    label = ROWS[mode][1]
-    if mode.startswith("stream") and args.keep_every > 1:
+    measured_mode, label = ROWS[mode]
+    if measured_mode.streams and args.keep_every > 1:
         label += f", keep_every={args.keep_every}"
     return label
 
 
 def _setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
-    stream = mode.startswith("stream")
+    stream = ROWS[mode][0].streams
     return mm.StepSetup(
         mode=mode,
         objective=args.objective,
@@ -163,7 +167,7 @@ def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], b
                 "label": _label(mode, args),
                 "max_len": length,
                 "peak_bytes": mm.estimate_peak_bytes(shape, setup, length) if length else None,
-                "host_bytes": mm.estimate_host_bytes(shape, setup, length) if length and "offload" in mode else None,
+                "host_bytes": mm.estimate_host_bytes(shape, setup, length) if length and setup.offload else None,
                 "why": None if length else _why_none_fits(shape, setup, budget, args.step),
             }
         )
@@ -209,22 +213,19 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
         failure: list[str] = []
 
         def probe(n: int, mode: str = mode, records: dict = records, failure: list = failure) -> float | None:
-            spec = {
-                "mode": ROWS[mode][0],
-                "objective": args.objective,
-                "lora": args.lora,
-                "seq_len": n,
-                "batch_size": 1,
-                "dtype": dtype,
-                "model": args.model,
-                "device": device,
-                "seed": 0,
-                "repeats": 1,
-                "stream_chunk_size": args.chunk or _auto_chunk(n),
-                "logits_chunk_size": args.logits_chunk or args.chunk or _auto_chunk(n),
-                "keep_every": args.keep_every,
-                "reserve_bytes": reserve,
-            }
+            spec = MeasureSpec(
+                mode=ROWS[mode][0],
+                objective=args.objective,
+                lora=args.lora,
+                seq_len=n,
+                dtype=dtype,
+                model=args.model,
+                device=device,
+                stream_chunk_size=args.chunk or AUTO,
+                logits_chunk_size=args.logits_chunk or args.chunk or AUTO,
+                keep_every=args.keep_every,
+                reserve_bytes=reserve,
+            )
             record = measure(spec, args.timeout, log=False)
             records[n] = record
             if record["status"] == "error":
@@ -261,7 +262,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
                 "max_len": best,
                 "first_failure": first_failure,
                 "peak_bytes": at_best["total_peak_mb"] * 2**20 if at_best else None,
-                "host_bytes": host * 2**20 if host is not None and mode == "stream+offload" else None,
+                "host_bytes": host * 2**20 if host is not None and ROWS[mode][0] is Mode.STREAM_OFFLOAD else None,
                 "time_s": at_best.get("time_s"),
                 "error": failure[0].strip().splitlines()[-1] if failure else None,
                 "why": _why_measured_none_fits(records[first_failure], args.budget) if best == 0 else None,
@@ -300,7 +301,7 @@ def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if args.offload and result["kind"] == "estimated":
         notes.append("--offload changes nothing here: an estimate always has the stream + offload row.")
     k = args.keep_every
-    if k > 1 and any(row["mode"] == "stream+offload" for row in rows):
+    if k > 1 and any(row["mode"] == OFFLOAD_ROW for row in rows):
         notes.append(
             f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
             f"inputs (the kept one and {k - 1} rebuilt) and the prefetched input of the segment below, {k + 1} on "
@@ -348,7 +349,7 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    modes = list(dict.fromkeys([*(args.mode or ROWS), *(["stream+offload"] if args.offload else [])]))
+    modes = list(dict.fromkeys([*(args.mode or ROWS), *([OFFLOAD_ROW] if args.offload else [])]))
     import torch
 
     device = args.device
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = estimate(args, shape, modes, args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY))
     else:
         if not args.offload and args.mode is None:
-            modes = [m for m in modes if m != "stream+offload"]
+            modes = [m for m in modes if m != OFFLOAD_ROW]
         result = measured(args, shape, modes, device)
     print(render(result, args))
     if args.json:

@@ -7,7 +7,8 @@ zeroes every dropout / jitter, and then applies the small per-model overrides of
 configs (``text_config``, ``vision_config``, ...) are shrunk recursively. ``tiny_causal_lm`` builds the model
 with ``AutoModelForCausalLM.from_config`` in training mode (float64 by default).
 
-Token ids: pad 0, bos 1, eos 2; ids ``3 .. VOCAB - 1`` are valid ordinary tokens for every model.
+Token ids: pad 0, bos 1, eos 2; ids ``3 .. VOCAB - 1`` are valid ordinary tokens for every model. ``batch`` gives a
+batch of them, padded and with a prompt that is not labelled.
 
 Special cases: ``musicgen`` / ``musicgen_melody`` build their CausalLM from the composite config's ``decoder``
 (as transformers does); the Gemma 4 assistants are built with unshared keys/values (see ``_unshare_kv``);
@@ -412,3 +413,23 @@ def tiny_causal_lm(model_type: str, seed: int = 0, dtype=torch.float64, **overri
     if model_type == "xmod":
         model.set_default_language(config.languages[0])
     return model.to(dtype).train()
+
+
+def batch(batch_size: int = 2, seq_len: int = 23, padding: str = "right", prompt: int = 6, seed: int = 1):
+    """input_ids, attention_mask and labels with -100 on padding and on a prompt prefix; ``padding`` "right" or
+    "left" pads the last row's last or first 7 tokens, "none" pads nothing."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch_size, seq_len), generator=g)
+    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+    if padding == "right":
+        mask[-1, seq_len - 7 :] = 0
+    elif padding == "left":
+        mask[-1, :7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    if padding == "left":
+        labels[-1, : 7 + prompt] = -100
+        labels[:-1, :prompt] = -100
+    else:
+        labels[:, :prompt] = -100
+    return ids, mask, labels

@@ -1,0 +1,89 @@
+"""The models a measurement runs and how each mode (:class:`~streambp_trl.bench.spec.Mode`) sets them up.
+
+Models: a named shape (:data:`streambp_trl.sizing.shapes.NAMED_MODELS`) or the config of a Hub name / local
+directory, with random weights (fixed seed), sdpa attention and dropout set to 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
+
+from .spec import TEMPERATURE, MeasureSpec, Mode
+
+
+def build_config(name: str) -> Any:
+    """A named Qwen3 size, or the config of a Hub name / local directory (config only, never weights)."""
+    from transformers import AutoConfig, Qwen3Config
+
+    name = canonical_model_name(name)
+    if name in NAMED_MODELS:
+        return Qwen3Config(**NAMED_MODELS[name])
+    return AutoConfig.from_pretrained(name)
+
+
+def _zero_dropout(config: Any) -> None:
+    for cfg in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for key, value in list(vars(cfg).items()):
+            if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
+                setattr(cfg, key, 0.0)
+
+
+def build_model(name: str, dtype_name: str, device: Any, seed: int) -> Any:
+    """The causal LM with random weights (fixed seed), sdpa attention, in train mode on ``device``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(name)
+    _zero_dropout(config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name), attn_implementation="sdpa")
+    model.train()
+    return model
+
+
+def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
+    """The engine options of a stream mode."""
+    return {
+        "stream_chunk_size": spec.stream_chunk_size,
+        "logits_chunk_size": spec.logits_chunk_size,
+        "kv_mode": spec.kv_mode,
+        "temperature": TEMPERATURE[spec.objective],
+        "offload_checkpoints": spec.mode is Mode.STREAM_OFFLOAD,
+        "keep_every": spec.keep_every,
+    }
+
+
+def prepare_model(model: Any, spec: MeasureSpec, *, trainable: bool = True) -> Any:
+    """Set ``model`` up for ``spec.mode`` (and LoRA); returns the model to call (a PEFT wrapper with LoRA)."""
+    outputs = ("log_probs",) if spec.objective == "sft" else ("log_probs", "entropy")
+    if spec.mode.checkpoints and trainable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if spec.mode is Mode.CHECKPOINT_CHUNKED_LOSS:
+        import trl.kernels.chunked_logprob as trl_kernel
+        from trl.trainer.utils import add_fused_lm_head
+
+        if spec.same_logits_tile:  # TRL's kernel reads its token tile from this module constant
+            trl_kernel.TOKEN_CHUNK_SIZE = spec.logits_chunk_size
+        add_fused_lm_head(model, temperature=TEMPERATURE[spec.objective], outputs=outputs)  # before PEFT, as TRL says
+    if spec.lora and trainable:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    if spec.mode.streams:
+        from streambp_trl import enable_streambp
+
+        enable_streambp(model, **_stream_options(spec), fused_outputs=outputs, stream_eval=not trainable)
+    return model
+
+
+def trl_token_chunk() -> int | None:
+    """The token tile of TRL's fused LM head."""
+    try:
+        from trl.kernels.chunked_logprob import TOKEN_CHUNK_SIZE
+    except ImportError:
+        return None
+    return TOKEN_CHUNK_SIZE

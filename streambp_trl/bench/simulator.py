@@ -1,0 +1,54 @@
+"""Records of the CUDA simulator (``../shared/cudasim``, run by ``scripts/bench_sim.py``) in the memory model's terms.
+
+The simulator names its modes ``gc`` (Hugging Face checkpointing), ``gc+fused`` (TRL's default) and ``streambp``
+(:data:`SIMULATOR_MODES`); a record's ``stream_kwargs`` are the engine options of a ``streambp`` run, its ``chunk``
+and ``logits_chunk`` the chunk sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from streambp_trl.sizing import memory_model as mm
+
+from .spec import Mode
+
+SIMULATOR_MODES: dict[str, Mode] = {
+    "gc": Mode.CHECKPOINT,
+    "gc+fused": Mode.CHECKPOINT_CHUNKED_LOSS,
+    "streambp": Mode.STREAM,
+}
+
+
+def record_mode(record: dict[str, Any]) -> Mode:
+    """The mode a simulator record ran: ``streambp`` with ``offload_checkpoints`` is ``stream+offload``."""
+    mode = SIMULATOR_MODES[record["mode"]]
+    if mode is Mode.STREAM and (record.get("stream_kwargs") or {}).get("offload_checkpoints"):
+        return Mode.STREAM_OFFLOAD
+    return mode
+
+
+def record_shape(record: dict[str, Any]) -> mm.ModelShape:
+    """The simulator's model: its embedding and head are separate tensors even for Qwen3-4B (``to_empty`` unties
+    them), so they are counted untied."""
+    return dataclasses.replace(mm.ModelShape.from_name(record["model"]), tied=False, params=0)
+
+
+def record_setup(record: dict[str, Any]) -> mm.StepSetup:
+    """The memory model's setup of a simulator record (the simulator's parameter gradients are allocated before the
+    step, ``--grads-ready``, as the memory model counts them)."""
+    mode = record_mode(record)
+    if not mode.streams:
+        return mm.StepSetup(mode=mode.memory_model_mode)
+    return mm.StepSetup(
+        mode=mode.memory_model_mode,
+        chunk=record.get("chunk"),
+        logits_chunk=record.get("logits_chunk"),
+        keep_every=(record.get("stream_kwargs") or {}).get("keep_every", 1),
+    )
+
+
+def estimate_peak_gib(record: dict[str, Any]) -> float:
+    """The memory model's peak (GiB) for a simulator record."""
+    return mm.gib(mm.estimate_peak_bytes(record_shape(record), record_setup(record), record["seq_len"]))
