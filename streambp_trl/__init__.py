@@ -1,6 +1,6 @@
 """streambp-trl: exact StreamBP (sequence-chunked backpropagation) for Hugging Face TRL trainers."""
 
-from .engine import disable_streambp, enable_streambp
+from .engine import StreamOptions, disable_streambp, enable_streambp
 from .logits import chunked_logprobs
 from .trainers import (
     StreamDPOConfig,
@@ -22,6 +22,7 @@ __all__ = [
     "StreamGRPOTrainer",
     "StreamKTOConfig",
     "StreamKTOTrainer",
+    "StreamOptions",
     "StreamRLOOConfig",
     "StreamRLOOTrainer",
     "StreamSFTConfig",

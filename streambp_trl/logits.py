@@ -102,8 +102,8 @@ def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @dataclasses.dataclass
-class _Head:
-    """Everything about one kernel call that is not a differentiable tensor."""
+class _LogitCall:
+    """Everything about one logit kernel call that is not a differentiable tensor."""
 
     transform: _Transform
     token_chunk: int
@@ -171,10 +171,10 @@ class _Head:
         return self.transform.chain_(dz, t), w
 
 
-def _statistics(head: _Head, hidden, weight, bias) -> tuple:
+def _statistics(call: _LogitCall, hidden, weight, bias) -> tuple:
     """Forward: the per-row statistics, tile by tile, under no grad."""
-    n_rows, vocab, outputs = head.n, weight.shape[0], head.outputs
-    kw = {"device": hidden.device, "dtype": head.acc}
+    n_rows, vocab, outputs = call.n, weight.shape[0], call.outputs
+    kw = {"device": hidden.device, "dtype": call.acc}
     run_max = torch.full((n_rows,), -torch.inf, **kw)
     sum_exp = torch.zeros(n_rows, **kw)
     sum_ez = torch.zeros(n_rows, **kw) if "entropy" in outputs else None
@@ -182,10 +182,10 @@ def _statistics(head: _Head, hidden, weight, bias) -> tuple:
     sum_z = torch.zeros(n_rows, **kw) if "mean_logits" in outputs else None
     argmax = torch.zeros(n_rows, device=hidden.device, dtype=torch.long) if "is_top1" in outputs else None
     target_z = torch.zeros(n_rows, **kw)
-    for i, j in head.token_tiles():
-        n, tgt = head.normed(head.hidden_rows(hidden, i, j)), head.targets[i:j]
-        for v0, v1 in head.vocab_tiles(vocab):
-            z = head.transform.forward_(head.tile_logits(n, weight, bias, v0, v1)[0])
+    for i, j in call.token_tiles():
+        n, tgt = call.normed(call.hidden_rows(hidden, i, j)), call.targets[i:j]
+        for v0, v1 in call.vocab_tiles(vocab):
+            z = call.transform.forward_(call.tile_logits(n, weight, bias, v0, v1)[0])
             local = tgt - v0
             inside = (local >= 0) & (local < v1 - v0)
             picked = z.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0]
@@ -210,7 +210,7 @@ def _statistics(head: _Head, hidden, weight, bias) -> tuple:
     entropy = log_z - sum_ez / sum_exp if sum_ez is not None else None
     log_sum_sq = torch.log(sum_e2) - 2 * torch.log(sum_exp) if sum_e2 is not None else None
     mean_logits = sum_z / vocab if sum_z is not None else None
-    is_top1 = argmax == head.targets if argmax is not None else None
+    is_top1 = argmax == call.targets if argmax is not None else None
     return log_z, log_probs, entropy, log_sum_sq, mean_logits, is_top1
 
 
@@ -225,16 +225,16 @@ def _first_order() -> None:
 
 
 class _HiddenNode(torch.autograd.Function):
-    """(head, hidden (M, H), weight, bias, *norm parameters) -> statistics and log Z; gradients of the hidden states
+    """(call, hidden (M, H), weight, bias, *norm parameters) -> statistics and log Z; gradients of the hidden states
     and the norm's parameters only (the weight and bias reach this node detached)."""
 
     @staticmethod
-    def forward(ctx, head: _Head, hidden, weight, bias, *norm_params):
+    def forward(ctx, call: _LogitCall, hidden, weight, bias, *norm_params):
         ctx.set_materialize_grads(False)
         with torch.no_grad():
-            log_z, *stats = _statistics(head, hidden, weight, bias)
-        ctx.save_for_backward(hidden, log_z, stats[1], *head.reread())
-        ctx.head, ctx.norm_params = head, norm_params
+            log_z, *stats = _statistics(call, hidden, weight, bias)
+        ctx.save_for_backward(hidden, log_z, stats[1], *call.reread())
+        ctx.call, ctx.norm_params = call, norm_params
         ctx.mark_non_differentiable(log_z, *(x for x in stats[2:] if x is not None))
         return log_z, *stats
 
@@ -245,7 +245,7 @@ class _HiddenNode(torch.autograd.Function):
         if (g_logp is None and g_ent is None) or not (need_h or any(need_p)):
             return (None,) * (4 + len(params))
         _first_order()
-        with ctx.head.gathered():
+        with ctx.call.gathered():
             hidden, log_z, entropy, weight, bias, *_ = ctx.saved_tensors
             weight, bias = weight.detach(), None if bias is None else bias.detach()
             dh, dparams = _HiddenNode._backward(ctx, hidden, weight, bias, log_z, entropy, g_logp, g_ent, need_p)
@@ -253,24 +253,24 @@ class _HiddenNode(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, hidden, weight, bias, log_z, entropy, g_logp, g_ent, need_p):
-        head: _Head = ctx.head
+        call: _LogitCall = ctx.call
         need_h, params = ctx.needs_input_grad[1], list(ctx.norm_params)
-        dh = (torch.zeros_like if head.rows is not None else torch.empty_like)(hidden) if need_h else None
+        dh = (torch.zeros_like if call.rows is not None else torch.empty_like)(hidden) if need_h else None
         dparams = [
             torch.zeros(p.shape, device=p.device, dtype=_acc_dtype(p.dtype)) if need else None
             for p, need in zip(params, need_p, strict=True)
         ]
         grad_params = [p for p, need in zip(params, need_p, strict=True) if need]
-        for i, j in head.token_tiles():
-            h = head.hidden_rows(hidden, i, j).detach()
+        for i, j in call.token_tiles():
+            h = call.hidden_rows(hidden, i, j).detach()
             with torch.enable_grad():
-                h.requires_grad_(need_h and head.norm is not None)
-                n = head.normed(h)
-            dn = torch.zeros(n.shape, device=n.device, dtype=head.acc)
-            for v0, v1 in head.vocab_tiles(weight.shape[0]):
-                dy, w = head.dlogits(n.detach(), weight, bias, v0, v1, i, j, log_z, entropy, g_logp, g_ent)
-                _addmm_acc(dn, dy.to(head.cdt), w)
-            if head.norm is None:
+                h.requires_grad_(need_h and call.norm is not None)
+                n = call.normed(h)
+            dn = torch.zeros(n.shape, device=n.device, dtype=call.acc)
+            for v0, v1 in call.vocab_tiles(weight.shape[0]):
+                dy, w = call.dlogits(n.detach(), weight, bias, v0, v1, i, j, log_z, entropy, g_logp, g_ent)
+                _addmm_acc(dn, dy.to(call.cdt), w)
+            if call.norm is None:
                 dh_rows = dn
             else:
                 inputs = ([h] if need_h else []) + grad_params
@@ -281,31 +281,31 @@ class _HiddenNode(torch.autograd.Function):
                     if g is not None:
                         dparams[k] += g
             if need_h:
-                if head.rows is None:
+                if call.rows is None:
                     dh[i:j] = dh_rows
                 else:
-                    dh.index_copy_(0, head.rows[i:j], dh_rows.to(dh.dtype))
+                    dh.index_copy_(0, call.rows[i:j], dh_rows.to(dh.dtype))
         return dh, [None if d is None else d.to(p.dtype) for d, p in zip(dparams, params, strict=True)]
 
 
 class _WeightNode(torch.autograd.Function):
-    """(head, weight, bias, hidden, log Z, entropy) -> zeros added to the log-probs and entropy, so that the gradient
+    """(call, weight, bias, hidden, log Z, entropy) -> zeros added to the log-probs and entropy, so that the gradient
     of the weight and bias is formed here, vocabulary tile by tile, apart from the hidden states' gradient."""
 
     @staticmethod
-    def forward(ctx, head: _Head, weight, bias, hidden, log_z, entropy):
+    def forward(ctx, call: _LogitCall, weight, bias, hidden, log_z, entropy):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, log_z, entropy, *head.reread())
-        ctx.head = head
-        zeros = log_z.new_zeros(head.n)
-        return zeros, (log_z.new_zeros(head.n) if entropy is not None else None)
+        ctx.save_for_backward(hidden, log_z, entropy, *call.reread())
+        ctx.call = call
+        zeros = log_z.new_zeros(call.n)
+        return zeros, (log_z.new_zeros(call.n) if entropy is not None else None)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         if g_logp is None and g_ent is None:
             return (None,) * 6
         _first_order()
-        with ctx.head.gathered():
+        with ctx.call.gathered():
             hidden, log_z, entropy, weight, bias, *_ = ctx.saved_tensors
             weight, bias = weight.detach(), None if bias is None else bias.detach()
             dw, db = _WeightNode._backward(ctx, weight, bias, hidden, log_z, entropy, g_logp, g_ent)
@@ -313,19 +313,19 @@ class _WeightNode(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, weight, bias, hidden, log_z, entropy, g_logp, g_ent):
-        head: _Head = ctx.head
+        call: _LogitCall = ctx.call
         need_w, need_b = ctx.needs_input_grad[1:3]
         dw = torch.empty_like(weight) if need_w else None
         db = torch.empty_like(bias) if need_b else None
-        for v0, v1 in head.vocab_tiles(weight.shape[0]):
-            acc_w = torch.zeros((v1 - v0, weight.shape[1]), device=weight.device, dtype=head.acc) if need_w else None
-            acc_b = torch.zeros(v1 - v0, device=weight.device, dtype=head.acc) if need_b else None
-            for i, j in head.token_tiles():
+        for v0, v1 in call.vocab_tiles(weight.shape[0]):
+            acc_w = torch.zeros((v1 - v0, weight.shape[1]), device=weight.device, dtype=call.acc) if need_w else None
+            acc_b = torch.zeros(v1 - v0, device=weight.device, dtype=call.acc) if need_b else None
+            for i, j in call.token_tiles():
                 with torch.no_grad():
-                    n = head.normed(head.hidden_rows(hidden, i, j))
-                dy, _ = head.dlogits(n, weight, bias, v0, v1, i, j, log_z, entropy, g_logp, g_ent)
+                    n = call.normed(call.hidden_rows(hidden, i, j))
+                dy, _ = call.dlogits(n, weight, bias, v0, v1, i, j, log_z, entropy, g_logp, g_ent)
                 if need_w:
-                    _addmm_acc(acc_w, dy.t().to(head.cdt), n)
+                    _addmm_acc(acc_w, dy.t().to(call.cdt), n)
                 if need_b:
                     acc_b += dy.sum(0)
             if need_w:
@@ -366,7 +366,7 @@ def chunked_logprobs(
         raise ValueError(f"Tile sizes must be positive, got token_chunk={token_chunk}, vocab_chunk={vocab_chunk}.")
     device = hidden.device.type
     cdt = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    head = _Head(
+    call = _LogitCall(
         _Transform(temperature, softcap, logit_scale),
         token_chunk,
         vocab_chunk,
@@ -382,16 +382,16 @@ def chunked_logprobs(
         gathered or contextlib.nullcontext,
     )
     # under the gather: the autograd nodes record the parameters' whole shapes
-    with head.gathered():
+    with call.gathered():
         norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []
         detached_bias = None if bias is None else bias.detach()
         log_z, log_probs, entropy, *rest = _HiddenNode.apply(
-            head, hidden, weight.detach(), detached_bias, *norm_params
+            call, hidden, weight.detach(), detached_bias, *norm_params
         )
         if weight.requires_grad or (bias is not None and bias.requires_grad):
             hidden_only = hidden.detach()
             zero_lp, zero_ent = _WeightNode.apply(
-                head, weight, bias, hidden_only, log_z, None if entropy is None else entropy.detach()
+                call, weight, bias, hidden_only, log_z, None if entropy is None else entropy.detach()
             )
             log_probs = log_probs + zero_lp
             entropy = entropy if entropy is None else entropy + zero_ent

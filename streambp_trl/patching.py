@@ -65,30 +65,31 @@ def patch(module: nn.Module, name: str, value) -> None:
 
 
 class Method:
-    """``function`` as a method of ``module``: ``Method(f, m)(*a, **kw)`` is ``f(m, *a, **kw)``.
+    """``function`` as a method of ``module``: ``Method(f, m, *bound)(*a, **kw)`` is ``f(m, *bound, *a, **kw)``.
 
     Unlike a bound method (which pickles as ``getattr(module, function.__name__)``), it pickles and deep-copies as
-    its parts: ``function``, a module-level function, by its name, and ``module`` with the model it belongs to.
+    its parts: ``function``, a module-level function, by its name, and ``module`` (and ``bound``) with the model it
+    belongs to.
     ``inspect.signature`` gives that of ``module``'s own method ``wraps`` when named (what transformers' ``generate``
     and the Trainer's column filter read), and so does that of ``__func__`` (with ``__self__``, what accelerate's
     mixed-precision wrapper rebinds).
     """
 
-    def __init__(self, function, module: nn.Module, wraps: str | None = None):
-        self.function, self.__self__, self.wraps = function, module, wraps
+    def __init__(self, function, module: nn.Module, *bound, wraps: str | None = None):
+        self.function, self.__self__, self.bound, self.wraps = function, module, bound, wraps
 
     def __call__(self, *args, **kwargs):
-        return self.function(self.__self__, *args, **kwargs)
+        return self.function(self.__self__, *self.bound, *args, **kwargs)
 
     @property
     def __func__(self):
         """``function`` as a plain function of the module and the call's arguments. It carries the signature and no
         ``__wrapped__``, so accelerate, unwrapping its mixed-precision wrapper, stops at it."""
-        function = self.function
+        function, bound = self.function, self.bound
         own = getattr(type(self.__self__), self.wraps) if self.wraps else function
 
         def method(module, *args, **kwargs):
-            return function(module, *args, **kwargs)
+            return function(module, *bound, *args, **kwargs)
 
         method.__name__, method.__qualname__, method.__doc__ = own.__name__, own.__qualname__, own.__doc__
         method.__signature__ = inspect.signature(own)

@@ -109,7 +109,7 @@ def _cpu_additive_mask(block, dtype):  # BUG: the additive mask is allocated wit
     return mask.masked_fill_(block.logical_not(), float("-inf"))
 
 
-def _math_attention(module, query, key, value, block, sinks, scaling, dropout):  # BUG: lets SDPA choose
+def _math_attention(module, query, key, value, block, sinks, scaling, dropout, prefix):  # BUG: lets SDPA choose
     """The CPU path on CUDA (this module's code before it picked kernels): grouped heads with
     ``enable_gqa=True`` and float32 leave SDPA nothing but math."""
     import torch.nn.functional as F

@@ -19,15 +19,13 @@ import functools
 
 import pytest
 import torch
-from causal_lm_zoo import tiny_causal_lm
-from datasets import load_dataset
+from helpers import tiny_dataset, train
 from models import batch, tiny_model
-from trainer_parity import MODEL, ROOT, RecordUpdate, args
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import kernels
+from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 
 GRAD_SLACK = torch.finfo(torch.bfloat16).eps  # 2**-7, relative
 LOSS_SLACK = 1e-4
@@ -106,11 +104,11 @@ def test_bf16_streamed_is_as_exact_as_plain(path, form, chunk):
     _check(family, padding, form, chunk)
 
 
-def _cuda_path_on_cpu(module, query, key, value, block, sinks, scaling, dropout):
+def _cuda_path_on_cpu(module, query, key, value, block, sinks, scaling, dropout, prefix):
     """The CUDA attention for CPU tensors: PyTorch's CPU build has a flash kernel (bfloat16 included), not the
     memory-efficient one, so plainly causal chunks only."""
     assert block is None and sinks is None, "the CPU has no memory-efficient kernel: only plainly causal chunks here"
-    return kernels._cuda_attention(module, query, key, value, block, sinks, scaling, dropout)
+    return kernels._cuda_attention(module, query, key, value, block, sinks, scaling, dropout, prefix)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -133,17 +131,10 @@ def test_bf16_cuda_attention_path_is_as_exact_as_plain(monkeypatch, heads, kv_he
 
 
 def _train_one_step(trainer_cls, config_cls, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    record = RecordUpdate()
+    """One bf16 step on a single row (:func:`helpers.train`): the logged losses and the update."""
     overrides = dict(bf16=True, per_device_train_batch_size=1, learning_rate=0.1)
-    trainer = trainer_cls(
-        model=AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
-        args=args(config_cls, tmp_path / trainer_cls.__name__, config_cls is StreamSFTConfig, **overrides),
-        train_dataset=load_dataset("json", data_files=str(ROOT / "configs/data/tiny_chat.jsonl"), split="train[:4]"),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
-        callbacks=[record],
-    )
-    trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], record.update
+    trainer, update = train(trainer_cls, config_cls, tmp_path, tiny_dataset("chat", 4), **overrides)
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], update
 
 
 def test_stream_sft_trainer_trains_bf16_on_float32_weights(tmp_path):

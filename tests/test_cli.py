@@ -4,15 +4,13 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import MODEL, ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.slow  # each test runs the command line in a fresh process (~10 s of imports)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli(*args, timeout=600, cwd=ROOT):
@@ -53,7 +51,7 @@ def test_tiny_config_trains_and_saves_a_plain_transformers_model(tmp_path):
     )
     generated = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > prompt["input_ids"].shape[1]
-    shipped = AutoModelForCausalLM.from_pretrained(ROOT / "configs" / "tiny_model")
+    shipped = AutoModelForCausalLM.from_pretrained(MODEL)
     assert not torch.equal(model.lm_head.weight, shipped.lm_head.weight)  # it trained
 
 
@@ -116,9 +114,7 @@ def test_hub_model_without_network_is_one_line(tmp_path):
 def test_missing_data_file_is_one_line(tmp_path):
     config = tmp_path / "sft.yaml"
     config.write_text((ROOT / "configs" / "sft_tiny.yaml").read_text().replace("tiny_chat.jsonl", "nope.jsonl"))
-    line = _one_line_error(
-        _cli("sft", "--config", str(config), "--model_name_or_path", str(ROOT / "configs/tiny_model"))
-    )
+    line = _one_line_error(_cli("sft", "--config", str(config), "--model_name_or_path", str(MODEL)))
     assert line.startswith("streambp-trl sft: error: cannot load the dataset: Unable to find") and "nope.jsonl" in line
 
 
@@ -131,18 +127,18 @@ def test_tiny_config_runs_from_another_directory_and_its_adapter_names_its_base_
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     adapter = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
-    assert adapter["base_model_name_or_path"] == str(ROOT / "configs" / "tiny_model")
+    assert adapter["base_model_name_or_path"] == str(MODEL)
 
 
 @pytest.mark.parametrize("value", ["0", "-8"])
 def test_non_positive_chunk_size_fails(value):
     out = _cli("sft", "--config", "configs/sft_tiny.yaml", "--stream_chunk_size", value)
-    assert out.returncode != 0 and "`stream_chunk_size` must be a positive integer" in out.stderr
+    assert out.returncode != 0 and "stream_chunk_size must be a positive integer" in out.stderr
 
 
 def test_refused_model_fails_before_training(tmp_path):
     model_dir = tmp_path / "bidirectional"
-    shutil.copytree(ROOT / "configs" / "tiny_model", model_dir)
+    shutil.copytree(MODEL, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "is_causal": False}))
     out = _sft_tiny(tmp_path / "out", "--model_name_or_path", str(model_dir))

@@ -15,10 +15,9 @@ import torch.nn.functional as F
 import transformers.modeling_layers
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from datasets import load_dataset
-from models import VOCAB, batch, max_rel_grad_error, reference_loss, tiny_model
-from trainer_parity import MODEL, ROOT, args
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from helpers import MODEL, args, load_tokenizer, max_rel_grad_error, reference_loss, tiny_dataset
+from models import VOCAB, batch, tiny_model
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, disable_streambp, enable_streambp
 from streambp_trl.engine import chunk_sizes, is_streaming
@@ -51,7 +50,7 @@ def test_saved_model_loads_streaming_and_exact(tmp_path):
     state, settings = loaded._streambp, loaded._streambp.settings
     assert dataclasses.replace(state, settings=None) == dataclasses.replace(model._streambp, settings=None)
     assert (settings.chunk_size, settings.keep_every, type(settings.offload)) == (4, 2, CheckpointOffload)
-    assert all(layer._gradient_checkpointing_func.args == (settings,) for layer in loaded.model.layers)
+    assert all(layer._gradient_checkpointing_func.args[0].settings == settings for layer in loaded.model.layers)
     assert loaded.forward.__self__ is loaded and loaded.model.forward.__self__ is loaded.model
     # the HF Trainer drops dataset columns the forward does not take; generate validates its kwargs the same way
     assert inspect.signature(loaded.forward) == inspect.signature(reference.forward)
@@ -74,7 +73,7 @@ def test_saved_model_with_auto_chunks_loads_streaming_and_exact(tmp_path):
     model = enable_streambp(copy.deepcopy(reference), stream_chunk_size="auto")
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    auto = loaded._streambp.settings.auto
+    auto = loaded._streambp.auto
     assert is_streaming(loaded) and auto._model() is loaded
     ids, mask, labels = batch()
     _exact_step(reference, loaded, lambda m: reference_loss(m, ids, mask, labels))
@@ -124,19 +123,15 @@ def test_peft_prefix_tuning_is_refused_at_enable():
 
 
 def test_peft_prefix_tuning_is_refused_at_trainer_construction(tmp_path):
-    dataset = _tiny_dataset()
+    dataset = tiny_dataset("chat", 4)
     with pytest.raises(ValueError, match="PEFT prefix tuning .* use LoRA"):
         StreamSFTTrainer(
             model=AutoModelForCausalLM.from_pretrained(MODEL),
-            args=args(StreamSFTConfig, tmp_path, True, max_length=64),
+            args=args(StreamSFTConfig, tmp_path, max_length=64),
             train_dataset=dataset,
-            processing_class=AutoTokenizer.from_pretrained(MODEL),
+            processing_class=load_tokenizer(),
             peft_config=peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
         )
-
-
-def _tiny_dataset():
-    return load_dataset("json", data_files=str(ROOT / "configs" / "data" / "tiny_chat.jsonl"), split="train[:4]")
 
 
 @pytest.mark.parametrize(

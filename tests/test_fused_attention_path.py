@@ -11,7 +11,8 @@ import copy
 
 import pytest
 import torch
-from models import max_rel_grad_error, reference_loss, tiny_model
+from helpers import max_rel_grad_error, reference_loss
+from models import tiny_model
 from transformers import AttentionInterface
 
 from streambp_trl import enable_streambp
@@ -24,7 +25,8 @@ def _cuda_path_on_cpu(module, query, key, value, attention_mask, scaling=None, d
     """:func:`stream_attention` as it runs on CUDA, for CPU tensors (causal blocks: flash)."""
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     assert block is None, "the CPU has no memory-efficient kernel: only plainly causal chunks here"
-    return kernels._cuda_attention(module, query, key, value, block, None, scaling, dropout), None
+    prefix = kernels.PrefixGrad.of(attention_mask, key, value)
+    return kernels._cuda_attention(module, query, key, value, block, None, scaling, dropout, prefix), None
 
 
 @pytest.fixture

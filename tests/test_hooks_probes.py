@@ -8,7 +8,7 @@ backward (float64) and every gradient (the model's, the steering vectors', the p
 
 * ``"forward"``: forward hooks (which see a layer's input and output), pre-hooks (plain and with keyword arguments)
   and tensor hooks on every layer. A layer watched by a forward hook keeps its input (see
-  ``streambp_trl.layers.hook._outputs_unobserved``), so no segment forms;
+  ``streambp_trl.layers.hook.input_rebuildable``), so no segment forms;
 * ``"pre"``: pre-hooks (plain and with keyword arguments) and tensor hooks on every layer: segments form (the test
   counts the layers they replay), with the steering hooks between them.
 """
@@ -18,7 +18,8 @@ import functools
 
 import pytest
 import torch
-from models import batch, max_rel_grad_error, reference_loss, tiny_model
+from helpers import max_rel_grad_error, reference_loss
+from models import batch, tiny_model
 from torch import nn
 
 from streambp_trl import enable_streambp

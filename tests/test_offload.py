@@ -4,50 +4,11 @@ import copy
 
 import pytest
 import torch
+from helpers import CopyingOffload, loss_and_grads
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
 from streambp_trl.layers.offload import CheckpointOffload
-
-
-class _CopyingOffload(CheckpointOffload):
-    """Offload that also moves CPU tensors (to plain host memory, there being no pinned allocator here), recording
-    what it saved, loaded and prefetched, so the whole copy path runs on this machine."""
-
-    def __init__(self):
-        super().__init__(pin_memory=False)
-        self.events: list[tuple[str, int]] = []
-        self.ids: dict[int, int] = {}
-
-    def offloads(self, t: torch.Tensor) -> bool:
-        return True
-
-    def save(self, tensors):
-        kept = super().save(tensors)
-        if not tensors:  # the first layer's input is rebuilt from the token ids: nothing kept
-            return kept
-        self.ids[id(kept)] = len(self.ids)
-        self.events.append(("save", self.ids[id(kept)]))
-        original = kept.prefetch
-
-        def prefetch(side, _kept=kept):
-            if _kept.back is None and _kept.host is not None:
-                self.events.append(("prefetch", self.ids[id(_kept)]))
-            return original(side)
-
-        kept.prefetch = prefetch
-        return kept
-
-    def load(self, kept):
-        self.events.append(("load", self.ids[id(kept)]))
-        return super().load(kept)
-
-
-def _grads(model, ids, mask, labels):
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("kv_mode", ["recompute", "capture"])
@@ -56,12 +17,12 @@ def test_offload_gives_identical_gradients_and_prefetches_one_layer_ahead(kv_mod
     model = tiny_model("qwen3", num_hidden_layers=layers)
     plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4, kv_mode=kv_mode)
     offloaded = enable_streambp(model, stream_chunk_size=4, kv_mode=kv_mode, offload_checkpoints=True)
-    recorder = _CopyingOffload()
+    recorder = CopyingOffload()
     settings = offloaded._streambp.settings
     object.__setattr__(settings, "offload", recorder)  # the layers' hooks hold these settings
     data = batch(padding="left")
-    loss, grads = _grads(plain, *data)
-    loss_off, grads_off = _grads(offloaded, *data)
+    loss, grads = loss_and_grads(plain, *data)
+    loss_off, grads_off = loss_and_grads(offloaded, *data)
     assert torch.equal(loss, loss_off)
     assert grads.keys() == grads_off.keys()
     for name, g in grads.items():
@@ -82,8 +43,8 @@ def test_offload_is_a_no_op_on_cpu():
     offload = offloaded._streambp.settings.offload
     assert isinstance(offload, CheckpointOffload) and offload._last is None
     data = batch()
-    loss, grads = _grads(plain, *data)
-    loss_off, grads_off = _grads(offloaded, *data)
+    loss, grads = loss_and_grads(plain, *data)
+    loss_off, grads_off = loss_and_grads(offloaded, *data)
     assert torch.equal(loss, loss_off) and all(torch.equal(g, grads_off[n]) for n, g in grads.items())
     assert offload._last is None  # nothing was copied
     assert copy.deepcopy(offloaded)._streambp.settings.offload is not offload
@@ -114,12 +75,12 @@ def test_layer_outputs_are_recycled_only_when_nothing_else_keeps_them():
     from streambp_trl.layers import hook
 
     seen = []
-    original = hook._outputs_unobserved
-    hook._outputs_unobserved = lambda layer: seen.append(original(layer)) or seen[-1]
+    original = hook.input_rebuildable
+    hook.input_rebuildable = lambda layer, call: seen.append(original(layer, call)) or seen[-1]
     try:
         model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     finally:
-        hook._outputs_unobserved = original
+        hook.input_rebuildable = original
         handle.remove()
     # every layer is asked (layer 0's input, the embedding output, is rebuilt when unobserved); layer 1 is watched
     assert seen == [True, False, True]

@@ -5,11 +5,11 @@ import copy
 
 import pytest
 import torch
-from models import batch, max_rel_grad_error, reference_loss, saved_hidden_sized, tiny_model
-from test_offload import _CopyingOffload, _grads
+from helpers import CopyingOffload, loss_and_grads, max_rel_grad_error, reference_loss, saved_hidden_sized
+from models import batch, tiny_model
 
 from streambp_trl import StreamSFTConfig, enable_streambp
-from streambp_trl.layers import segments, stream_layer
+from streambp_trl.layers import segments, sharding, stream_layer
 
 LAYERS = 5
 
@@ -18,18 +18,18 @@ LAYERS = 5
 def counts(monkeypatch):
     """First inputs kept by segments, and layer forwards replayed to rebuild the others."""
     seen = {"kept": 0, "replayed": 0}
-    keep_head = segments.Segment.keep_head
+    keep_first_input = segments.Segment.keep_first_input
     forward_chunks = stream_layer.LayerCall.forward_chunks
 
     def counted_keep(self, kept):
         seen["kept"] += 1
-        return keep_head(self, kept)
+        return keep_first_input(self, kept)
 
     def counted_forward(self, x, keep_kv, rng):
         seen["replayed"] += rng == "replay"
         return forward_chunks(self, x, keep_kv, rng)
 
-    monkeypatch.setattr(segments.Segment, "keep_head", counted_keep)
+    monkeypatch.setattr(segments.Segment, "keep_first_input", counted_keep)
     monkeypatch.setattr(stream_layer.LayerCall, "forward_chunks", counted_forward)
     return seen
 
@@ -44,7 +44,7 @@ def test_segments_give_the_same_gradient_bit_for_bit(counts, kv_mode, keep_every
     segmented = enable_streambp(model, stream_chunk_size=4, kv_mode=kv_mode, keep_every=keep_every)
     ids, mask, labels = batch(padding="left")
     torch.manual_seed(5)
-    loss, grads = _grads(plain, ids, mask, labels)
+    loss, grads = loss_and_grads(plain, ids, mask, labels)
     counts.update(kept=0, replayed=0)
     torch.manual_seed(5)
     segmented.zero_grad(set_to_none=True)
@@ -73,11 +73,11 @@ def test_segments_with_offload_copy_only_first_inputs():
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4)
     offloaded = enable_streambp(model, stream_chunk_size=4, offload_checkpoints=True, keep_every=2)
-    recorder = _CopyingOffload()
+    recorder = CopyingOffload()
     object.__setattr__(offloaded._streambp.settings, "offload", recorder)
     data = batch(padding="left")
-    loss, grads = _grads(plain, *data)
-    loss_off, grads_off = _grads(offloaded, *data)
+    loss, grads = loss_and_grads(plain, *data)
+    loss_off, grads_off = loss_and_grads(offloaded, *data)
     assert torch.equal(loss, loss_off) and all(torch.equal(g, grads_off[n]) for n, g in grads.items())
     # the first inputs of segments [2, 3] and [4] go to the host and come back, the later one first
     assert recorder.events == [("save", 0), ("save", 1), ("load", 1), ("prefetch", 1), ("prefetch", 0), ("load", 0)]
@@ -111,9 +111,9 @@ def test_keep_every_is_checked(value):
 def test_sharded_parameters_are_refused():
     model = tiny_model("llama")
     model.model.layers[0].mlp.up_proj.weight.ds_id = 7  # what a ZeRO-3 partitioned parameter carries
-    segments.check_segmentable(model, 1)
+    sharding.check_segmentable(model, 1)
     with pytest.raises(ValueError, match="keep_every=2 needs each decoder layer's parameters whole"):
-        segments.check_segmentable(model, 2)
+        sharding.check_segmentable(model, 2)
 
 
 def test_a_layer_output_changed_in_place_starts_a_new_segment(counts):

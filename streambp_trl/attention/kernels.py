@@ -48,35 +48,33 @@ def stream_attention(
         raise ValueError(f"StreamBP cannot compute attention with `softcap` exactly for {type(module).__name__}.")
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    query, key, value = _autocast_inputs(query, key, value)
+    prefix = PrefixGrad.of(attention_mask, key, value)
+    query, key, value, prefix = _autocast_inputs(query, key, value, prefix)
     attend = _cuda_attention if query.device.type == "cuda" else _cpu_attention
-    return attend(module, query, key, value, block, sinks, scaling, dropout), None
+    return attend(module, query, key, value, block, sinks, scaling, dropout, prefix), None
 
 
 def _autocast_inputs(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, prefix: PrefixPair | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PrefixPair | None]:
     """``query``, ``key``, ``value`` cast as autocast casts SDPA's inputs (each floating one but float64, to the
     autocast dtype), else as they are. The un-streamed model's SDPA call computes in that dtype; the stream kernels
     reach SDPA's kernels past autocast (the causal bias dispatches in Python, the CUDA path picks its kernel by
     dtype). Under autocast on float32 weights, RoPE and q/k norms leave queries and keys float32, values bfloat16.
-    A joined key/value's :class:`PrefixGrad` goes with the cast: its chunk is cast in the graph, its sum is kept.
-    Holds the keys/values in the autocast dtype, as autocast does."""
+    The joined keys/values' :class:`PrefixGrad` pair goes with the cast: each chunk is cast in the graph, each sum
+    is kept. Holds the keys/values in the autocast dtype, as autocast does."""
     device = query.device.type
     if not torch.is_autocast_enabled(device):
-        return query, key, value
+        return query, key, value, prefix
     dtype = torch.get_autocast_dtype(device)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
-        if not t.is_floating_point() or t.dtype in (dtype, torch.float64):
-            return t
-        out = t.to(dtype)
-        prefix = getattr(t, _PREFIX_GRAD, None)
-        if prefix is not None:
-            PrefixGrad.attach(out, prefix.chunk.to(dtype), prefix.acc)
-        return out
+        return t if not t.is_floating_point() or t.dtype in (dtype, torch.float64) else t.to(dtype)
 
-    return cast(query), cast(key), cast(value)
+    key, value = cast(key), cast(value)
+    if prefix is not None:
+        prefix = tuple(PrefixGrad(full, cast(p.chunk), p.acc) for full, p in zip((key, value), prefix, strict=True))
+    return cast(query), key, value, prefix
 
 
 def _cpu_attention(
@@ -88,9 +86,11 @@ def _cpu_attention(
     sinks: torch.Tensor | None,
     scaling: float | None,
     dropout: float,
+    prefix: PrefixPair | None = None,
 ) -> torch.Tensor:
     """:func:`stream_attention` on the CPU: SDPA with the mask block, or bottom-right causal (:class:`LowerRight`)
-    for a plainly causal chunk; attention sinks as one extra key."""
+    for a plainly causal chunk; attention sinks as one extra key. ``prefix`` is not used: on the CPU the prefix's
+    key/value gradient goes back through the join, by autograd."""
     if sinks is not None:
         return _attention_with_sinks(query, key, value, block, sinks, scaling, dropout)
     if block is not None:
@@ -183,6 +183,7 @@ def _cuda_attention(
     sinks: torch.Tensor | None,
     scaling: float | None,
     dropout: float,
+    prefix: PrefixPair | None = None,
 ) -> torch.Tensor:
     """:func:`stream_attention` on CUDA tensors, through an explicitly chosen fused SDPA kernel, never math.
 
@@ -223,7 +224,7 @@ def _cuda_attention(
     tried = []
     for kernel in kernels:  # flash falls back to efficient only where the GPU or build has no flash kernel
         try:
-            out = _fused_attention(kernel, query, key, value, block, scaling, dropout)
+            out = _fused_attention(kernel, query, key, value, block, scaling, dropout, prefix)
         except RuntimeError as e:
             if not _no_kernel(e):
                 raise
@@ -242,8 +243,10 @@ def _fused_attention(
     block: torch.Tensor | None,
     scale: float | None,
     dropout: float,
+    prefix: PrefixPair | None,
 ) -> torch.Tensor:
-    """(batch, heads, q_len, d_v) attention through ``kernel`` (``"flash"`` or ``"efficient"``) only."""
+    """(batch, heads, q_len, d_v) attention through ``kernel`` (``"flash"`` or ``"efficient"``) only; ``prefix``: the
+    :class:`PrefixGrad` pair of a recompute's joined keys/values."""
     q_len, kv_len = query.shape[2], key.shape[2]
     if kernel == "flash":
 
@@ -267,7 +270,6 @@ def _fused_attention(
                 v = v.expand(-1, q.shape[1], -1, -1)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
 
-    prefix = PrefixGrad.of(key, value)
     with sdpa_kernel([_BACKENDS[kernel]]):
         if key.shape[1] == query.shape[1]:  # multi-head: one group per head
             return attend(query, key, value)
@@ -278,31 +280,28 @@ def _fused_attention(
         return _GroupedHeads.apply(query, key, value, attend, None)
 
 
-_PREFIX_GRAD = "_streambp_prefix_grad"  # the attribute of joined keys/values holding their PrefixGrad
-
-
 @dataclasses.dataclass(frozen=True)
 class PrefixGrad:
     """Where the gradient of joined keys (or values) ``full = cat([prefix, chunk], dim=2)`` of a backward recompute
     may go, bypassing the join: ``chunk`` (the chunk's own keys, in the graph) takes the last positions' part, and
     the prefix positions' part is added into ``acc`` (the layer's gradient sum over those positions, outside any
-    graph). The stream layer's cache attaches it to the joined tensors it returns; an attention that uses it attends
-    to ``full.detach()``, so no (prefix + chunk)-long gradient reaches the join and the prefix leaves get none from
-    autograd, while every position's gradient sum is the same."""
+    graph). The stream layer's cache records one pair (keys, values) per joined tensors it returns, in the chunk
+    mask's ``prefix_grads``; an attention that uses it attends to ``full`` (detached), so no (prefix + chunk)-long
+    gradient reaches the join and the prefix leaves get none from autograd, while every position's gradient sum is
+    the same."""
 
-    full: torch.Tensor  # the joined keys' values, detached
+    full: torch.Tensor  # the joined tensor as the cache returned it (identity tells it apart); attended detached
     chunk: torch.Tensor
     acc: torch.Tensor
 
-    @classmethod
-    def attach(cls, full: torch.Tensor, chunk: torch.Tensor, acc: torch.Tensor) -> None:
-        setattr(full, _PREFIX_GRAD, cls(full.detach(), chunk, acc))
-
     @staticmethod
-    def of(key: torch.Tensor, value: torch.Tensor) -> tuple[PrefixGrad, PrefixGrad] | None:
-        """The pair attached to joined ``key`` and ``value`` (as the cache returned them), else ``None``."""
-        pair = getattr(key, _PREFIX_GRAD, None), getattr(value, _PREFIX_GRAD, None)
-        return None if None in pair else pair
+    def of(mask: StreamMask, key: torch.Tensor, value: torch.Tensor) -> PrefixPair | None:
+        """The pair recorded for ``key`` and ``value`` exactly as the cache returned them, else ``None`` (a tensor
+        the model derived from them is attended as it is)."""
+        return next((pair for pair in mask.prefix_grads if pair[0].full is key and pair[1].full is value), None)
+
+
+PrefixPair = tuple[PrefixGrad, PrefixGrad]
 
 
 class _GroupedHeads(torch.autograd.Function):
@@ -323,7 +322,7 @@ class _GroupedHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, attend, prefix):
-        keys, values = (key, value) if prefix is None else (prefix[0].full, prefix[1].full)
+        keys, values = (key, value) if prefix is None else (prefix[0].full.detach(), prefix[1].full.detach())
         kv_heads = keys.shape[1]
         group = query.shape[1] // kv_heads
         groups = [

@@ -26,6 +26,9 @@ class StreamMask:
     Either ``mask_function`` (absolute ``(batch, head, q_idx, kv_idx) -> bool``, as transformers builds it,
     with ``padding`` the (batch, T) bool padding mask or ``None``) or ``dense``, a user-given 4D mask over the
     whole sequence that is only sliced. ``q_start``/``kv_start`` place the current call's queries and keys.
+    ``prefix_grads``: in a backward recompute of a chunk, the :class:`~streambp_trl.attention.PrefixGrad` pairs of
+    the joined keys/values the chunk's cache returned (the cache appends them as the layer runs), which the attention
+    looks up by the tensors it is given.
     """
 
     batch_size: int
@@ -36,15 +39,19 @@ class StreamMask:
     use_vmap: bool = False
     q_start: int = 0
     kv_start: int = 0
+    prefix_grads: list = dataclasses.field(default_factory=list, compare=False)
 
     @property
     def plain_causal(self) -> bool:
         """True when the mask is exactly causal: no padding, packing, window or overlay."""
         return self.dense is None and self.mask_function is causal_mask_function and self.padding is None
 
-    def at(self, q_start: int, kv_start: int) -> StreamMask:
-        """The same mask, for queries from absolute position ``q_start`` and keys from ``kv_start``."""
-        return dataclasses.replace(self, q_start=q_start, kv_start=kv_start)
+    def at(self, q_start: int, kv_start: int, prefix_grads: list | None = None) -> StreamMask:
+        """The same mask, for queries from absolute position ``q_start`` and keys from ``kv_start`` (and, in a
+        backward recompute, the chunk's ``prefix_grads``)."""
+        return dataclasses.replace(
+            self, q_start=q_start, kv_start=kv_start, prefix_grads=[] if prefix_grads is None else prefix_grads
+        )
 
     def block(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
         """The (batch, 1, q_len, kv_len) bool block of the mask, or ``None`` for a bottom-right causal block.

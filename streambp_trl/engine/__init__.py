@@ -1,6 +1,8 @@
 """The stream engine: installing StreamBP on a Hugging Face causal LM.
 
+* :mod:`.options`: :class:`StreamOptions`, the engine's options, validated once;
 * :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`;
+* :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
 * :mod:`.model_parts`: finding the decoder, its layers, its final norm and the LM head;
 * :mod:`.support` and :mod:`.probe`: the checks that refuse a model the engine cannot run exactly;
@@ -9,9 +11,11 @@
 
 from .install import chunk_sizes, disable_streambp, enable_streambp, is_streaming
 from .model_parts import lm_head_linear
+from .options import StreamOptions
 from .zero3 import mark_zero3_leaves, zero3_enabled
 
 __all__ = [
+    "StreamOptions",
     "chunk_sizes",
     "disable_streambp",
     "enable_streambp",

@@ -9,7 +9,6 @@ the kernel when it is the decoder's last step), so neither a (T x T) mask nor (t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 from torch import nn
@@ -17,43 +16,37 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
-from ..attention import stream_configs, streaming
+from ..attention import streaming
+from ..layers import DecoderCall, decoder_call
 from ..layers.layer_args import CACHE_KWARGS
-from ..layers.rebuild import embedding_sources
-from ..layers.segments import check_segmentable, sharded
-from ..layers.stream_layer import StreamSettings
+from ..layers.sharding import check_segmentable, sharded
 from ..logits import chunked_logprobs
 from ..patching import bypassed, original, temporarily, unpatched
-from ..sizing.auto import AUTO, AutoChunks
-from .model_parts import find_decoder, lm_head_linear
+from .model_parts import lm_head_linear
+from .state import EngineState
+from .support import router_loss_refusal
 from .zero3 import zero3_gathered
 
 
-@dataclasses.dataclass(frozen=True)
-class StreamState:
-    """What :func:`enable_streambp` installed on a model, kept on it as ``model._streambp``."""
-
-    settings: StreamSettings
-    logits_chunk_size: int | str  # or "auto": the stream chunk of the call
-    temperature: float
-    fused_outputs: tuple[str, ...]
-    final_norm: str | None = None  # the decoder's final norm, applied by the logit kernel tile by tile
-
-
-def stream_decoder_forward(self, *args, **kwargs):
-    """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call: masks as
-    descriptions, layers chunked. Other calls, and those that bring a key/value cache without grad (generation), are
-    the model's own, with the layers as they were before the engine (no checkpoint hook: they fill the cache)."""
-    forward = original(self, "forward")
-    layers = vars(self)["_streambp_layers"]
+def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
+    """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call
+    (:func:`streamed_decoder_call`). Other calls, and those that bring a key/value cache without grad (generation),
+    are the model's own, with the layers as they were before the engine (no checkpoint hook: they fill the cache)."""
     cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
-    streams = self.training or vars(self).get("_streambp_eval", False)
-    if not streams or (cache is not None and not torch.is_grad_enabled()):
-        with unpatched(layers):
-            return forward(*args, **kwargs)
+    if not (self.training or state.options.stream_eval) or (cache is not None and not torch.is_grad_enabled()):
+        with unpatched(state.layers):
+            return original(self, "forward")(*args, **kwargs)
+    return streamed_decoder_call(state, args, kwargs)
+
+
+def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_size: int | None = None):
+    """One streamed decoder call: masks as descriptions, layers chunked (``chunk_size`` tokens, else as the options
+    say). Builds the call's :class:`~streambp_trl.layers.DecoderCall` and hands it to the layer hooks."""
+    decoder = state.decoder
+    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
-            f"StreamBP cannot train {type(self).__name__} on top of a filled key/value cache (past_key_values); "
+            f"StreamBP cannot train {type(decoder).__name__} on top of a filled key/value cache (past_key_values); "
             "pass the whole sequence instead. (PEFT prefix tuning passes its prefix this way: use LoRA, or prompt "
             "tuning / p-tuning, which prepend embeddings.)"
         )
@@ -62,35 +55,31 @@ def stream_decoder_forward(self, *args, **kwargs):
             "output_attentions=True is not available while StreamBP streams the decoder in training mode: the "
             "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
         )
-    for k in CACHE_KWARGS:
-        kwargs.pop(k, None)
+    kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
     kwargs["use_cache"] = False
-    check_segmentable(self, vars(self).get("_streambp_keep_every", 1))  # FSDP/ZeRO-3 may have come after enabling
-    hidden_states_kept = kwargs.get("output_hidden_states") or self.config.output_hidden_states
-    auto = vars(self).get("_streambp_auto")
-    chunk = _auto_chunk(auto, args, kwargs) if auto is not None else None
+    check_segmentable(decoder, state.settings.keep_every)  # FSDP/ZeRO-3 may have come after enabling
+    hidden_states_kept = bool(kwargs.get("output_hidden_states") or decoder.config.output_hidden_states)
+    chunk = chunk_size if chunk_size is not None else state.stream_chunk(_inputs(args, kwargs))
+    call = DecoderCall(chunk_size=chunk, inputs_rebuildable=not hidden_states_kept)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
     # for an eval-mode streamed call, so dropout and the like stay off
     with (
-        streaming(stream_configs(self, *layers)),
-        temporarily(layers, "training", True),
-        temporarily(layers, "_streambp_recycle", not hidden_states_kept),
-        temporarily(layers, "_streambp_chunk", chunk),
-        embedding_sources(self) if not hidden_states_kept else contextlib.nullcontext(),
+        streaming(state.configs),
+        temporarily(state.layers, "training", True),
+        decoder_call(call),
+        call.embeddings.watch(decoder) if call.inputs_rebuildable else contextlib.nullcontext(),
     ):
-        return forward(*args, **kwargs)
+        return original(decoder, "forward")(*args, **kwargs)
 
 
-def _auto_chunk(auto: AutoChunks, args: tuple, kwargs: dict) -> int | None:
-    """The chunk ``auto`` chooses for a decoder call on these inputs (``None`` without a recognisable input)."""
+def _inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The token ids (or input embeddings) of a decoder call, if recognisable."""
     inputs = kwargs.get("input_ids")
     if inputs is None:
         inputs = kwargs.get("inputs_embeds")
     if inputs is None and args and isinstance(args[0], torch.Tensor):
         inputs = args[0]
-    if inputs is None or inputs.dim() < 2:
-        return None
-    return auto.choose(inputs.shape[0], inputs.shape[1], inputs.device)
+    return inputs
 
 
 def _logit_transform(config) -> tuple[float | None, float]:
@@ -108,12 +97,6 @@ def head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     softcap, scale = _logit_transform(lm.config.get_text_config())
     logits = torch.nn.functional.linear(hidden.to(head.weight.device), head.weight, head.bias) * scale
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
-
-
-def _logits_tile(state: StreamState, hidden: torch.Tensor) -> int:
-    if state.logits_chunk_size != AUTO:
-        return state.logits_chunk_size
-    return state.settings.auto.choose(hidden.shape[0], hidden.shape[1], hidden.device)
 
 
 def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
@@ -170,12 +153,19 @@ def _hooked(module: nn.Module, global_hooks: bool) -> bool:
 
 
 def stream_forward(
-    self, *args, labels=None, fused_lm_head=False, shift_labels=None, num_items_in_batch=None, **kwargs
+    self,
+    state: EngineState,
+    *args,
+    labels=None,
+    fused_lm_head=False,
+    shift_labels=None,
+    num_items_in_batch=None,
+    **kwargs,
 ):
     """The causal LM's forward; in training with labels, and with ``fused_lm_head=True``, the decoder streamed and
     the loss (and TRL's fused-head fields) from the logit kernel at the labelled positions. ``logits_to_keep``
-    selects the scored positions as in the model's own forward (see :func:`_scored_rows`)."""
-    state: StreamState = self._streambp
+    selects the scored positions as in the model's own forward (see :func:`_scored_rows`). The LM head is looked up
+    on every call: PEFT's ``modules_to_save`` may switch it with the active adapter."""
     has_labels = labels is not None or shift_labels is not None
     if not fused_lm_head and not (self.training and has_labels):
         for name, value in (
@@ -189,9 +179,10 @@ def stream_forward(
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
     if kwargs.get("output_router_logits"):
-        raise ValueError(
-            "StreamBP cannot backpropagate the MoE load-balancing loss through streamed layers; "
-            "call without output_router_logits (and keep config.output_router_logits=False)."
+        raise router_loss_refusal(
+            f"StreamBP cannot train {type(self).__name__} exactly",
+            "output_router_logits=True in the call",
+            "Call without output_router_logits (and keep config.output_router_logits=False).",
         )
     logits_to_keep = kwargs.pop("logits_to_keep", 0)
     if fused_lm_head and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
@@ -204,7 +195,7 @@ def stream_forward(
     if return_dict is None:
         return_dict = self.config.return_dict
     kwargs["use_cache"] = False
-    decoder = find_decoder(self)
+    decoder = state.decoder
     head_module = self.get_output_embeddings()
     if _hooked(head_module, False) or _hooked(lm_head_linear(self), False):
         raise ValueError(
@@ -215,7 +206,7 @@ def stream_forward(
     # the final norm runs inside the logit kernel when it is the decoder's last step, no hidden states are asked and
     # no hook watches it (else it runs as the model runs it, and its hooks see what they see without streaming);
     # (global hooks are not refused for lm_head: they watch every module, and a streamed call has no head call)
-    norm = getattr(decoder, state.final_norm) if state.final_norm and not kwargs.get("output_hidden_states") else None
+    norm = None if kwargs.get("output_hidden_states") else state.final_norm
     norm = None if norm is not None and _hooked(norm, True) else norm
     with bypassed(norm) if norm is not None else contextlib.nullcontext():
         decoded = decoder(*args, return_dict=True, **kwargs)
@@ -238,11 +229,11 @@ def stream_forward(
         labels[mask],
         rows=rows,
         norm=norm,
-        temperature=state.temperature if fused_lm_head else 1.0,
+        temperature=state.options.temperature if fused_lm_head else 1.0,
         softcap=softcap,
         logit_scale=scale,
-        token_chunk=_logits_tile(state, hidden),
-        outputs=state.fused_outputs if fused_lm_head else ("log_probs",),
+        token_chunk=state.logits_tile(hidden),
+        outputs=state.options.fused_outputs if fused_lm_head else ("log_probs",),
         gathered=gathered,
     )
     # masked_scatter keeps the outputs connected to the graph even when no label is valid

@@ -32,7 +32,7 @@ _LOW_PRECISION_TOLERANCE = 5e-2
 
 
 @dataclasses.dataclass
-class ProbeReference:
+class ProbeBaseline:
     """The model's own results on the probe input, taken before the engine is installed."""
 
     input_ids: torch.Tensor
@@ -101,13 +101,13 @@ def _hidden(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.
     return decoder(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).last_hidden_state
 
 
-def reference(
+def baseline(
     lm: PreTrainedModel,
     decoder: PreTrainedModel,
     head_logits: Callable[[torch.Tensor], torch.Tensor],
     refuse: Callable[[str], None],
     final_norm: nn.Module | None = None,
-) -> ProbeReference | None:
+) -> ProbeBaseline | None:
     """Run the probe input through the unmodified model; refuse a head the logit kernel does not reproduce.
 
     With ``final_norm``, also tell whether the decoder's output is ``final_norm`` applied to what the decoder returns
@@ -148,16 +148,27 @@ def reference(
             "its logits are not a linear LM head of the decoder's last hidden state (the model transforms the hidden "
             f"states before the output projection; relative difference {diff:.1e})"
         )
-    return ProbeReference(ids, mask, hidden, random, final_norm is not None and norm_last)
+    return ProbeBaseline(ids, mask, hidden, random, final_norm is not None and norm_last)
 
 
 def check_streamed(
-    lm: PreTrainedModel, decoder: PreTrainedModel, ref: ProbeReference, refuse: Callable[[str], None]
+    lm: PreTrainedModel,
+    decoder: PreTrainedModel,
+    ref: ProbeBaseline,
+    streamed: Callable[[tuple, dict], object],
+    refuse: Callable[[str], None],
 ) -> None:
-    """Run the probe input through the streamed decoder (chunks of ``PROBE_CHUNK``) and compare."""
+    """Run the probe input through ``streamed`` (a streamed decoder call in chunks of ``PROBE_CHUNK``, taking the
+    call's positional and keyword arguments) and compare with ``ref``."""
+    inputs = {
+        "input_ids": ref.input_ids,
+        "attention_mask": ref.attention_mask,
+        "use_cache": False,
+        "return_dict": True,
+    }
     try:
         with _quiet(lm, decoder):
-            hidden = _hidden(decoder, ref.input_ids, ref.attention_mask)
+            hidden = streamed((), inputs).last_hidden_state
     except Exception as error:  # any failure of the streamed forward is the reason to refuse
         refuse(f"its layers fail when streamed chunk by chunk ({type(error).__name__}: {error})")
     if ref.random:

@@ -36,6 +36,15 @@ def refuse(model: nn.Module, why: str) -> None:
     raise ValueError(f"StreamBP cannot train {type(model).__name__} exactly: {why}.")
 
 
+def router_loss_refusal(who: str, setting: str, fix: str) -> ValueError:
+    """The one refusal of the MoE load-balancing loss, wherever it is asked for (``setting``): in the model's config,
+    in a call, or by a trainer's ``router_aux_loss_coef``."""
+    return ValueError(
+        f"{who}: the MoE load-balancing loss ({setting}) takes gradient from router logits computed inside the "
+        f"streamed decoder layers, which StreamBP does not backpropagate. {fix}"
+    )
+
+
 def check_peft_method(model: nn.Module, lm: PreTrainedModel) -> None:
     """Raise ``ValueError`` if ``model`` is a PEFT model with an adapter that hands the decoder its trained prefix as
     a filled key/value cache (prefix tuning): a streamed call runs whole sequences from position 0. Prompt tuning and
@@ -79,10 +88,10 @@ def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers
     if layer_types - _SUPPORTED_LAYER_TYPES:
         refuse(lm, f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not softmax attention")
     if getattr(config, "output_router_logits", False):
-        refuse(
-            lm,
-            "the MoE load-balancing loss (output_router_logits=True) would take gradient from router logits "
-            "computed inside the streamed layers; set config.output_router_logits=False",
+        raise router_loss_refusal(
+            f"StreamBP cannot train {type(lm).__name__} exactly",
+            "output_router_logits=True",
+            "Set config.output_router_logits=False.",
         )
     if getattr(config, "num_kv_shared_layers", 0):
         refuse(lm, "its last layers reuse the keys/values of earlier layers (num_kv_shared_layers > 0)")

@@ -11,6 +11,7 @@ import logging
 
 from torch import nn
 
+from ..layers.sharding import partitioned
 from .model_parts import causal_lm, decoder_layers, find_decoder
 
 logger = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 def _zero3_params(params) -> list[nn.Parameter]:
     """The parameters among ``params`` that ZeRO-3 partitions (they carry ``ds_id``)."""
-    return [p for p in params if p is not None and hasattr(p, "ds_id")]
+    return [p for p in params if p is not None and partitioned(p)]
 
 
 def zero3_enabled(model: nn.Module) -> bool:
@@ -65,7 +66,7 @@ def mark_zero3_leaves(model: nn.Module) -> None:
 
 def _registered_by_deepspeed(layer: nn.Module) -> bool:
     """Whether DeepSpeed's ZeRO-3 hooks were registered on ``layer``'s submodules (each then has a ``ds_id``)."""
-    return any(hasattr(m, "ds_id") for m in layer.modules() if m is not layer)
+    return any(partitioned(m) for m in layer.modules() if m is not layer)
 
 
 def zero3_gathered(params) -> functools.partial | None:

@@ -1,17 +1,31 @@
 """The stream-checkpointed decoder layer: each decoder layer's forward and backward, chunk by chunk.
 
-* :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`), which runs the layer call through
+* :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`, bound to its :class:`LayerPlan`), which runs
+  the layer call through
 * :mod:`.stream_layer`: the autograd Function, chunk by chunk;
-* :mod:`.kv_cache`: the cache a chunk runs against, and the full-length keys/values of one layer;
+* :mod:`.decoder_call`: the state of one streamed decoder call, which the hooks read (:class:`DecoderCall`);
+* :mod:`.kv_cache`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
+  keys/values of one layer;
 * :mod:`.layer_args`: a layer call's arguments, split per chunk;
 * :mod:`.offload`: the saved inputs in pinned host memory between forward and backward;
 * :mod:`.rebuild`: the first layer's input rebuilt from the token ids instead of kept;
 * :mod:`.segments`: with ``keep_every`` k, the inputs of k - 1 of every k layers rebuilt from the first's;
-* :mod:`.rng`: each chunk's random state, replayed by every recompute.
+* :mod:`.rng`: each chunk's random state, replayed by every recompute;
+* :mod:`.guards`: what a backward checks first (versions, a second backward, ``create_graph``);
+* :mod:`.sharding`: whether parameters are ZeRO-3 partitions or FSDP shards.
 """
 
-from .hook import stream_checkpoint
+from .decoder_call import DecoderCall, decoder_call
+from .hook import LayerPlan, stream_checkpoint
 from .offload import CheckpointOffload
 from .stream_layer import KV_MODES, StreamSettings
 
-__all__ = ["KV_MODES", "CheckpointOffload", "StreamSettings", "stream_checkpoint"]
+__all__ = [
+    "KV_MODES",
+    "CheckpointOffload",
+    "DecoderCall",
+    "LayerPlan",
+    "StreamSettings",
+    "decoder_call",
+    "stream_checkpoint",
+]

@@ -1,12 +1,17 @@
 """The key/value cache a streamed layer runs each chunk against, and the full-length keys/values of one layer.
 
-:class:`KVStore` holds every position's keys/values of each cache slot (``layer_idx``), (batch, kv_heads, T,
+:class:`CarryStore` holds every position's keys/values of each cache slot (``layer_idx``), (batch, kv_heads, T,
 head_dim) each. :class:`ChunkCache` is a ``transformers.Cache`` for one layer call on one chunk: the model's own
 attention code calls its ``update()``, which writes the chunk's keys/values into the store and returns the store's
 view of the prefix and the chunk, so no concatenated copy of the prefix is ever made. In a backward recompute the
 prefix is a gradient-carrying leaf and :class:`_Extend` joins it to the chunk's keys/values (a view again), handing
-the attention's gradient back to both as views; the joined tensors also carry a :class:`PrefixGrad`, with which an
-attention kernel can add the prefix's gradient straight into the layer's key/value gradient sums instead.
+the attention's gradient back to both as views; for the joined tensors the cache also records a :class:`PrefixGrad`
+pair (in ``prefix_grads``, which the chunk's mask shares), with which an attention kernel can add the prefix's
+gradient straight into the layer's key/value gradient sums instead.
+
+The prefix keys/values are a layer's *carry* for softmax attention: what a chunk takes from earlier positions. In
+backward a chunk receives its carry as leaves that require grad, and their gradient (``dK``, ``dV`` of the prefix
+positions) is what it hands back to the earlier chunks.
 """
 
 from __future__ import annotations
@@ -17,20 +22,44 @@ from transformers.cache_utils import Cache
 from ..attention import PrefixGrad
 
 
-class KVCollected(Exception):
-    """Raised by a collecting cache to stop a layer once its keys/values are known."""
+class StopAfterCacheUpdate(Exception):  # noqa: N818 (a signal, not an error)
+    """The early-stop signal of a collecting cache: raised right after the keys/values of a chunk are written, so the
+    layer's own code runs only as far as its key/value projections (as ``torch.utils.checkpoint`` stops a recompute
+    once every tensor it needs is rebuilt). The collecting loop catches it; it never leaves the engine."""
 
 
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values
+StateKey = tuple[str, int, int]  # ("conv" or "recurrent", cache slot (layer_idx), state index)
+States = dict[StateKey, torch.Tensor]
 
 
-class KVStore:
-    """Keys/values of all positions for each cache slot of one layer, filled chunk by chunk:
-    (batch, kv_heads, T, head_dim) each, allocated when a slot is first written."""
+class CarryStore:
+    """What one layer call's chunks take from earlier positions, filled chunk by chunk.
 
-    def __init__(self, seq_len: int, kv: KV | None = None):
+    ``kv``: keys/values of all positions for each attention cache slot, (batch, kv_heads, T, head_dim) each,
+    allocated when a slot is first written. ``states``: for each recurrent or convolution state of the layer
+    (linear attention, Mamba, short convolution), the state entering each chunk but the first (chunk index -> state,
+    e.g. (batch, heads, d_k, d_v) or the convolution's last ``kernel`` inputs).
+    """
+
+    def __init__(
+        self, seq_len: int, kv: KV | None = None, states: dict[StateKey, dict[int, torch.Tensor]] | None = None
+    ):
         self.seq_len = seq_len
         self.kv: KV = kv or {}
+        self.states = states or {}
+
+    def incoming(self, n: int) -> States:
+        """The states entering chunk ``n`` (none for the first)."""
+        return {key: by_chunk[n] for key, by_chunk in self.states.items() if n in by_chunk}
+
+    def record(self, n: int, outgoing: States) -> None:
+        """Keep the states chunk ``n`` left (detached), for chunk ``n + 1``."""
+        for key, t in outgoing.items():
+            self.states.setdefault(key, {})[n + 1] = t.detach()
+
+    def layout(self) -> list[tuple[StateKey, int]]:
+        return [(key, n) for key in sorted(self.states) for n in sorted(self.states[key])]
 
     def range(self, start: int, end: int) -> KV:
         return {i: (k[:, :, start:end], v[:, :, start:end]) for i, (k, v) in self.kv.items()}
@@ -43,11 +72,19 @@ class KVStore:
         return self.kv[i]
 
     def flat(self) -> tuple[torch.Tensor, ...]:
-        return tuple(t for i in sorted(self.kv) for t in self.kv[i])
+        """The store's tensors: keys, values per slot, then the states in :meth:`layout` order."""
+        kv = tuple(t for i in sorted(self.kv) for t in self.kv[i])
+        return kv + tuple(self.states[key][n] for key, n in self.layout())
 
     @classmethod
-    def from_flat(cls, seq_len: int, slots: list[int], flat: tuple[torch.Tensor, ...]) -> KVStore:
-        return cls(seq_len, {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)})
+    def from_flat(
+        cls, seq_len: int, slots: list[int], layout: list[tuple[StateKey, int]], flat: tuple[torch.Tensor, ...]
+    ) -> CarryStore:
+        kv = {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)}
+        states: dict[StateKey, dict[int, torch.Tensor]] = {}
+        for (key, n), t in zip(layout, flat[2 * len(slots) :], strict=True):
+            states.setdefault(key, {})[n] = t
+        return cls(seq_len, kv, states)
 
 
 class _Extend(torch.autograd.Function):
@@ -73,25 +110,72 @@ class ChunkCache(Cache):
     ``update()`` records the chunk's own keys/values of each slot (``chunk``), writes them into ``store`` and returns
     the keys/values of positions ``[start - prefix_len, start + chunk length)``. ``prefix`` (a backward recompute)
     gives, per slot, gradient-carrying leaves over the store's prefix, joined to the chunk by :class:`_Extend`;
-    ``prefix_sums`` the gradient sums of those prefix positions, handed to the attention as :class:`PrefixGrad`. With
-    ``stop`` it raises :class:`KVCollected` after the write, so the layer runs only as far as its key/value
-    projections. Queries answer as a cache holding the ``start`` earlier tokens would: ``get_seq_length()`` (and so
-    ``get_query_offset()``) is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
+    ``prefix_sums`` the gradient sums of those prefix positions, recorded with the joined tensors as
+    :class:`PrefixGrad` pairs in ``prefix_grads`` for the attention. With ``stop`` it raises
+    :class:`StopAfterCacheUpdate` after the write, so the layer runs only as far as its key/value projections. Queries
+    answer as a cache holding the ``start`` earlier tokens would: ``get_seq_length()`` (and so ``get_query_offset()``)
+    is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
+
+    Recurrent and convolution states (transformers' linear-attention cache interface, which Gated DeltaNet, Mamba,
+    Mamba2 and short-convolution layers call): ``get_conv_state`` / ``get_recurrent_state`` give the state entering
+    the chunk (``incoming``; ``None`` for the first chunk, as an empty cache does), ``update_conv_state`` returns the
+    incoming convolution inputs joined to the chunk's (zero-padded to the kernel size in the first chunk, as a
+    prefill does) and ``update_*`` record the states the chunk leaves (``outgoing``). The cache answers
+    ``is_recording_past`` with ``True``, so a one-token chunk takes the model's multi-token path, which leaves the
+    incoming state as it is, rather than the decoding kernel that updates it in place.
     """
 
     def __init__(
         self,
-        store: KVStore,
+        store: CarryStore,
         start: int,
         prefix_len: int = 0,
         prefix: KV | None = None,
         stop: bool = False,
         prefix_sums: KV | None = None,
+        incoming: States | None = None,
     ):
         super().__init__(layers=[])
         self.store, self.start, self.prefix_len, self.prefix, self.stop = store, start, prefix_len, prefix, stop
         self.prefix_sums = prefix_sums
+        self.prefix_grads: list = []  # (keys, values) PrefixGrad pairs, read by the attention through the chunk mask
         self.chunk: KV = {}
+        self.incoming: States = incoming or {}
+        self.outgoing: States = {}
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.incoming.get(("conv", layer_idx, state_idx))
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self.incoming.get(("recurrent", layer_idx, state_idx))
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.start > 0
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        return True
+
+    def update_conv_state(
+        self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, conv_kernel_size: int | None = None, **_
+    ) -> torch.Tensor:
+        key = ("conv", layer_idx, state_idx)
+        previous = self.incoming.get(key)
+        if conv_kernel_size is None:
+            conv_kernel_size = conv_states.shape[-1] if previous is None else previous.shape[-1]
+        if previous is not None:
+            full = torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
+        elif conv_states.shape[-1] < conv_kernel_size:
+            full = torch.nn.functional.pad(conv_states, (conv_kernel_size - conv_states.shape[-1], 0))
+        else:
+            full = conv_states
+        self.outgoing[key] = full[..., -conv_kernel_size:]
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **_
+    ) -> torch.Tensor:
+        self.outgoing[("recurrent", layer_idx, state_idx)] = recurrent_states
+        return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.start
@@ -114,13 +198,84 @@ class ChunkCache(Cache):
             joined = tuple(_Extend.apply([f], p, s, leaf, new) for f, leaf, new in pairs)
             if self.prefix_sums is not None:
                 sums = self.prefix_sums[layer_idx]
-                for t, new, acc in zip(joined, (key_states, value_states), sums, strict=True):
-                    PrefixGrad.attach(t, new, acc)
+                pair = zip(joined, (key_states, value_states), sums, strict=True)
+                self.prefix_grads.append(tuple(PrefixGrad(*parts) for parts in pair))
             return joined
         e = s + key_states.shape[2]
         with torch.no_grad():
             full[0][:, :, s:e] = key_states
             full[1][:, :, s:e] = value_states
         if self.stop:
-            raise KVCollected
+            raise StopAfterCacheUpdate
         return full[0][:, :, p:e], full[1][:, :, p:e]
+
+
+class LayerCarry:
+    """What chunks of one layer's backward hand each other: the layer's *carry*.
+
+    A chunk [s, e) takes from earlier positions only its carry: for attention the keys/values of the prefix [p, s)
+    (p > 0 for a sliding window); for a recurrent or convolution mixer the states at the chunk's start. In backward
+    the chunks run last to first; chunk n = [s, e):
+
+    * receives its incoming carry as leaves that require grad (:meth:`chunk_cache`: the prefix over ``store``, and
+      the states entering the chunk);
+    * returns its outgoing carry (its own keys/values, the states it leaves) with the gradient that later chunks
+      handed back for them as their grad_outputs (:meth:`outgoing`);
+    * hands the gradient of its incoming carry back to the earlier chunks (:meth:`absorb`): into the keys/values'
+      gradient sums ``grads``, and as the gradient of the states chunk n - 1 left (``state_grads``).
+
+    Holds the keys/values of every position (``store``, per cache slot) and their gradient sums, (batch, kv_heads,
+    T, head_dim) each; the states entering every chunk and the gradient of one chunk boundary's states.
+    """
+
+    def __init__(self, store: CarryStore):
+        self.store = store
+        self.grads: KV = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in store.kv.items()}
+        self.state_grads: dict[int, States] = {}  # chunk n -> gradient of the states entering it
+
+    def chunk_cache(self, n: int, s: int, p: int) -> ChunkCache:
+        """The cache of chunk ``n`` = [s, ...) in backward: the prefix [p, s) and the incoming states as leaves with
+        grad (when not empty), the prefix's gradient sums for the attention (:class:`PrefixGrad`)."""
+        prefix = {
+            i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
+            for i, (k, v) in self.store.range(p, s).items()
+        }
+        sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in self.grads.items()}
+        incoming = {key: t.detach().requires_grad_() for key, t in self.store.incoming(n).items()}
+        return ChunkCache(self.store, s, s - p, prefix, prefix_sums=sums, incoming=incoming)
+
+    @staticmethod
+    def incoming(cache: ChunkCache) -> list[torch.Tensor]:
+        """The leaves of ``cache``'s incoming carry, in the order :meth:`absorb` takes their gradients."""
+        kv = [t for i in sorted(cache.prefix) for t in cache.prefix[i]] if cache.prefix_len else []
+        return kv + [cache.incoming[key] for key in sorted(cache.incoming)]
+
+    def outgoing(self, cache: ChunkCache, n: int, e: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The chunk's own keys/values and the states it left, with the gradient later chunks handed back for them
+        (none for the last chunk)."""
+        if e >= self.store.seq_len:
+            return [], []
+        s = cache.start
+        outputs, grads = [], []
+        for i, (k, v) in cache.chunk.items():
+            outputs += [k, v]
+            grads += [self.grads[i][0][:, :, s:e], self.grads[i][1][:, :, s:e]]
+        handed_back = self.state_grads.pop(n + 1, {})
+        for key in sorted(cache.outgoing):
+            if key in handed_back:
+                outputs.append(cache.outgoing[key])
+                grads.append(handed_back[key])
+        return outputs, grads
+
+    def absorb(self, cache: ChunkCache, n: int, grads: list[torch.Tensor | None]) -> None:
+        """Take the gradient of ``cache``'s incoming carry (what autograd gave its leaves): the prefix positions' into
+        the sums (nothing where the attention added it itself), the incoming states' for chunk ``n - 1``."""
+        p, s = cache.start - cache.prefix_len, cache.start
+        it = iter(grads)
+        for i in sorted(cache.prefix) if cache.prefix_len else []:
+            for acc in self.grads[i]:
+                g = next(it)
+                if g is not None:
+                    acc[:, :, p:s] += g
+        states = {key: next(it) for key in sorted(cache.incoming)}
+        self.state_grads[n] = {key: g for key, g in states.items() if g is not None}

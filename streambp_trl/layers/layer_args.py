@@ -50,8 +50,8 @@ def per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple
     per-token tensor argument may)."""
     per_token, grad_inputs = {}, []
     for name, value in kwargs.items():
-        if name in ("attention_mask", *CACHE_KWARGS) or name in PASS_THROUGH:
-            continue
+        if name in CACHE_KWARGS or name in PASS_THROUGH:
+            continue  # (a StreamMask is no tensor: each chunk gets its own view; a (batch, T) padding mask is sliced)
         tensors = value if isinstance(value, (tuple, list)) else (value,)
         dims = []
         for t in tensors:

@@ -1,16 +1,16 @@
 """The first stream layer's input rebuilt from the token ids in backward, instead of kept from the forward.
 
-The first decoder layer's input is usually the input embedding's output: a lookup of the token ids, which costs
-(batch, T, hidden) values to keep and almost nothing to recompute. While a streamed decoder call runs,
-:func:`embedding_sources` marks each output of the input embedding with an :class:`EmbeddingSource` (the module, the
-ids, the weight and its version), provided recomputing it gives the same tensor: a plain ``nn.Embedding`` (any
+The first decoder layer's input is usually the input embedding's output: a lookup of the token ids, which costs (batch,
+T, hidden) values to keep and almost nothing to recompute. While a streamed decoder call runs,
+:meth:`EmbeddingOutputs.watch` records each output of the input embedding with an :class:`EmbeddingSource` (the module,
+the ids, the weight and its version), provided recomputing it gives the same tensor: a plain ``nn.Embedding`` (any
 subclass without submodules, no ``max_norm``), no forward hook or pre-hook on it (NEFTune's noise is one) and none
-global, parameters neither ZeRO-3 partitions nor FSDP shards, and the output not changed in place before the layer
-gets it (its version is checked). A stream layer whose input carries the mark keeps the ids instead of the
-input, and its backward calls the embedding's forward on them again (its autocast state restored); the weight must be
-the same tensor, unchanged, or a ``RuntimeError`` says so. The decoder passes the embedding's output straight to the
+global, parameters neither ZeRO-3 partitions nor FSDP shards, and the output not changed in place before the layer gets
+it (its version is checked). A stream layer whose input is such an output (the very tensor) keeps the ids instead of
+the input, and its backward calls the embedding's forward on them again (its autocast state restored); the weight must
+be the same tensor, unchanged, or a ``RuntimeError`` says so. The decoder passes the embedding's output straight to the
 first layer in Llama-style models; where it transforms it first (a scale, a dropout, added positions), the layer's
-input is another tensor, without the mark, and is kept as before.
+input is another tensor, not recorded, and is kept as before.
 
 Memory: the saved inputs of an L-layer model are L - 1 (batch, T, hidden) tensors and the ids.
 """
@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import weakref
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from .segments import sharded_module
-
-_MARK = "_streambp_embedding_source"
+from .sharding import partitioned, sharded_module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +39,6 @@ class EmbeddingSource:
     weight: torch.Tensor
     version: int
     output_version: int
-
-    @staticmethod
-    def of(x: torch.Tensor) -> EmbeddingSource | None:
-        """The source of ``x``, unless ``x`` was changed in place since the embedding made it."""
-        source = getattr(x, _MARK, None)
-        return source if source is not None and x._version == source.output_version else None
 
     def rebuild(self, autocast: dict) -> torch.Tensor:
         """The embedding's output again (no grad)."""
@@ -68,36 +62,56 @@ def _rebuildable(module: nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     weight = module.weight
-    return not hasattr(weight, "ds_id") and not isinstance(weight, DTensor)
+    return not partitioned(weight) and not isinstance(weight, DTensor)
 
 
-def _mark(module: nn.Embedding, args: tuple, output: torch.Tensor) -> None:
+def _record(
+    outputs: EmbeddingOutputs, module: nn.Embedding, args: tuple, output: torch.Tensor
+) -> None:  # an embedding's forward hook
     # only for a call with grad (nothing rebuilds what a no-grad or inference-mode call makes; inference tensors have
     # no version), and when no other forward hook could change the output (or draw random noise); transformers' own
     # `enable_input_require_grads` hook (PEFT's k-bit preparation) only flags the output as requiring grad
     if not torch.is_grad_enabled():
         return
-    others = [h for h in module._forward_hooks.values() if h is not _mark]
+    others = [h for h in module._forward_hooks.values() if not _is_record(h)]
     harmless = all(getattr(h, "__name__", "") == "make_inputs_require_grads" for h in others)
     if harmless and _rebuildable(module) and args and isinstance(args[0], torch.Tensor):
         if isinstance(output, torch.Tensor) and not args[0].is_floating_point():
             weight = module.weight
             source = EmbeddingSource(module, args[0].clone(), weight, weight._version, output._version)
-            setattr(output, _MARK, source)
+            outputs.seen.append((weakref.ref(output), source))
 
 
-@contextlib.contextmanager
-def embedding_sources(decoder: nn.Module) -> Iterator[None]:
-    """Mark the outputs of ``decoder``'s input embedding while the block runs, where they can be rebuilt."""
-    try:
-        embedding = decoder.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        embedding = None
-    if not isinstance(embedding, nn.Embedding) or sharded_module(decoder) is not None:
-        yield
-        return
-    handle = embedding.register_forward_hook(_mark)
-    try:
-        yield
-    finally:
-        handle.remove()
+def _is_record(hook: object) -> bool:
+    return isinstance(hook, functools.partial) and hook.func is _record
+
+
+@dataclasses.dataclass
+class EmbeddingOutputs:
+    """The outputs of a decoder's input embedding during one streamed call that can be rebuilt from the token ids
+    (held weakly, with their sources)."""
+
+    seen: list[tuple[weakref.ref, EmbeddingSource]] = dataclasses.field(default_factory=list)
+
+    def source_of(self, x: torch.Tensor) -> EmbeddingSource | None:
+        """The source of ``x`` if ``x`` is one of these outputs, unchanged in place since the embedding made it."""
+        for output, source in self.seen:
+            if output() is x:
+                return source if x._version == source.output_version else None
+        return None
+
+    @contextlib.contextmanager
+    def watch(self, decoder: nn.Module) -> Iterator[None]:
+        """Record the outputs of ``decoder``'s input embedding while the block runs, where they can be rebuilt."""
+        try:
+            embedding = decoder.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            embedding = None
+        if not isinstance(embedding, nn.Embedding) or sharded_module(decoder) is not None:
+            yield
+            return
+        handle = embedding.register_forward_hook(functools.partial(_record, self))
+        try:
+            yield
+        finally:
+            handle.remove()

@@ -13,7 +13,7 @@ takes its own input and writes its input gradient over it.
 Memory: an L-layer model keeps ceil(L / k) inputs (the host memory of ``offload_checkpoints`` divided by ~k), and a
 segment's backward holds its k inputs on the device. Time: one more chunked forward of k - 1 layers out of every k.
 The layers of a segment run in another layer's backward, so their parameters must be whole there: ZeRO-3 partitions
-and FSDP shards are refused (:func:`check_segmentable`).
+and FSDP shards are refused (:func:`~.sharding.check_segmentable`).
 """
 
 from __future__ import annotations
@@ -22,33 +22,30 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
 from .rng import rng_fork
-
-_MARK = "_streambp_segment"  # on a segment layer's output: the segment the next layer may join
 
 
 class Segment:
     """Up to ``size`` consecutive stream layer calls (held weakly: their autograd nodes own them), the first one's
-    input (what :meth:`keep_head` was given) and, in backward, every call's rebuilt input."""
+    input (what :meth:`keep_first_input` was given) and, in backward, every call's rebuilt input. The decoder call
+    in progress holds the segment its last stream layer joined (:class:`~.decoder_call.DecoderCall`)."""
 
     def __init__(self, size: int):
         self.size = size
         self.calls: list[weakref.ref] = []
-        self.head: object = None  # the first call's kept input: a tuple (x,) or an offload host copy
+        self.first_input: object = None  # the first call's kept input: a tuple (x,) or an offload host copy
         self.inputs: list[torch.Tensor | None] | None = None
         self.output_version: int | None = None  # the last call's output, as it left the layer; None once consumed
         self._output: Callable[[], torch.Tensor | None] = _dead
 
-    @staticmethod
-    def of(x: torch.Tensor) -> Segment | None:
-        """The segment whose last layer produced ``x``, if it has room for one more, ``x`` is unchanged since (its
-        version: nothing wrote into it in place, e.g. a forward hook) and no other layer joined from it already."""
-        segment = getattr(x, _MARK, None)
-        if segment is None or len(segment.calls) >= segment.size or segment.output_version != x._version:
-            return None
-        return segment if segment.calls[-1]() is not None and x is segment._output() else None
+    def continued_by(self, x: torch.Tensor) -> bool:
+        """Whether a layer with input ``x`` may join: ``x`` is the last call's output, unchanged since (its version:
+        nothing wrote into it in place, e.g. a forward hook), the segment has room and no other layer joined from
+        it already."""
+        if len(self.calls) >= self.size or self.output_version != x._version:
+            return False
+        return self.calls[-1]() is not None and x is self._output()
 
     def join(self, call: object) -> int:
         """Add ``call``; returns its position in the segment."""
@@ -56,25 +53,24 @@ class Segment:
         self.output_version, self._output = None, _dead
         return len(self.calls) - 1
 
-    def mark(self, y: torch.Tensor) -> None:
-        """``y`` (the last call's output) may be the next layer's input in this segment."""
-        setattr(y, _MARK, self)
+    def left(self, y: torch.Tensor) -> None:
+        """The last call left ``y``, which may be the next layer's input in this segment."""
         self.output_version, self._output = y._version, weakref.ref(y)
 
-    def keep_head(self, kept: object) -> None:
-        self.head = kept
+    def keep_first_input(self, kept: object) -> None:
+        self.first_input = kept
 
-    def input(self, position: int, load_head: Callable[[object], torch.Tensor]) -> torch.Tensor:
-        """Call ``position``'s input, rebuilding every call's on the first request (``load_head(head)`` gives the first
-        one's); each is handed out once (a second backward is refused before it asks again: see
+    def input(self, position: int, load_first: Callable[[object], torch.Tensor]) -> torch.Tensor:
+        """Call ``position``'s input, rebuilding every call's on the first request (``load_first(first_input)``
+        gives the first one's); each is handed out once (a second backward is refused before it asks again: see
         :func:`~streambp_trl.layers.guards.check_backward`). The replayed layers' parameters and arguments and the
         kept input must be as their forwards left them (each call's ``versions``)."""
         if self.inputs is None:
             calls = [_alive(ref) for ref in self.calls]
             for call in calls:
                 call.versions.check()
-            x = load_head(self.head)
-            self.head = None
+            x = load_first(self.first_input)
+            self.first_input = None
             inputs = [x]
             with rng_fork(x):
                 for call in calls[:-1]:
@@ -93,29 +89,3 @@ def _alive(ref: weakref.ref) -> object:
     if call is None:
         raise RuntimeError("StreamBP: a segment layer's graph was freed before the segment's backward.")
     return call
-
-
-def sharded(module: nn.Module) -> bool:
-    """Whether FSDP shards ``module`` or ZeRO-3 partitions its own parameters."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False))
-
-
-def sharded_module(model: nn.Module) -> nn.Module | None:
-    """The first submodule of ``model`` that FSDP shards or whose own parameters ZeRO-3 partitions, if any."""
-    return next((module for module in model.modules() if sharded(module)), None)
-
-
-def check_segmentable(model: nn.Module, keep_every: int) -> None:
-    """Refuse ``keep_every > 1`` for a model whose parameters are ZeRO-3 partitions or FSDP shards: a segment's layers
-    run forward inside another layer's backward, where they are not gathered."""
-    if keep_every == 1:
-        return
-    module = sharded_module(model)
-    if module is not None:
-        raise ValueError(
-            f"keep_every={keep_every} needs each decoder layer's parameters whole in this process, but "
-            f"{type(module).__name__} is sharded (FSDP) or partitioned (DeepSpeed ZeRO-3). Use keep_every=1 "
-            "(with offload_checkpoints to save device memory), or DDP / ZeRO-2."
-        )

@@ -7,7 +7,9 @@ Forward (no grad): the layer runs chunk by chunk, first to last, as a prefill ag
 that serves the keys/values of earlier chunks. Only the layer input ``x`` (batch, T, hidden) is saved, as with
 gradient checkpointing; the forward never holds more than one chunk's activations.
 
-Backward, given dY for the whole sequence: the keys/values K, V of every position (post-norm, post-RoPE; shape
+Backward, given dY for the whole sequence, hands each chunk its *carry* (what it takes from earlier positions; for
+softmax attention the prefix keys/values, :class:`~.kv_cache.LayerCarry`) and sends the carry's gradient back to the
+earlier chunks. The keys/values K, V of every position (post-norm, post-RoPE; shape
 (batch, kv_heads, T, head_dim)) are recomputed under no grad, cheaply, by running each chunk only up to its
 cache update (or kept from the forward with ``kv_mode="capture"``). Then for chunks [s, e) from LAST to FIRST the
 layer is recomputed on x[:, s:e] with grad, with the prefix K[:, :, p:s], V[:, :, p:s] as detached leaves
@@ -56,9 +58,8 @@ import torch
 from torch import nn
 
 from ..attention import StreamMask, streaming
-from ..sizing.auto import AutoChunks
 from .guards import Versions, check_backward, saved_tensors_hooked, sole_holder
-from .kv_cache import ChunkCache, KVCollected, KVStore
+from .kv_cache import CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate
 from .layer_args import slice_arg
 from .offload import CheckpointOffload
 from .rebuild import EmbeddingSource
@@ -72,8 +73,8 @@ KV_MODES = ("recompute", "capture")
 class StreamSettings:
     """How the decoder layers are streamed.
 
-    ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward), or ``"auto"``: the
-    decoder chooses it for each call with ``auto`` (and sets it on the layers as ``_streambp_chunk``).
+    ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward), or ``None`` for
+    ``"auto"``: the decoder chooses it for each call (:class:`~.decoder_call.DecoderCall`).
     ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
     ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
@@ -82,10 +83,9 @@ class StreamSettings:
     theirs in backward (see :mod:`streambp_trl.layers.segments`).
     """
 
-    chunk_size: int | str  # or "auto": chosen per call (see streambp_trl.sizing.auto)
+    chunk_size: int | None  # None: "auto", chosen per decoder call (see streambp_trl.sizing.auto)
     kv_mode: str = "recompute"
     offload: CheckpointOffload | None = None
-    auto: AutoChunks | None = None
     keep_every: int = 1
 
 
@@ -108,12 +108,13 @@ class LayerCall:
     configs: tuple
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
-    source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
+    embedding_source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
     chunk_size: int = 0  # tokens per chunk of this call
     rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
+    state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
     versions: Versions | None = None  # what the backward reads again, as the forward left it
 
     def record_versions(self, kept: torch.Tensor | None) -> None:
@@ -148,28 +149,28 @@ class LayerCall:
         ``leaves`` replaces the chunk's slices of the gradient-carrying arguments."""
         kwargs = dict(self.kwargs)
         if self.mask is not None:
-            kwargs["attention_mask"] = self.mask.at(s, s - cache.prefix_len)
+            kwargs["attention_mask"] = self.mask.at(s, s - cache.prefix_len, cache.prefix_grads)
         for name, dims in self.per_token.items():
             kwargs[name] = slice_arg(kwargs[name], dims, s, e)
         kwargs.update(leaves or {})
         kwargs[self.cache_name] = cache
         with torch.autocast(**self.autocast), streaming(self.configs):
             out = self.func(self.layer, x, **kwargs)
-        if isinstance(out, (tuple, list)) and len(out) == 1:
-            out = out[0]
+        if isinstance(out, (tuple, list)) and out and all(o is None for o in out[1:]):
+            out = out[0]  # (hidden states, None): attention weights that were not asked for
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"StreamBP expects {type(self.layer).__name__} to return a tensor, got {type(out).__name__}."
             )
         return out
 
-    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, KVStore]:
+    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, CarryStore]:
         """Prefill, first chunk to last, under no grad; returns the output and the keys/values (if ``keep_kv``).
 
         ``rng``: ``"record"`` each chunk's random state, ``"replay"`` the recorded ones, or ``"none"``.
         """
         y = None
-        kv = KVStore(self.seq_len)
+        kv = CarryStore(self.seq_len)
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if rng == "record":
@@ -177,28 +178,32 @@ class LayerCall:
                 elif rng == "replay":
                     self.rng[i].restore()
                 p = self.prefix_start(s)
-                out = self.run(x[:, s:e], s, e, ChunkCache(kv, s, s - p))
+                cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i))
+                out = self.run(x[:, s:e], s, e, cache)
+                if e < self.seq_len:
+                    kv.record(i, cache.outgoing)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
                 y[:, s:e] = out
-        self.slots = sorted(kv.kv)
+        self.slots, self.state_layout = sorted(kv.kv), kv.layout()
         return y, kv
 
-    def collect_kv(self, x: torch.Tensor) -> KVStore:
+    def collect_kv(self, x: torch.Tensor) -> CarryStore:
         """Keys/values of every position, each chunk replaying its recorded random state.
 
         One cache slot: each chunk runs only up to its cache update. Several slots (a later one depends on an earlier
-        one's attention): a no-grad chunked forward.
+        one's attention), or recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad
+        chunked forward.
         """
-        if len(self.slots) != 1:
+        if len(self.slots) != 1 or self.state_layout:
             return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
-        kv = KVStore(self.seq_len)
+        kv = CarryStore(self.seq_len)
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
                 try:
                     self.run(x[:, s:e], s, e, ChunkCache(kv, s, stop=True))  # stops before attention
-                except KVCollected:
+                except StopAfterCacheUpdate:
                     pass
                 else:
                     raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
@@ -208,22 +213,21 @@ class LayerCall:
         self,
         x: torch.Tensor,
         dy: torch.Tensor,
-        kv: KVStore | None,
+        kv: CarryStore | None,
         params: list[nn.Parameter],
         need_dx: bool,
         need_extra: tuple[bool, ...],
-        recycle: bool,
+        dx_over_x: bool,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """``recycle``: nothing but this backward holds ``x``'s memory, so dx may take its place."""
+        """``dx_over_x``: nothing but this backward holds ``x``'s memory, so dx may take its place."""
         with rng_fork(x):
-            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, recycle)
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x)
 
-    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, recycle):
-        kv = kv if kv is not None else self.collect_kv(x)
-        dkv = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in kv.kv.items()}
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x):
+        carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
         # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
         # gradient can take its place when nothing else holds x
-        dx = (x if recycle else torch.empty_like(x)) if need_dx else None
+        dx = (x if dx_over_x else torch.empty_like(x)) if need_dx else None
         extra = [
             (n, self.kwargs[n], self.per_token[n])
             for n, need in zip(self.grad_inputs, need_extra, strict=True)
@@ -238,7 +242,7 @@ class LayerCall:
                 p._backward_hooks.clear()
         hooks = [p.register_hook(functools.partial(_absorb, dparams, j)) for j, p in enumerate(params)]
         try:
-            self._chunk_backwards(x, dy, kv, dkv, dx, extra, dextra, params)
+            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -246,33 +250,24 @@ class LayerCall:
                 p._backward_hooks.update(own)
         return dx, dextra, dparams
 
-    def _chunk_backwards(self, x, dy, kv, dkv, dx, extra, dextra, params) -> None:
-        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and ``dkv`` (and, through the
-        parameters' hooks, the parameter gradient sums)."""
+    def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params) -> None:
+        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
+        through the parameters' hooks, the parameter gradient sums)."""
         need_dx = dx is not None
         for n, (s, e) in reversed(list(enumerate(self.chunks()))):
-            p = self.prefix_start(s)
+            cache = carry.chunk_cache(n, s, self.prefix_start(s))
             xc = x[:, s:e].detach().requires_grad_(need_dx)
-            prefix = {
-                i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
-                for i, (k, v) in kv.range(p, s).items()
-            }
-            sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in dkv.items()}
-            cache = ChunkCache(kv, s, s - p, prefix, prefix_sums=sums)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
             with torch.enable_grad():
                 yc = self.run(xc, s, e, cache, leaves)
-            outputs, grad_outputs = [yc], [dy[:, s:e]]
-            if e < self.seq_len:  # later chunks attended to this chunk's keys and values
-                for i, (k, v) in cache.chunk.items():
-                    outputs += [k, v]
-                    grad_outputs += [dkv[i][0][:, :, s:e], dkv[i][1][:, :, s:e]]
+            carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
+            outputs, grad_outputs = [yc, *carried], [dy[:, s:e], *carried_grads]
             # keys/values computed only from frozen weights and a gradient-free input carry no gradient
             keep = [j for j, out in enumerate(outputs) if out.requires_grad]
             outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
-            prefix_leaves = [t for i in sorted(prefix) for t in prefix[i]] if s > p else []
-            inputs = ([xc] if need_dx else []) + list(leaves.values()) + prefix_leaves
+            incoming = carry.incoming(cache)
+            inputs = ([xc] if need_dx else []) + list(leaves.values()) + incoming
             grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
             it: Iterator = iter(grads)
             if need_dx:
@@ -281,16 +276,14 @@ class LayerCall:
                 g = next(it)
                 if g is not None:
                     acc.narrow(dim, s, e - s).copy_(g)
-            for i in sorted(prefix) if s > p else []:  # (unless the attention added them itself: PrefixGrad)
-                for acc in dkv[i]:
-                    g = next(it)
-                    if g is not None:
-                        acc[:, :, p:s] += g
+            carry.absorb(
+                cache, n, [next(it) for _ in incoming]
+            )  # (unless the attention added them itself: PrefixGrad)
             # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`)
             # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
             # graph go before the next chunk's backward allocates its own
             g = None
-            del grads, it, g, outputs, grad_outputs, yc, cache, prefix, prefix_leaves, inputs, leaves, xc, sums
+            del grads, it, g, outputs, grad_outputs, yc, cache, carried, carried_grads, incoming, inputs, leaves, xc
 
 
 def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torch.Tensor:
@@ -306,8 +299,24 @@ def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torc
 
 
 class StreamLayerFunction(torch.autograd.Function):
-    """Inputs: the call, the hidden states x, the gradient-carrying per-token arguments (``call.grad_inputs``, also
-    held in ``call.kwargs``), then the layer's trainable parameters."""
+    """One decoder layer call, forward and backward chunk by chunk (the math and memory: this module's docstring).
+
+    Args (of ``apply``):
+        call: the :class:`LayerCall` (the layer, its bound arguments, settings and chunk size); per-call state
+            lives there and on ``ctx``, nowhere on the layer.
+        x: the hidden states (batch, T, hidden).
+        inputs: the gradient-carrying per-token arguments (``call.grad_inputs``, also held in ``call.kwargs``), then
+            the layer's trainable parameters.
+
+    Returns:
+        The layer's output (batch, T, hidden); its backward returns the exact gradients of ``x``, of those
+        arguments and of each parameter (once per layer backward).
+
+    .. warning::
+        Between forward and backward the layer's parameters (trainable or frozen), its tensor arguments and a kept
+        input must not change in place; the backward runs once and is not differentiable (``create_graph=True``).
+        Each is refused with a ``RuntimeError`` before anything runs (:mod:`.guards`).
+    """
 
     @staticmethod
     def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
@@ -315,13 +324,13 @@ class StreamLayerFunction(torch.autograd.Function):
         y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
         offload = call.settings.offload
-        keeps_x = call.source is None and (call.segment is None or call.position == 0)
+        keeps_x = call.embedding_source is None and (call.segment is None or call.position == 0)
         # a tensor of our own over x's memory: whoever else holds x (or a view of it) is seen by `sole_holder`
         kept_x = x.detach() if keeps_x else None
         call.record_versions(kept_x)
         if call.segment is not None:  # the segment keeps its first layer's input, for all its layers' backwards
             if keeps_x:
-                call.segment.keep_head(offload.save((kept_x,)) if offload is not None else (kept_x,))
+                call.segment.keep_first_input(offload.save((kept_x,)) if offload is not None else (kept_x,))
             keeps_x = False
         saved = (*((kept_x,) if keeps_x else ()), *(kv.flat() if capture else ()))
         kept = offload.save(saved) if offload is not None else saved
@@ -339,17 +348,17 @@ class StreamLayerFunction(torch.autograd.Function):
         saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
         ctx.kept = None
         if call.segment is not None:
-            x, flat = call.segment.input(call.position, functools.partial(_segment_head, call)), saved
-        elif call.source is not None:
-            x, flat = call.source.rebuild(call.autocast), saved
+            x, flat = call.segment.input(call.position, functools.partial(_segment_first_input, call)), saved
+        elif call.embedding_source is not None:
+            x, flat = call.embedding_source.rebuild(call.autocast), saved
         else:
             x, *flat = saved
-        kv = KVStore.from_flat(call.seq_len, call.slots, tuple(flat)) if ctx.capture else None
+        kv = CarryStore.from_flat(call.seq_len, call.slots, call.state_layout, tuple(flat)) if ctx.capture else None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
-        recycle = not ctx.packed and sole_holder(x)
+        dx_over_x = not ctx.packed and sole_holder(x)
         dx, dextra, dparams = call.backward_chunks(
-            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, recycle
+            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, dx_over_x
         )
         it = iter(dextra)
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
@@ -360,10 +369,10 @@ def _layer_name(layer: nn.Module) -> str:
     return f"decoder layer {index} ({type(layer).__name__})" if index is not None else type(layer).__name__
 
 
-def _segment_head(call: LayerCall, head: object) -> torch.Tensor:
+def _segment_first_input(call: LayerCall, kept: object) -> torch.Tensor:
     """A segment's first input again, from what ``call`` (the segment's last layer) finds kept for it."""
     first = call.segment.calls[0]()
-    if first is not None and first.source is not None:
-        return first.source.rebuild(first.autocast)
+    if first is not None and first.embedding_source is not None:
+        return first.embedding_source.rebuild(first.autocast)
     offload = call.settings.offload
-    return (offload.load(head) if offload is not None else head)[0]
+    return (offload.load(kept) if offload is not None else kept)[0]

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
-from ..engine import chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
-from .stream_config import resolve_stream_options
+from ..engine import StreamOptions, chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
+from ..engine.support import router_loss_refusal
+from .stream_config import stream_options
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ class StreamTrainerMixin:
     ``__init__`` (``precompute_ref_log_probs``) installs the engine first.
     """
 
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None  # the policy's, once installed
 
     def __init__(self, *args, **kwargs):
         # Under ZeRO-3 the decoder layers must be leaf modules before DeepSpeed registers its hooks, which TRL does
@@ -117,27 +119,26 @@ class StreamTrainerMixin:
             return
         _refuse_unsupported_parallelism(self)
         if getattr(self, "aux_loss_enabled", False):
-            raise ValueError(
-                f"{type(self).__name__}: the MoE load-balancing loss (router_aux_loss_coef="
-                f"{self.router_aux_loss_coef}) takes gradient from router logits computed inside the streamed decoder "
-                "layers, which StreamBP does not backpropagate. Set `router_aux_loss_coef=0.0` in the config to train "
-                "without it."
+            raise router_loss_refusal(
+                type(self).__name__,
+                f"router_aux_loss_coef={self.router_aux_loss_coef}",
+                "Set `router_aux_loss_coef=0.0` in the config to train without it.",
             )
-        options = resolve_stream_options(self.args)
-        if options["keep_every"] > 1 and (_zero3_run(self.args) or getattr(self, "is_fsdp_enabled", False)):
+        options = stream_options(self.args, **self._engine_options(), stream_eval=True)
+        if options.keep_every > 1 and (_zero3_run(self.args) or getattr(self, "is_fsdp_enabled", False)):
             raise ValueError(
-                f"{type(self).__name__}: stream_keep_every={options['keep_every']} rebuilds layer inputs by running "
+                f"{type(self).__name__}: stream_keep_every={options.keep_every} rebuilds layer inputs by running "
                 "decoder layers inside other layers' backward, where FSDP shards and ZeRO-3 partitions are not "
                 "gathered. Use stream_keep_every=1 (offload_checkpoints=True saves GPU memory there), or DDP / ZeRO-2."
             )
-        extra = self._engine_options()
         if _zero3_run(self.args) and not zero3_enabled(self.model):  # enable_streambp marks them when it can tell
             _mark_zero3_leaves([self.model])
-        enable_streambp(self.model, **options, **extra, fused_outputs=self._fused_outputs(), stream_eval=True)
+        policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
+        enable_streambp(self.model, policy)
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
-            enable_streambp(self.accelerator.unwrap_model(ref_model), **options, **extra, stream_eval=True)
-        self.stream_options = options
+            enable_streambp(self.accelerator.unwrap_model(ref_model), options)
+        self.stream_options = policy
 
     def training_step(self, *args, **kwargs):
         cuda = torch.cuda.is_available() and self.args.device.type == "cuda"

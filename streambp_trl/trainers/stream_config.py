@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from ..engine.options import StreamOptions
 from ..layers import KV_MODES
 from ..sizing.auto import AUTO
-from ..sizing.memory_model import parse_budget
 
 
-def _chunk_value(name: str, value) -> int | str | None:
-    """``"auto"``, ``None`` (only where allowed by the caller) or a positive int; YAML and the CLI give ints or str."""
-    if value is None or value == AUTO:
-        return value
-    if isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer or 'auto', got {value!r}.")
-    return value
+def _from_text(value):
+    """A chunk size as YAML or the command line give it: ``"512"`` is the int 512; anything else as it is (the
+    options say whether it is valid)."""
+    return int(value) if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value) else value
 
 
 @dataclass
@@ -67,7 +63,7 @@ class StreamArguments:
     )
     stream_kv_mode: str = field(
         default="recompute",
-        metadata={"help": "Keys/values for backward: 'recompute' (default) or 'capture'.", "choices": list(KV_MODES)},
+        metadata={"help": f"Keys/values for backward: {' or '.join(map(repr, KV_MODES))} (default: 'recompute')."},
     )
     offload_checkpoints: bool = field(
         default=False,
@@ -93,36 +89,29 @@ class StreamArguments:
     )
 
     def __post_init__(self):
-        self.stream_chunk_size = _chunk_value("stream_chunk_size", self.stream_chunk_size)
-        if self.stream_chunk_size is None:
-            raise ValueError("`stream_chunk_size` must be a positive integer or 'auto', got None.")
-        self.logits_chunk_size = _chunk_value("logits_chunk_size", self.logits_chunk_size)
-        if self.stream_kv_mode not in KV_MODES:
-            raise ValueError(f"`stream_kv_mode` must be one of {KV_MODES}, got {self.stream_kv_mode!r}.")
-        if self.memory_budget is not None:
-            parse_budget(self.memory_budget)
-        _keep_every(self.stream_keep_every)
+        self.stream_chunk_size = _from_text(self.stream_chunk_size)
+        self.logits_chunk_size = _from_text(self.logits_chunk_size)
+        self.to_options()  # every option is checked there, once
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default, without the deprecated name
         super().__post_init__()
 
+    def to_options(self, **engine_options) -> StreamOptions:
+        """The engine options of this config, with ``engine_options`` (those a trainer sets itself: the sampling
+        ``temperature``, ``fused_outputs``, ``stream_eval``)."""
+        return StreamOptions(
+            stream_chunk_size=self.stream_chunk_size,
+            logits_chunk_size=self.logits_chunk_size,
+            kv_mode=self.stream_kv_mode,
+            offload_checkpoints=self.offload_checkpoints,
+            memory_budget=self.memory_budget,
+            keep_every=self.stream_keep_every,
+            **engine_options,
+        )
 
-def _keep_every(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`stream_keep_every` must be a positive integer number of layers, got {value!r}.")
-    return value
 
-
-def resolve_stream_options(args) -> dict:
-    """``enable_streambp`` keyword arguments from a config (a ``Stream*Config`` or TRL's own: defaults)."""
-    chunk = _chunk_value("stream_chunk_size", getattr(args, "stream_chunk_size", AUTO))
-    logits = _chunk_value("logits_chunk_size", getattr(args, "logits_chunk_size", None))
-    budget = getattr(args, "memory_budget", None)
-    return {
-        "stream_chunk_size": AUTO if chunk is None else chunk,
-        "logits_chunk_size": logits,
-        "kv_mode": getattr(args, "stream_kv_mode", "recompute"),
-        "offload_checkpoints": bool(getattr(args, "offload_checkpoints", False)),
-        "memory_budget": None if budget is None else parse_budget(budget),
-        "keep_every": _keep_every(getattr(args, "stream_keep_every", 1)),
-    }
+def stream_options(args, **engine_options) -> StreamOptions:
+    """The engine options of a trainer's config: a ``Stream*Config``'s own, or the defaults for TRL's configs."""
+    if isinstance(args, StreamArguments):
+        return args.to_options(**engine_options)
+    return StreamOptions(stream_chunk_size=AUTO, **engine_options)

@@ -1,0 +1,109 @@
+"""The options of the stream engine: one frozen object, validated once.
+
+:class:`StreamOptions` is what :func:`~streambp_trl.engine.enable_streambp` takes (as keyword arguments or as the
+object itself) and what every ``Stream*Config`` produces (``to_options()``). Its ``__post_init__`` is the one place
+where an option is checked, so a bad value gives the same message whether it comes from Python, a YAML config or
+the command line. Parsing text into values (``"512"`` from a YAML file or ``--stream_chunk_size 512``) is the
+config's business, before it builds the options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..layers import KV_MODES
+from ..logits import STAT_OUTPUTS
+from ..sizing.auto import AUTO
+from ..sizing.memory_model import parse_budget
+
+
+def _config_name(name: str) -> str:
+    """How a ``Stream*Config`` spells option ``name``, when that differs (its fields share TRL's namespace)."""
+    return {"kv_mode": "stream_kv_mode", "keep_every": "stream_keep_every"}.get(name, name)
+
+
+def _named(name: str) -> str:
+    alias = _config_name(name)
+    return name if alias == name else f"{name} ({alias} in a config)"
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    """How :func:`~streambp_trl.engine.enable_streambp` streams a model.
+
+    Args:
+        stream_chunk_size: tokens per chunk of each decoder layer's forward and backward, or ``"auto"``: for each
+            (batch, length) the largest chunk whose estimated peak fits ``memory_budget`` (see
+            :mod:`streambp_trl.sizing.auto`).
+        logits_chunk_size: tokens per tile of the logit kernel, or ``"auto"``; ``None`` (default) becomes
+            ``stream_chunk_size``.
+        kv_mode: ``"recompute"`` (default) or ``"capture"``: how a layer's backward gets its keys/values.
+        temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
+        fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
+            ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; ``log_probs`` is always
+            computed and comes first.
+        stream_eval: stream the decoder in eval mode too (calls without a key/value cache), as the no-grad passes of
+            a frozen reference model need to reach the training length; otherwise eval mode is the model's own.
+        verify: run the probe (two forward passes of 11 tokens) before enabling.
+        offload_checkpoints: keep each layer's saved input (and kept keys/values) in pinned host memory between
+            forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.offload`); a no-op on
+            CPU.
+        memory_budget: device bytes (or a size such as ``"78GiB"``, kept as bytes) the step may use, for ``"auto"``
+            chunk sizes; ``None``: the free memory of the CUDA device when a call starts.
+        keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
+            other layers rebuild theirs in backward by one more chunked forward (see
+            :mod:`streambp_trl.layers.segments`). Not with ZeRO-3 or FSDP.
+
+    Raises:
+        ValueError: naming the option (and its config field, where that is spelled differently), the value given and
+            what is accepted.
+    """
+
+    stream_chunk_size: int | str
+    logits_chunk_size: int | str | None = None
+    kv_mode: str = "recompute"
+    temperature: float = 1.0
+    fused_outputs: tuple[str, ...] = ("log_probs",)
+    stream_eval: bool = False
+    verify: bool = True
+    offload_checkpoints: bool = False
+    memory_budget: int | str | None = None
+    keep_every: int = 1
+
+    def __post_init__(self):
+        for name in ("stream_chunk_size", "logits_chunk_size"):
+            value = getattr(self, name)
+            if not (value == AUTO or _positive_int(value) or (name == "logits_chunk_size" and value is None)):
+                raise ValueError(f"{name} must be a positive integer number of tokens or 'auto', got {value!r}.")
+        if self.logits_chunk_size is None:
+            object.__setattr__(self, "logits_chunk_size", self.stream_chunk_size)
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"{_named('kv_mode')} must be one of {KV_MODES}, got {self.kv_mode!r}.")
+        temperature = self.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"temperature must be a positive number, got {temperature!r}.")
+        object.__setattr__(self, "temperature", float(temperature))
+        if isinstance(self.fused_outputs, str) or not all(isinstance(f, str) for f in self.fused_outputs):
+            raise ValueError(f"fused_outputs must be a tuple of field names, got {self.fused_outputs!r}.")
+        unknown = set(self.fused_outputs) - set(STAT_OUTPUTS)
+        if unknown:
+            raise ValueError(f"Unknown fused_outputs {sorted(unknown)}; choose among {STAT_OUTPUTS}.")
+        object.__setattr__(self, "fused_outputs", tuple(dict.fromkeys(("log_probs", *self.fused_outputs))))
+        for name in ("stream_eval", "verify", "offload_checkpoints"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_budget(self.memory_budget))
+        if not _positive_int(self.keep_every):
+            raise ValueError(
+                f"{_named('keep_every')} must be a positive integer number of layers, got {self.keep_every!r}."
+            )
+
+    @property
+    def auto(self) -> bool:
+        """Whether a chunk size is chosen per call (``"auto"``)."""
+        return AUTO in (self.stream_chunk_size, self.logits_chunk_size)

@@ -1,0 +1,61 @@
+"""What :func:`~streambp_trl.engine.enable_streambp` finds and chooses once, kept on the model as ``model._streambp``.
+
+Found once at install: the decoder, its stream layers and the configs their attention reads, the final norm the
+logit kernel may apply, the layers' settings and the ``"auto"`` chunk policy. The forwards the engine installs are
+bound to this one object; a streamed call builds its own :class:`~streambp_trl.layers.DecoderCall` from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..layers import StreamSettings
+from ..sizing.auto import AUTO, AutoChunks
+from .options import StreamOptions
+
+
+@dataclasses.dataclass
+class EngineState:
+    """The engine installed on one causal LM.
+
+    ``options``: as validated; ``decoder``: the model that runs the layers; ``layers``: its stream layers, each with
+    its hook installed; ``configs``: the transformers configs their mask and attention code read (switched to
+    ``"streambp"`` for a streamed call); ``final_norm``: the decoder's final norm when the probe showed it is the
+    decoder's last step, so the logit kernel applies it tile by tile, else ``None``; ``settings``: what every stream
+    layer shares; ``auto``: the chunk policy when a chunk size is ``"auto"``. Two states are equal when their
+    choices are (the modules they point to are not compared: a copy of the model has its own).
+    """
+
+    options: StreamOptions
+    decoder: PreTrainedModel = dataclasses.field(compare=False)
+    layers: list[nn.Module] = dataclasses.field(compare=False)
+    configs: tuple = dataclasses.field(compare=False)
+    final_norm: nn.Module | None = dataclasses.field(compare=False)
+    settings: StreamSettings
+    auto: AutoChunks | None
+
+    def stream_chunk(self, inputs: torch.Tensor | None) -> int | None:
+        """Tokens per chunk for a decoder call on ``inputs`` (batch, T, ...): the fixed size, what ``"auto"`` chooses
+        for the shape, or ``None`` (``"auto"`` without a recognisable input: each layer falls back to the rule of
+        thumb for its length)."""
+        if self.options.stream_chunk_size != AUTO:
+            return self.options.stream_chunk_size
+        if inputs is None or inputs.dim() < 2:
+            return None
+        return self.auto.choose(inputs.shape[0], inputs.shape[1], inputs.device)
+
+    def logits_tile(self, hidden: torch.Tensor) -> int:
+        """Tokens per tile of the logit kernel for the (batch, T, hidden) states ``hidden``."""
+        if self.options.logits_chunk_size != AUTO:
+            return self.options.logits_chunk_size
+        return self.auto.choose(hidden.shape[0], hidden.shape[1], hidden.device)
+
+    def last_chunk_sizes(self) -> tuple[int | None, int | None]:
+        """``(stream, logits)`` chunk sizes of the latest call (fixed ones, or what "auto" chose last)."""
+        stream, logits = self.options.stream_chunk_size, self.options.logits_chunk_size
+        last = self.auto.last if self.auto is not None else None
+        return (last if stream == AUTO else stream), (last if logits == AUTO else logits)

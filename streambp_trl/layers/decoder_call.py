@@ -1,0 +1,62 @@
+"""The state of one streamed decoder call, as its layers' hooks read it.
+
+transformers, not the engine, calls each layer's checkpoint hook (``GradientCheckpointingLayer.__call__``), so what
+the decoder's forward decides for a call reaches the hooks through :func:`decoder_call`: a context variable set for
+the duration of that call (as ``torch.autocast`` keeps its state), never through attributes on modules or tensors.
+A nested decoder call (another model run by a hook) has its own; a layer called outside any streamed decoder call
+is a call of its own, with the defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from .rebuild import EmbeddingOutputs
+from .segments import Segment
+
+
+@dataclasses.dataclass
+class DecoderCall:
+    """One streamed decoder call.
+
+    ``chunk_size``: tokens per chunk for every layer of the call (what a fixed option or ``"auto"`` chose), or
+    ``None``: each layer uses its settings' fixed chunk, else the CPU rule of thumb for its length.
+    ``inputs_rebuildable``: the decoder collects no hidden states, so a layer's input may be rebuilt in backward
+    (from the token ids, or by its segment) instead of kept, when no hook watches the layer either.
+    ``embeddings``: the outputs of the input embedding during the call that can be rebuilt from the token ids.
+    ``segment``: with ``keep_every > 1``, the segment of the last stream layer that ran (its output may be the next
+    layer's input in the same segment).
+    """
+
+    chunk_size: int | None = None
+    inputs_rebuildable: bool = False
+    embeddings: EmbeddingOutputs = dataclasses.field(default_factory=EmbeddingOutputs)
+    segment: Segment | None = None
+
+    def segment_to_join(self, x: torch.Tensor) -> Segment | None:
+        """The segment whose last layer produced ``x``, if ``x`` can continue it (see :meth:`Segment.continued_by`)."""
+        return self.segment if self.segment is not None and self.segment.continued_by(x) else None
+
+
+_ACTIVE: contextvars.ContextVar[DecoderCall | None] = contextvars.ContextVar("streambp_decoder_call", default=None)
+
+
+@contextlib.contextmanager
+def decoder_call(call: DecoderCall) -> Iterator[DecoderCall]:
+    """Make ``call`` the one the layer hooks see for the duration of a ``with`` block."""
+    token = _ACTIVE.set(call)
+    try:
+        yield call
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_call() -> DecoderCall:
+    """The streamed decoder call in progress, or a call of its own with the defaults (a layer called directly)."""
+    call = _ACTIVE.get()
+    return DecoderCall() if call is None else call
