@@ -40,9 +40,6 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-ROOT = HERE.parent
-MODEL = ROOT / "configs" / "tiny_model"
-DATA = ROOT / "configs" / "data"
 ROWS = 4  # the whole dataset is one global batch
 LR = 1e4  # SGD: the update is -LR * grad, large enough that float32 rounding of the weights is ~1e-7 of it
 
@@ -68,35 +65,26 @@ def deepspeed_config(wrap: str) -> dict:
 
 
 def dataset(objective: str):
-    from datasets import load_dataset
+    """The whole dataset of ``objective``: ``ROWS`` chat rows (SFT) or preference pairs (DPO)."""
+    from helpers import tiny_dataset
 
-    name = "tiny_chat" if objective == "sft" else "tiny_preference"
-    return load_dataset("json", data_files=str(DATA / f"{name}.jsonl"), split=f"train[:{ROWS}]")
+    return tiny_dataset("chat" if objective == "sft" else "preference", ROWS)
 
 
 def training_args(
     objective: str, wrap: str, output_dir: str, world: int, chunk: int, accum: int, fsdp_layers: bool = True, **extra
 ):
-    """The same step in one process (``world=1``) and in ``world`` processes: a global batch of ``ROWS``."""
+    """The same step in one process (``world=1``) and in ``world`` processes: a global batch of ``ROWS``, the SGD step
+    of ``helpers.args`` with learning rate ``LR``."""
+    from helpers import args
+
     from streambp_trl import StreamDPOConfig, StreamSFTConfig
 
     config_cls = StreamSFTConfig if objective == "sft" else StreamDPOConfig
     kw = dict(
-        output_dir=output_dir,
-        max_steps=1,
         per_device_train_batch_size=ROWS // world // accum,
         gradient_accumulation_steps=accum,
         learning_rate=LR,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
         stream_chunk_size=chunk,
         logits_chunk_size=chunk,
         max_length=128,
@@ -111,7 +99,7 @@ def training_args(
         kw["deepspeed"] = deepspeed_config(wrap)
     if wrap in ("fsdp2",) or wrap.startswith("zero"):
         kw["accelerator_config"] = {"use_configured_state": True}  # the state of gloo_state()
-    return config_cls(**{**kw, **extra})
+    return args(config_cls, output_dir, **{**kw, **extra})
 
 
 def gloo_state(wrap: str) -> None:
@@ -132,12 +120,6 @@ def gloo_state(wrap: str) -> None:
     else:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch` with a DeepSpeed config sets
         PartialState(backend="gloo")
-
-
-def load_model():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -221,7 +203,8 @@ def main() -> None:
     world = int(os.environ["WORLD_SIZE"])
     counter = CountCollectives()
 
-    from transformers import AutoTokenizer, TrainerCallback
+    from helpers import load_model, load_tokenizer
+    from transformers import TrainerCallback
 
     from streambp_trl import StreamDPOTrainer, StreamSFTTrainer
 
@@ -252,7 +235,7 @@ def main() -> None:
         model=model,
         args=config,
         train_dataset=dataset(args.objective),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        processing_class=load_tokenizer(),
         callbacks=[Window()],
         **extra,
     )

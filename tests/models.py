@@ -1,9 +1,9 @@
-"""Tiny decoder-only models of each supported family, built from configs (no weights from the Hub)."""
+"""Tiny decoder-only models of each supported family, built from configs (no weights from the Hub), and their
+batches."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 VOCAB = 101
@@ -57,6 +57,8 @@ FLOAT64_TOLERANCE = {"gemma3": 1e-5}
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A tiny ``family`` model (see ``FAMILIES``) in training mode, its weights drawn from ``seed``; ``overrides``
+    change its config."""
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = config_cls(**{**_COMMON, **extra, **overrides})
@@ -82,40 +84,3 @@ def batch(batch_size: int = 2, seq_len: int = 23, padding: str = "right", prompt
     else:
         labels[:, :prompt] = -100
     return ids, mask, labels
-
-
-def reference_loss(model, ids, mask, labels):
-    """Plain autograd, loss in the model's own dtype (HF's loss_function upcasts only to float32)."""
-    logits = model(input_ids=ids, attention_mask=mask).logits
-    softcap = getattr(model.config, "final_logit_softcapping", None)
-    if softcap is not None and model.config.model_type != "gemma3_text":
-        raise AssertionError("softcapping expected only for gemma3 here")
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-
-
-def max_rel_grad_error(reference, candidate) -> tuple[float, str]:
-    worst, where = 0.0, ""
-    cand = dict(candidate.named_parameters())
-    for name, p in reference.named_parameters():
-        if p.grad is None:
-            continue
-        q = cand[name].grad
-        assert q is not None, f"{name} got no gradient"
-        err = ((p.grad - q).norm() / p.grad.norm().clamp_min(1e-300)).item()
-        if err > worst:
-            worst, where = err, name
-    return worst, where
-
-
-def saved_hidden_sized(model, ids, mask, labels) -> tuple[torch.Tensor, int]:
-    """The loss, and how many (batch, T, hidden) tensors autograd keeps for the backward."""
-    count = [0]
-    shape = (*ids.shape, model.config.hidden_size)
-
-    def pack(t):
-        count[0] += tuple(t.shape) == shape
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    return loss, count[0]

@@ -4,38 +4,16 @@ each layer streams."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import assert_each_close, torchrun
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-HERE = Path(__file__).resolve().parent
 LAYERS = 3
-
-
-def torchrun(script: str, *args: str, log: Path, nproc: int = 2, timeout: int = 300) -> None:
-    """``torchrun --standalone`` in its own session, its output to ``log``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    with open(log, "w") as f:
-        code = subprocess.run(
-            [*cmd, str(HERE / script), *args],
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=timeout,
-            env=env,
-            start_new_session=True,
-        ).returncode
-    assert code == 0, log.read_text()[-4000:]
 
 
 def _run(tmp_path, wrap: str, chunk: int) -> dict:
@@ -55,10 +33,7 @@ def _one_process_grads() -> dict:
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
 def test_two_processes_equal_one_process_on_the_whole_batch(tmp_path, wrap):
     grads, expected = _run(tmp_path, wrap, chunk=4)["grads"], _one_process_grads()
-    assert grads.keys() == expected.keys()
-    for name, g in expected.items():
-        err = ((grads[name] - g).norm() / g.norm()).item()
-        assert err < 1e-5, f"{wrap} {name}: {err:.2e}"
+    assert_each_close(expected, grads, 1e-5, "gradient")
 
 
 def test_fsdp2_gathers_and_reduces_once_per_layer_whatever_the_chunks(tmp_path):

@@ -12,9 +12,8 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedPlugin, DistributedType
-from datasets import load_dataset
-from trainer_parity import MODEL, ROOT, args, model
-from transformers import AutoTokenizer
+from helpers import ROOT, args, load_model, load_tokenizer, max_rel_grad_error, reference_loss, tiny_dataset
+from models import batch, tiny_model
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer
 from streambp_trl.trainers.mixin import _refuse_unsupported_parallelism
@@ -75,10 +74,10 @@ def test_readme_launches_the_shipped_configs():
 def test_context_and_sequence_parallelism_are_refused_at_construction(tmp_path, sizes):
     # on a CPU, accelerate cannot build a cp/sp mesh at all: set the config on a built trainer and install again
     trainer = StreamSFTTrainer(
-        model=model(),
-        args=args(StreamSFTConfig, tmp_path, True, max_length=64),
-        train_dataset=load_dataset("json", data_files=str(ROOT / "configs/data/tiny_chat.jsonl"), split="train[:4]"),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        model=load_model(),
+        args=args(StreamSFTConfig, tmp_path, max_length=64),
+        train_dataset=tiny_dataset("chat", 4),
+        processing_class=load_tokenizer(),
     )
     trainer.stream_options = None
     trainer.args.parallelism_config = ParallelismConfig(**sizes)
@@ -103,7 +102,6 @@ def test_zero3_marks_the_decoder_layers_as_leaf_modules_and_the_mark_survives():
 
     pytest.importorskip("deepspeed")
     import torch
-    from models import batch, max_rel_grad_error, reference_loss, tiny_model
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     from streambp_trl import disable_streambp, enable_streambp

@@ -4,9 +4,8 @@ loss type and reference setup TRL 1.16 offers."""
 from __future__ import annotations
 
 import pytest
-from datasets import Dataset, load_dataset
-from trainer_parity import ROOT, ShapesEveryStep, args, assert_same, model
-from transformers import AutoTokenizer
+from datasets import Dataset
+from helpers import ShapesEveryStep, args, assert_same_training, load_model, load_tokenizer, tiny_dataset
 from trl import DPOConfig, DPOTrainer
 
 from streambp_trl import StreamDPOConfig, StreamDPOTrainer
@@ -31,10 +30,11 @@ LOSS_TYPES = [
 ]
 
 
-def _same(tmp_path, ref="created", peft_config=None, **overrides):
-    dataset = load_dataset("json", data_files=str(ROOT / "configs/data/tiny_preference.jsonl"), split="train[:8]")
-    return assert_same(
-        (DPOTrainer, DPOConfig), (StreamDPOTrainer, StreamDPOConfig), tmp_path, dataset, ref, peft_config, **overrides
+def _same(tmp_path, **options):
+    """:func:`helpers.assert_same_training` against DPOTrainer on 8 preference pairs."""
+    dataset = tiny_dataset("preference", 8)
+    return assert_same_training(
+        (DPOTrainer, DPOConfig), (StreamDPOTrainer, StreamDPOConfig), tmp_path, dataset, **options
     )
 
 
@@ -73,7 +73,7 @@ def test_one_step_equals_dpo_trainer_with_options(tmp_path, overrides):
 
 
 def test_given_ref_model(tmp_path):
-    _same(tmp_path, ref="given", beta=0.5)
+    _same(tmp_path, ref_model=True, beta=0.5)
 
 
 def test_lora_reference_is_the_adapter_disabled_policy(tmp_path):
@@ -101,11 +101,10 @@ def test_three_steps_build_no_full_mask_or_logits_reference_passes_included(tmp_
     ]
     record = ShapesEveryStep()
     trainer = StreamDPOTrainer(
-        model=model(),
+        model=load_model(),
         args=args(
             StreamDPOConfig,
             tmp_path,
-            True,
             max_steps=3,
             per_device_train_batch_size=1,
             max_length=None,
@@ -113,7 +112,7 @@ def test_three_steps_build_no_full_mask_or_logits_reference_passes_included(tmp_
             logits_chunk_size=16,
         ),  # fmt: skip
         train_dataset=Dataset.from_list(rows),
-        processing_class=AutoTokenizer.from_pretrained(ROOT / "configs" / "tiny_model"),
+        processing_class=load_tokenizer(),
         callbacks=[record],
     )
     trainer.train()

@@ -3,13 +3,8 @@ same completions generated, the same parameter update, the same logged metrics, 
 
 from __future__ import annotations
 
-import copy
-from pathlib import Path
-
 import pytest
-from datasets import load_dataset
-from trainer_parity import MODEL, ROOT, RecordUpdate, ShapesEveryStep, args, compare, model
-from transformers import AutoTokenizer
+from helpers import ShapesEveryStep, args, assert_same_training, load_model, load_tokenizer, tiny_dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from streambp_trl import StreamGRPOConfig, StreamGRPOTrainer, StreamRLOOConfig, StreamRLOOTrainer
@@ -37,31 +32,15 @@ class _Completions:
         return [float(len(c)) for c in completions]
 
 
-def _dataset():
-    data = load_dataset("json", data_files=str(ROOT / "configs/data/tiny_prompt_completion.jsonl"), split="train[:8]")
-    return data.remove_columns("completion")
-
-
-def _train(trainer_cls, config_cls, output_dir, stream, peft_config=None, **overrides):
-    record, reward = RecordUpdate(), _Completions()
-    trainer = trainer_cls(
-        model=model(),
-        reward_funcs=[reward],
-        args=args(config_cls, Path(output_dir) / trainer_cls.__name__, stream, **{**RL, **overrides}),
-        train_dataset=_dataset(),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
-        peft_config=copy.deepcopy(peft_config),
-        callbacks=[record],
+def _same(trl_pair, stream_pair, tmp_path, **options):
+    """:func:`helpers.assert_same_training` on 8 prompts, rewarded by completion length: both trainers also
+    generated the same completions (and not all equal)."""
+    dataset = tiny_dataset("prompt_completion", 8).remove_columns("completion")
+    ref_trainer, ours = assert_same_training(
+        trl_pair, stream_pair, tmp_path, dataset, rewards=lambda: [_Completions()], **{**RL, **options}
     )
-    trainer.train()
-    return trainer, record.update, reward.seen
-
-
-def _same(trl_pair, stream_pair, tmp_path, peft_config=None, **overrides):
-    ref_trainer, ref_update, ref_completions = _train(*trl_pair, tmp_path, False, peft_config, **overrides)
-    ours, update, completions = _train(*stream_pair, tmp_path, True, peft_config, **overrides)
+    completions, ref_completions = ours.reward_funcs[0].seen, ref_trainer.reward_funcs[0].seen
     assert completions == ref_completions and len(set(completions)) > 1  # the same samples, and not all equal
-    compare(ref_trainer, ref_update, ours, update)
     return ref_trainer, ours
 
 
@@ -129,12 +108,11 @@ def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_inclu
     sentence = " The first letter of the word is the one it starts with, and we count from there."
     record = ShapesEveryStep()
     trainer = StreamGRPOTrainer(
-        model=model(),
+        model=load_model(),
         reward_funcs=[_Completions()],
         args=args(
             StreamGRPOConfig,
             tmp_path,
-            True,
             max_steps=3,
             num_generations=2,
             per_device_train_batch_size=2,
@@ -147,7 +125,7 @@ def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_inclu
             logging_steps=1,
         ),  # fmt: skip
         train_dataset=Dataset.from_list([{"prompt": f"Question {i}:{sentence * 3}\nAnswer:"} for i in range(4)]),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        processing_class=load_tokenizer(),
         callbacks=[record],
     )
     trainer.train()

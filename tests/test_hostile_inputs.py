@@ -14,7 +14,8 @@ import copy
 
 import pytest
 import torch
-from models import batch, max_rel_grad_error, reference_loss, tiny_model
+from helpers import max_rel_grad_error, reference_loss
+from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
 from streambp_trl.logits import chunked_logprobs

@@ -4,18 +4,18 @@ loss types (with the KL term where TRL computes it) and every reference setup.""
 from __future__ import annotations
 
 import pytest
-from datasets import load_dataset
-from trainer_parity import ROOT, assert_same
+from helpers import assert_same_training, tiny_dataset
 from trl import KTOConfig, KTOTrainer
 
 from streambp_trl import StreamKTOConfig, StreamKTOTrainer
 
 
-def _same(tmp_path, ref="created", peft_config=None, **overrides):
-    data = load_dataset("json", data_files=str(ROOT / "configs/data/tiny_unpaired_preference.jsonl"), split="train")
-    dataset = data.select([0, 1, 2, 5, 6, 9, 10, 11])  # desirable and undesirable, not alternating
-    return assert_same(
-        (KTOTrainer, KTOConfig), (StreamKTOTrainer, StreamKTOConfig), tmp_path, dataset, ref, peft_config, **overrides
+def _same(tmp_path, **options):
+    """:func:`helpers.assert_same_training` against KTOTrainer on 8 rows, desirable and undesirable, not
+    alternating."""
+    dataset = tiny_dataset("unpaired_preference").select([0, 1, 2, 5, 6, 9, 10, 11])
+    return assert_same_training(
+        (KTOTrainer, KTOConfig), (StreamKTOTrainer, StreamKTOConfig), tmp_path, dataset, **options
     )
 
 
@@ -39,7 +39,7 @@ def test_one_step_equals_kto_trainer_with_options(tmp_path, overrides):
 
 
 def test_given_ref_model(tmp_path):
-    _same(tmp_path, ref="given")
+    _same(tmp_path, ref_model=True)
 
 
 def test_lora_reference_is_the_adapter_disabled_policy(tmp_path):

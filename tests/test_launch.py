@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _accelerate_launch(*args: str, output_dir: Path, train: tuple[str, ...] = ()) -> subprocess.CompletedProcess:

@@ -9,10 +9,11 @@ import types
 
 import pytest
 import torch
-from causal_lm_zoo import tiny_causal_lm
-from models import batch, max_rel_grad_error, reference_loss, tiny_model
+from helpers import max_rel_grad_error, reference_loss
+from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
+from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.layers import rng
 
 DROPOUT = {"attention_dropout": 0.2}

@@ -2,65 +2,47 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-from datasets import load_dataset
-from trainer_parity import CHUNK, MODEL, ROOT, RecordUpdate, args
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from helpers import CHUNK, MODEL, args, assert_same_training, load_model, load_tokenizer, tiny_dataset, train
+from models import tiny_model
+from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
-from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+from streambp_trl import StreamOptions, StreamSFTConfig, StreamSFTTrainer
 from streambp_trl.engine import is_streaming
 
-DATA = ROOT / "configs" / "data"
+SFT = {"max_length": 128}  # on top of helpers.args, for every trainer here
 
 
-def _dataset(kind: str, n: int = 16):
-    return load_dataset("json", data_files=str(DATA / f"tiny_{kind}.jsonl"), split=f"train[:{n}]")
+def _args(config_cls, output_dir, **overrides):
+    return args(config_cls, output_dir, **{**SFT, **overrides})
 
 
-def _args(config_cls, tmp_path, **overrides):
-    return args(config_cls, tmp_path, config_cls is StreamSFTConfig, **{"max_length": 128, **overrides})
+def _dataset(kind: str = "chat"):
+    return tiny_dataset(kind, 16)
 
 
-def _model():
-    return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+def _train(trainer_cls, config_cls, tmp_path, kind="chat", **options):
+    """``trainer_cls`` trained on ``_dataset(kind)`` (:func:`helpers.train`): the trainer and its update."""
+    return train(trainer_cls, config_cls, tmp_path, _dataset(kind), **{**SFT, **options})
 
 
-def _train(trainer_cls, config_cls, tmp_path, kind="chat", peft_config=None, **overrides):
-    model = _model()
-    record = RecordUpdate()
-    trainer = trainer_cls(
-        model=model,
-        args=_args(config_cls, tmp_path / trainer_cls.__name__, **overrides),
-        train_dataset=_dataset(kind),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
-        peft_config=peft_config,
-        callbacks=[record],
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    return {n.replace("base_model.model.", ""): p.detach() for n, p in trainer.model.named_parameters()}
+
+
+def _same(tmp_path, kind="chat", **options):
+    """:func:`helpers.assert_same_training` against SFTTrainer, and the stored weights after the step agree up to
+    float32 rounding of p + dp."""
+    ref, ours = assert_same_training(
+        (SFTTrainer, SFTConfig), (StreamSFTTrainer, StreamSFTConfig), tmp_path, _dataset(kind), **{**SFT, **options}
     )
-    trainer.train()
-    after = {n.replace("base_model.model.", ""): p.detach() for n, p in trainer.model.named_parameters()}
-    return trainer, record.update, after
-
-
-def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
-    ref_overrides = {k: v for k, v in overrides.items() if not k.startswith("stream_")}
-    ref, ref_update, ref_after = _train(
-        SFTTrainer, SFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **ref_overrides
-    )
-    ours, update, after = _train(
-        StreamSFTTrainer, StreamSFTConfig, tmp_path, kind, copy.deepcopy(peft_config), **overrides
-    )
-    assert ours.stream_options["stream_chunk_size"] == overrides.get("stream_chunk_size", CHUNK)
-    assert set(update) == set(ref_update) and update
-    for name, delta_ref in ref_update.items():
-        err = ((update[name] - delta_ref).norm() / delta_ref.norm().clamp_min(1e-30)).item()
-        assert err < 1e-5, f"{name}: relative error of the update {err:.2e}"
-        # and the stored weights agree up to float32 rounding of p + dp
-        torch.testing.assert_close(after[name], ref_after[name], rtol=1e-6, atol=1e-6)
+    ref_weights = _weights(ref)
+    for name, weight in _weights(ours).items():
+        torch.testing.assert_close(weight, ref_weights[name], rtol=1e-6, atol=1e-6)
     return ref, ours
 
 
@@ -90,13 +72,13 @@ def _assert_same_update(tmp_path, kind="chat", peft_config=None, **overrides):
     ],
 )
 def test_one_step_equals_sft_trainer(tmp_path, kind, overrides):
-    _assert_same_update(tmp_path, kind, **overrides)
+    _same(tmp_path, kind, **overrides)
 
 
 def test_lora_step_equals_sft_trainer(tmp_path):
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"])
-    _assert_same_update(tmp_path, "chat", peft_config=lora, learning_rate=0.5)
+    _same(tmp_path, "chat", peft_config=lora, learning_rate=0.5)
 
 
 def test_lora_dropout_step_equals_sft_trainer_with_the_same_masks(tmp_path):
@@ -105,8 +87,8 @@ def test_lora_dropout_step_equals_sft_trainer_with_the_same_masks(tmp_path):
     many chunks the masks are drawn per chunk and replayed (tests/test_randomness.py)."""
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj", "up_proj"])
-    _assert_same_update(tmp_path, "chat", peft_config=lora, learning_rate=0.5, stream_chunk_size=4096)
-    ours, *_ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "chunked", "chat", lora, max_steps=2)
+    _same(tmp_path, "chat", peft_config=lora, learning_rate=0.5, stream_chunk_size=4096)
+    ours, _ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "chunked", "chat", peft_config=lora, max_steps=2)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in ours.state.log_history if "loss" in h)
 
 
@@ -114,10 +96,10 @@ def test_the_callers_config_is_not_changed(tmp_path):
     args = _args(StreamSFTConfig, tmp_path)
     assert args.gradient_checkpointing
     trainer = StreamSFTTrainer(
-        model=_model(),
+        model=load_model(),
         args=args,
         train_dataset=_dataset("chat"),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        processing_class=load_tokenizer(),
     )
     assert args.gradient_checkpointing and not trainer.args.gradient_checkpointing
 
@@ -125,8 +107,8 @@ def test_the_callers_config_is_not_changed(tmp_path):
 @pytest.mark.slow
 def test_loss_curve_equals_sft_trainer(tmp_path):
     kw = dict(max_steps=5, learning_rate=0.05)
-    ref, *_ = _train(SFTTrainer, SFTConfig, tmp_path, **kw)
-    ours, *_ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path, **kw)
+    ref, _ = _train(SFTTrainer, SFTConfig, tmp_path, **kw)
+    ours, _ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path, **kw)
     ref_losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
     logs = [h for h in ours.state.log_history if "loss" in h]
     assert len(ref_losses) == 5
@@ -138,15 +120,10 @@ def test_loss_curve_equals_sft_trainer(tmp_path):
 
 
 def test_plain_sft_config_gets_default_stream_options(tmp_path):
-    trainer, *_ = _train(StreamSFTTrainer, SFTConfig, tmp_path, max_length=4096)
-    assert trainer.stream_options == {
-        "stream_chunk_size": "auto",
-        "logits_chunk_size": None,
-        "kv_mode": "recompute",
-        "offload_checkpoints": False,
-        "memory_budget": None,
-        "keep_every": 1,
-    }
+    trainer, _ = _train(StreamSFTTrainer, SFTConfig, tmp_path, max_length=4096)
+    assert trainer.stream_options == StreamOptions(
+        stream_chunk_size="auto", stream_eval=True, fused_outputs=("entropy", "is_top1")
+    )
     assert not trainer.args.gradient_checkpointing  # the engine owns checkpointing: layers are not wrapped twice
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs[0]["stream_chunk_size"] == logs[0]["logits_chunk_size"] == 512  # "auto" on the CPU: the rule
@@ -155,11 +132,12 @@ def test_plain_sft_config_gets_default_stream_options(tmp_path):
 @pytest.mark.slow
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
     kw = dict(max_steps=4, learning_rate=0.05, save_strategy="steps", save_steps=2)
-    full, _, full_after = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "full", **kw)
-    model = _model()
+    full, _ = _train(StreamSFTTrainer, StreamSFTConfig, tmp_path / "full", **kw)
+    full_after = _weights(full)
+    model = load_model()
     args = _args(StreamSFTConfig, tmp_path / "full" / StreamSFTTrainer.__name__, **kw)
     resumed = StreamSFTTrainer(
-        model=model, args=args, train_dataset=_dataset("chat"), processing_class=AutoTokenizer.from_pretrained(MODEL)
+        model=model, args=args, train_dataset=_dataset("chat"), processing_class=load_tokenizer()
     )
     resumed.train(resume_from_checkpoint=str(Path(args.output_dir) / "checkpoint-2"))
     assert is_streaming(resumed.model)  # the weights were reloaded into the streamed model
@@ -178,7 +156,7 @@ def test_refused_model_fails_before_training(tmp_path):
             model=model,
             args=_args(StreamSFTConfig, tmp_path),
             train_dataset=_dataset("chat"),
-            processing_class=AutoTokenizer.from_pretrained(MODEL),
+            processing_class=load_tokenizer(),
         )
 
 
@@ -189,14 +167,12 @@ def test_bad_chunk_size_in_config(tmp_path, value):
 
 
 def test_moe_load_balancing_loss_is_refused_at_construction_and_trains_without_it(tmp_path):
-    from models import tiny_model
-
     def build(**overrides):
         return StreamSFTTrainer(
             model=tiny_model("qwen3_moe", dtype=torch.float32, vocab_size=512),
             args=_args(StreamSFTConfig, tmp_path, **overrides),
             train_dataset=_dataset("chat"),
-            processing_class=AutoTokenizer.from_pretrained(MODEL),
+            processing_class=load_tokenizer(),
         )
 
     with pytest.raises(

@@ -4,22 +4,10 @@ import copy
 
 import pytest
 import torch
-from models import FAMILIES, FLOAT64_TOLERANCE, batch, max_rel_grad_error, reference_loss, tiny_model
+from helpers import EXACT, assert_matches_plain, max_rel_grad_error
+from models import FAMILIES, FLOAT64_TOLERANCE, batch, tiny_model
 
 from streambp_trl import enable_streambp
-
-TOL = 1e-10
-
-
-def _compare(reference, streamed, ids, mask, labels, tol=TOL, **call):
-    ref_loss = reference_loss(reference, ids, mask, labels)
-    ref_loss.backward()
-    loss = streamed(input_ids=ids, attention_mask=mask, labels=labels, **call).loss
-    loss.backward()
-    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
-    err, where = max_rel_grad_error(reference, streamed)
-    assert err < tol, f"relative gradient error {err:.3e} at {where}"
-    return err
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])
@@ -28,7 +16,7 @@ def test_family_float64(family, padding):
     reference = tiny_model(family)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
     ids, mask, labels = batch(padding=padding)
-    _compare(reference, streamed, ids, mask, labels, tol=FLOAT64_TOLERANCE.get(family, TOL))
+    assert_matches_plain(reference, streamed, ids, mask, labels, tol=FLOAT64_TOLERANCE.get(family, EXACT))
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 7, 22, 23, 64])  # one token, non-dividing, T-1, T, longer than T
@@ -36,27 +24,27 @@ def test_family_float64(family, padding):
 def test_chunk_sizes(family, chunk):
     reference = tiny_model(family)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk, logits_chunk_size=3)
-    _compare(reference, streamed, *batch(padding="left"))
+    assert_matches_plain(reference, streamed, *batch(padding="left"))
 
 
 @pytest.mark.parametrize("kv_mode", ["recompute", "capture"])
 def test_kv_modes(kv_mode):
     reference = tiny_model("gemma3", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=3, kv_mode=kv_mode)
-    _compare(reference, streamed, *batch(padding="right"), tol=FLOAT64_TOLERANCE["gemma3"])
+    assert_matches_plain(reference, streamed, *batch(padding="right"), tol=FLOAT64_TOLERANCE["gemma3"])
 
 
 def test_fused_lm_head_call_is_exact():
     reference = tiny_model("qwen2")
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=6)
-    _compare(reference, streamed, *batch(padding="left"), fused_lm_head=True)
+    assert_matches_plain(reference, streamed, *batch(padding="left"), fused_lm_head=True)
 
 
 def test_tied_embeddings():
     reference = tiny_model("qwen3", tie_word_embeddings=True)
     assert reference.lm_head.weight is reference.model.embed_tokens.weight
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
-    _compare(reference, streamed, *batch())
+    assert_matches_plain(reference, streamed, *batch())
 
 
 def test_packed_sequences_without_attention_mask():
@@ -72,7 +60,7 @@ def test_packed_sequences_without_attention_mask():
     loss = streamed(input_ids=ids, position_ids=position_ids, labels=labels).loss
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) < 1e-12
-    assert max_rel_grad_error(reference, streamed)[0] < TOL
+    assert max_rel_grad_error(reference, streamed)[0] < EXACT
     # the packing matters: without the position_ids the loss differs
     assert abs(streamed(input_ids=ids, labels=labels).loss.item() - loss.item()) > 1e-6
 
@@ -87,7 +75,7 @@ def test_lora():
             torch.nn.init.normal_(p, std=0.1)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
     ids, mask, labels = batch(padding="left")
-    _compare(reference, streamed, ids, mask, labels)
+    assert_matches_plain(reference, streamed, ids, mask, labels)
     trainable = [n for n, p in streamed.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
 
@@ -107,7 +95,7 @@ def test_each_parameter_gets_one_gradient_per_backward():
 def test_float32_matches_plain_autograd():
     reference = tiny_model("llama", dtype=torch.float32)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
-    _compare(reference, streamed, *batch(padding="left"), tol=1e-5)
+    assert_matches_plain(reference, streamed, *batch(padding="left"), tol=1e-5)
 
 
 def test_bf16_autocast_matches_checkpointing():
@@ -142,8 +130,8 @@ def test_user_given_4d_mask_is_sliced_per_chunk():
     ref_loss.backward()
     loss = streamed(input_ids=ids, attention_mask=mask4d, labels=labels).loss
     loss.backward()
-    assert abs(loss.item() - ref_loss.item()) <= TOL * ref_loss.item()
-    assert max_rel_grad_error(reference, streamed)[0] < TOL
+    assert abs(loss.item() - ref_loss.item()) <= EXACT * ref_loss.item()
+    assert max_rel_grad_error(reference, streamed)[0] < EXACT
 
 
 def test_parameter_tensor_hooks_see_the_whole_gradient_once():
@@ -156,5 +144,5 @@ def test_parameter_tensor_hooks_see_the_whole_gradient_once():
         layer = model.model.layers[0]
         layer.mlp.up_proj.weight.register_hook(lambda g: calls.append(1) or g * 2)
         layer.self_attn.q_proj.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
-    err = _compare(reference, streamed, *batch())
-    assert calls == [1, 1] and err < TOL  # once in the reference, once streamed
+    err = assert_matches_plain(reference, streamed, *batch())
+    assert calls == [1, 1] and err < EXACT  # once in the reference, once streamed

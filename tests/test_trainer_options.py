@@ -20,6 +20,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import ROOT, args, assert_each_close, load_model, load_tokenizer, tiny_dataset, torchrun  # noqa: E402
 from models import batch, tiny_model  # noqa: E402
 
 from streambp_trl import (  # noqa: E402
@@ -75,15 +76,11 @@ def _worker() -> None:
 
 
 def _trainer(tmp_path, **overrides) -> StreamSFTTrainer:
-    from datasets import load_dataset
-    from trainer_parity import MODEL, ROOT, args, model
-    from transformers import AutoTokenizer
-
     return StreamSFTTrainer(
-        model=model(),
-        args=args(StreamSFTConfig, tmp_path, True, max_length=64, **overrides),
-        train_dataset=load_dataset("json", data_files=str(ROOT / "configs/data/tiny_chat.jsonl"), split="train[:4]"),
-        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        model=load_model(),
+        args=args(StreamSFTConfig, tmp_path, max_length=64, **overrides),
+        train_dataset=tiny_dataset("chat", 4),
+        processing_class=load_tokenizer(),
     )
 
 
@@ -105,8 +102,6 @@ def test_ddp_without_the_search_reduces_a_parameter_no_chunk_reached(tmp_path):
     ``find_unused_parameters`` and give the gradients of plain autograd on the whole batch in one process (the
     parameter no chunk reached: zero, where plain autograd leaves none). Plain autograd under DDP without the search
     fails on the second step here."""
-    from test_distributed import torchrun
-
     torchrun("test_trainer_options.py", "--out", str(tmp_path / "grads.pt"), log=tmp_path / "worker.log")
     grads = torch.load(tmp_path / "grads.pt")
     plain = _model_with_a_parameter_no_chunk_reaches()
@@ -116,10 +111,8 @@ def test_ddp_without_the_search_reduces_a_parameter_no_chunk_reached(tmp_path):
     assert expected["model.layers.0.unreached"] is None and torch.equal(
         grads["model.layers.0.unreached"], torch.zeros(3)
     )
-    for name, g in expected.items():
-        if g is not None:
-            err = ((grads[name] - g).norm() / g.norm()).item()
-            assert err < 1e-5, f"{name}: {err:.2e}"
+    reached = [name for name, g in expected.items() if g is not None]
+    assert_each_close({n: expected[n] for n in reached}, {n: grads[n] for n in reached}, 1e-5, "gradient")
 
 
 @pytest.mark.parametrize("config_cls", CONFIGS, ids=lambda c: c.__name__)
@@ -149,8 +142,6 @@ def test_stream_chunk_size_is_an_int_or_auto():
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("64", 64)])
 def test_the_command_line_reads_stream_chunk_size_as_an_int_or_auto(value, expected):
-    from trainer_parity import ROOT
-
     from streambp_trl.cli import parse_args
 
     config = str(ROOT / "configs" / "sft_tiny.yaml")

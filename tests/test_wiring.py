@@ -5,8 +5,8 @@ import warnings
 
 import pytest
 import torch
-from models import VOCAB, batch, max_rel_grad_error, reference_loss, tiny_model
-from test_stream_exact import TOL, _compare
+from helpers import EXACT, assert_matches_plain, max_rel_grad_error, reference_loss
+from models import VOCAB, batch, tiny_model
 from trl.models.utils import disable_gradient_checkpointing
 
 from streambp_trl import disable_streambp, enable_streambp
@@ -28,7 +28,7 @@ def test_streaming_survives_transformers_checkpointing_switches():
     assert is_streaming(model)
     model.activation_checkpointing_enable(every_n_layers=2)
     assert is_streaming(model)
-    _compare(reference, model, *batch(padding="left"))
+    assert_matches_plain(reference, model, *batch(padding="left"))
     # what transformers asked for last is what disable_streambp leaves behind
     disable_streambp(model)
     assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
@@ -44,7 +44,7 @@ def test_streaming_survives_trl_reference_pass_context():
             assert is_streaming(model)
             model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         assert is_streaming(model)
-    _compare(reference, model, ids, mask, labels)
+    assert_matches_plain(reference, model, ids, mask, labels)
 
 
 def test_deepcopy_streams_and_runs_in_both_modes():
@@ -60,7 +60,7 @@ def test_deepcopy_streams_and_runs_in_both_modes():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, reference(ids, mask).logits)
     model.train()
     reference.train()
-    _compare(reference, model, ids, mask, labels)
+    assert_matches_plain(reference, model, ids, mask, labels)
     disable_streambp(model)
     assert is_streaming(original) and not is_streaming(model)
 
@@ -76,7 +76,7 @@ def test_models_sharing_a_config_do_not_disturb_each_other():
     assert is_streaming(b) and not is_streaming(a)
     ids, mask, labels = batch(padding="left")
     assert a(input_ids=ids, attention_mask=mask, labels=labels).logits is not None  # plain transformers again
-    _compare(reference, b, ids, mask, labels)
+    assert_matches_plain(reference, b, ids, mask, labels)
 
 
 def test_save_and_reload_keep_the_engine(tmp_path):
@@ -150,7 +150,7 @@ def test_lora_with_lm_head_in_modules_to_save():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
-    _compare(reference, streamed, *batch(padding="left"))
+    assert_matches_plain(reference, streamed, *batch(padding="left"))
     assert any("modules_to_save" in n and p.grad is not None for n, p in streamed.named_parameters())
     with streamed.disable_adapter():  # the reference pass of DPO with PEFT: the original head is used
         out = streamed(*batch()[:2], labels=batch()[2], fused_lm_head=True)
@@ -170,5 +170,5 @@ def test_gradients_of_a_reenabled_model_are_exact():
     model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=3)
     disable_streambp(model)
     enable_streambp(model, stream_chunk_size=5)
-    err = _compare(reference, model, *batch(padding="right"))
-    assert err < TOL and max_rel_grad_error(reference, model)[0] < TOL
+    err = assert_matches_plain(reference, model, *batch(padding="right"))
+    assert err < EXACT and max_rel_grad_error(reference, model)[0] < EXACT
