@@ -7,7 +7,7 @@ checkpointing), ``checkpoint+chunked-loss`` (TRL 1.16's default: checkpointing +
 ``fused_lm_head=True`` call) and ``stream+offload`` (the same with ``offload_checkpoints=True``).
 
 The measuring lives in ``streambp_trl.bench.measure`` (shared with ``streambp-trl max-len``; its docstrings and
-those of ``bench.worker`` / ``bench.memory_probe`` describe it exactly): every (mode, seq_len) runs in a fresh
+those of ``bench.worker`` / ``bench.memory_meter`` describe it exactly): every (mode, seq_len) runs in a fresh
 subprocess, one warm-up step, then ``--repeats`` measured forward+backward steps; ``peak_mb`` is the peak above the
 loaded model in MiB (CPU: peak RSS with ``MALLOC_MMAP_THRESHOLD_=131072`` and ``/proc/self/clear_refs``; CUDA:
 ``max_memory_allocated``), parameter gradients included; the time is the median wall-clock seconds (synchronised on
@@ -30,7 +30,7 @@ the shortest and the longest length, and for ``stream`` the ratios to ``checkpoi
 memory) and to ``checkpoint`` (time at each length). ``--baseline FILE`` takes records of modes not measured in
 this run from an earlier JSON output (e.g. to compare ``--kv-mode capture`` against an earlier full run).
 
-The longest sequence that fits, per training mode, is ``streambp-trl max-len`` (the same measuring, one probe per
+The longest sequence that fits, per training mode, is ``streambp-trl max-len`` (the same measuring, one trial per
 length in a fresh process, e.g. ``streambp-trl max-len --model qwen3-8b --json h100_qwen3_8b_max_len.json``).
 
 Example::

@@ -52,31 +52,31 @@ def test_search_finds_the_longest_fitting_multiple(peak, budget, limit, expected
     step = 256
     calls = []
 
-    def probe(n):
+    def trial(n):
         calls.append(n)
         return peak(n)
 
-    best, first_failure, probes = bisect_max_len(probe, step=step, budget=budget, limit=limit)
+    best, first_failure, trials = bisect_max_len(trial, step=step, budget=budget, limit=limit)
     assert best == expected and best % step == 0
-    assert best == 0 or probes[best] <= budget
+    assert best == 0 or trials[best] <= budget
     if best == limit:
         assert first_failure is None
     else:
-        assert first_failure == best + step and probes[first_failure] > budget
+        assert first_failure == best + step and trials[first_failure] > budget
     assert len(calls) <= 14 and len(set(calls)) == len(calls)
 
 
 def test_search_on_out_of_memory_only():
-    """No budget: a length fits when it runs (the probe returns None when it runs out of memory)."""
+    """No budget: a length fits when it runs (the trial returns None when it runs out of memory)."""
     best, first_failure, _ = bisect_max_len(lambda n: None if n > 20000 else 1.0, step=1024, start=4096)
     assert (best, first_failure) == (19456, 20480)
     calls = []  # with a target (the GPU's memory), the measured peaks steer the search
 
-    def probe(n):
+    def trial(n):
         calls.append(n)
         return None if 100 + 0.01 * n > 290 else 100 + 0.01 * n
 
-    best, first_failure, _ = bisect_max_len(probe, step=1024, target=300, start=4096)
+    best, first_failure, _ = bisect_max_len(trial, step=1024, target=300, start=4096)
     assert (best, first_failure) == (18432, 19456) and len(calls) <= 8
 
 
@@ -165,7 +165,7 @@ def test_cpu_needs_a_budget(capsys):
 
 @pytest.mark.slow
 def test_cpu_bisection_returns_a_length_that_fits_and_one_step_more_that_does_not(tmp_path, capsys, monkeypatch):
-    """Every probe is one real forward+backward in a fresh process; its peak is the model plus peak RSS above it."""
+    """Every trial is one real forward+backward in a fresh process; its peak is the model plus peak RSS above it."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # quicker on a busy machine; the measurement is per process
     out_file, step, budget = tmp_path / "cpu.json", 256, 40 * 2**20
     argv = ["max-len", "--model", "qwen3-tiny", "--device", "cpu", "--budget", "40MiB", "--mode", "hf-gc"]
@@ -176,9 +176,9 @@ def test_cpu_bisection_returns_a_length_that_fits_and_one_step_more_that_does_no
     (row,) = result["rows"]
     length = row["max_len"]
     assert length >= step and length % step == 0 and row["first_failure"] == length + step
-    probes = {p["seq_len"]: p for p in result["probes"]}
-    assert probes[length]["status"] == "ok" and probes[length]["total_peak_mb"] * 2**20 <= budget
-    assert probes[length + step]["status"] == "ok" and probes[length + step]["total_peak_mb"] * 2**20 > budget
+    trials = {p["seq_len"]: p for p in result["trials"]}
+    assert trials[length]["status"] == "ok" and trials[length]["total_peak_mb"] * 2**20 <= budget
+    assert trials[length + step]["status"] == "ok" and trials[length + step]["total_peak_mb"] * 2**20 > budget
     assert f"| {length:,} |" in out
 
 

@@ -3,7 +3,7 @@
 Two ways, and the output says which one it used:
 
 * **measured**: on a GPU (``torch.cuda.is_available()`` and no ``--gpu-memory``), or on the CPU against a
-  ``--budget`` (``--device cpu``), a real search: every probe is one forward+backward at that length in a fresh
+  ``--budget`` (``--device cpu``), a real search: every trial is one forward+backward at that length in a fresh
   process (:mod:`streambp_trl.bench.measure`); lengths are multiples of ``--step``. On CUDA a length fits when it
   runs without running out of memory (and, with ``--budget``, when ``max_memory_allocated`` stays within it); on
   the CPU when the model's bytes plus the step's peak RSS above the loaded model stay within ``--budget``.
@@ -14,7 +14,7 @@ The stream rows' chunk sizes default to ``"auto"``: a measured row runs what a t
 smallest chunk, where ``"auto"`` ends up at the longest lengths.
 
 One row per mode: Hugging Face gradient checkpointing, TRL's default (checkpointing + its fused LM head), stream,
-and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it probes up to a
+and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it trials up to a
 million tokens and needs host memory). A row of 0 says why under the table.
 
 ``--model``: a named shape of :data:`~streambp_trl.sizing.shapes.NAMED_MODELS` (or the Hub name of one, e.g.
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--offload",
         action="store_true",
-        help="measured runs: add the stream + offload row (probes up to a million tokens, needs host memory); "
+        help="measured runs: add the stream + offload row (trials up to a million tokens, needs host memory); "
         "an estimate always has it",
     )
     p.add_argument("--gpu-memory", type=_size_arg, help="estimate for this much GPU memory (e.g. 80GiB, 141GB)")
@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", nargs="+", choices=ROWS, help="only these rows")
     p.add_argument("--step", type=_positive, default=1024, help="lengths are multiples of this")
     p.add_argument("--limit", type=_positive, default=1 << 22, help="measured runs: longest length tried")
-    p.add_argument("--timeout", type=float, help="measured runs: seconds allowed per probe")
-    p.add_argument("--json", metavar="FILE", help="also write the result (rows, probes) as JSON")
+    p.add_argument("--timeout", type=float, help="measured runs: seconds allowed per trial")
+    p.add_argument("--json", metavar="FILE", help="also write the result (rows, trials) as JSON")
     return p
 
 
@@ -180,7 +180,7 @@ def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], b
 
 
 def _start_hint(args: argparse.Namespace, shape: mm.ModelShape | None, mode: str, device: str) -> int | None:
-    """The memory model's length for the GPU's memory: the first probe (None when there is no estimate)."""
+    """The memory model's length for the GPU's memory: the first trial (None when there is no estimate)."""
     if device != "cuda" or shape is None:
         return None
     return mm.max_len(shape, _setup(mode, args), args.budget or _gpu_bytes(), step=args.step) or None
@@ -193,7 +193,7 @@ def _gpu_bytes() -> int:
 
 
 def _why_measured_none_fits(record: dict[str, Any], budget: int | None) -> str:
-    """Why not even the shortest length fits, from its probe's record."""
+    """Why not even the shortest length fits, from its trial's record."""
     n = f"{record['seq_len']:,} tokens"
     if record["status"] == "oom":
         return f"{n} already ran out of memory"
@@ -207,12 +207,12 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
     trainable = shape.params if shape is not None and not args.lora else 0  # an optimizer placeholder of this size
     reserve = trainable * OPTIMIZER_BYTES[args.optimizer]
     width = max(len(_label(mode, args)) for mode in modes)
-    rows, all_probes = [], []
+    rows, all_trials = [], []
     for mode in modes:
         records: dict[int, dict[str, Any]] = {}
         failure: list[str] = []
 
-        def probe(n: int, mode: str = mode, records: dict = records, failure: list = failure) -> float | None:
+        def trial(n: int, mode: str = mode, records: dict = records, failure: list = failure) -> float | None:
             spec = MeasureSpec(
                 mode=ROWS[mode][0],
                 objective=args.objective,
@@ -233,7 +233,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
                 raise _ProbeError
             return record["total_peak_mb"] * 2**20 if record["status"] == "ok" else None
 
-        bar = tqdm(desc=f"{_label(mode, args):<{width}}", unit="probe", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(desc=f"{_label(mode, args):<{width}}", unit="trial", file=sys.stderr, dynamic_ncols=True)
 
         def progress(n: int, fits: bool, bar=bar) -> None:
             bar.update(1)
@@ -241,7 +241,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
 
         try:
             best, first_failure, _ = bisect_max_len(
-                probe,
+                trial,
                 step=args.step,
                 budget=args.budget,
                 target=_gpu_bytes() if device == "cuda" and args.budget is None else None,
@@ -268,14 +268,14 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
                 "why": _why_measured_none_fits(records[first_failure], args.budget) if best == 0 else None,
             }
         )
-        all_probes += [{**r, "row": mode} for _, r in sorted(records.items())]
+        all_trials += [{**r, "row": mode} for _, r in sorted(records.items())]
     env = environment(device)
     return {"kind": "measured", "budget_bytes": args.budget, "dtype": dtype, "env": env, "rows": rows,
-            "probes": all_probes}  # fmt: skip
+            "trials": all_trials}  # fmt: skip
 
 
 class _ProbeError(Exception):
-    """A probe failed for another reason than memory (its error goes in the row)."""
+    """A trial failed for another reason than memory (its error goes in the row)."""
 
 
 # ------------------------------------------------------------------------------------------------------------

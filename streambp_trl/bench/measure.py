@@ -60,7 +60,7 @@ def measure(spec: MeasureSpec, timeout: float | None = None, *, log: bool = True
 
 
 def bisect_max_len(
-    probe: Callable[[int], float | None],
+    trial: Callable[[int], float | None],
     *,
     step: int = 1024,
     budget: float | None = None,
@@ -69,17 +69,17 @@ def bisect_max_len(
     limit: int = 1 << 22,
     progress: Callable[[int, bool], None] | None = None,
 ) -> tuple[int, int | None, dict[int, float | None]]:
-    """Longest multiple of ``step`` (up to ``limit``) that fits; returns ``(best, first_failure, probes)``.
+    """Longest multiple of ``step`` (up to ``limit``) that fits; returns ``(best, first_failure, trials)``.
 
-    ``probe(n)`` runs length ``n`` and returns its peak (any unit, the ``budget``'s) or ``None`` when it ran out
+    ``trial(n)`` runs length ``n`` and returns its peak (any unit, the ``budget``'s) or ``None`` when it ran out
     of memory. ``n`` fits when it ran and, with a ``budget``, its peak is within it. Memory grows about linearly
     with the length, so the next length is the linear interpolation (or extrapolation, at most 8x) of the peaks
     measured so far to ``target`` (default: the budget; e.g. the GPU's memory when running out of it decides);
     without either, doubling then halving the bracket. ``start``: the
     first length to try (e.g. an estimate). ``best`` is 0 when not even ``step`` fits; ``first_failure`` is None
-    when ``limit`` fits. ``progress(n, fits)`` is called after every probe.
+    when ``limit`` fits. ``progress(n, fits)`` is called after every trial.
     """
-    probes: dict[int, float | None] = {}
+    trials: dict[int, float | None] = {}
     target = budget if target is None else target
     lo, hi = 0, None  # longest known to fit, shortest known not to
     top = limit // step * step
@@ -90,8 +90,8 @@ def bisect_max_len(
 
     n, outcomes = snap(start if start else step), []
     while n > lo and (hi is None or n < hi):
-        peak = probe(n)
-        probes[n] = peak
+        peak = trial(n)
+        trials[n] = peak
         ok = peak is not None and (budget is None or peak <= budget)
         outcomes.append(ok)
         if progress is not None:
@@ -102,9 +102,9 @@ def bisect_max_len(
             hi = n
         if lo >= top or (hi is not None and hi - lo <= step):
             break
-        known = sorted((k, v) for k, v in probes.items() if v is not None)
+        known = sorted((k, v) for k, v in trials.items() if v is not None)
         guess = None
-        # interpolate unless, inside a bracket, the last two probes fell on the same side (then halve it)
+        # interpolate unless, inside a bracket, the last two trials fell on the same side (then halve it)
         if target is not None and known and not (hi is not None and lo and outcomes[-2:] in ([True] * 2, [False] * 2)):
             below = [(k, v) for k, v in known if v <= target]
             above = [(k, v) for k, v in known if v > target]
@@ -119,4 +119,4 @@ def bisect_max_len(
         if guess is None or guess != guess:  # no usable interpolation (or NaN): double, or halve the bracket
             guess = 2 * lo if hi is None else (lo + hi) / 2
         n = snap(guess)
-    return lo, hi, probes
+    return lo, hi, trials

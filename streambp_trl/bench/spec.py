@@ -91,7 +91,7 @@ class MeasureSpec:
     kv_mode: str = "recompute"  # stream modes: one of streambp_trl.layers.KV_MODES
     keep_every: int = 1  # stream modes: keep only every k-th layer's input
     same_logits_tile: bool = False  # checkpoint+chunked-loss: TRL's fused head takes logits_chunk_size as its tile
-    phases: bool = False  # also record each phase's peak and time (streambp_trl.bench.memory_probe.PhaseMarks)
+    phases: bool = False  # also record each phase's peak and time (streambp_trl.bench.memory_meter.PhaseMarks)
     reserve_bytes: int = 0  # a tensor held through the step like optimizer states, counted with the model
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ ids, random weights (fixed seed), dropout set to 0 (modes: :mod:`streambp_trl.be
 (:mod:`streambp_trl.sizing.auto`), recorded as chosen.
 
 One warm-up step runs (``spec.warmup``, default on), the gradients are dropped (``set_to_none``), then the
-measured step runs ``repeats`` times, its memory taken as :mod:`streambp_trl.bench.memory_probe` describes.
+measured step runs ``repeats`` times, its memory taken as :mod:`streambp_trl.bench.memory_meter` describes.
 
 ``peak_mb`` is the peak above the loaded model(s) in MiB, parameter gradients included; ``total_peak_mb`` adds
 the model: on CUDA the allocated baseline (what ``max_memory_allocated`` reports), on CPU the bytes of the
@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from streambp_trl.bench.memory_probe import MemoryProbe, PhaseMarks
+from streambp_trl.bench.memory_meter import MemoryMeter, PhaseMarks
 from streambp_trl.bench.metadata import engine_hash
 from streambp_trl.bench.models import build_model, prepare_model, trl_token_chunk
 from streambp_trl.bench.spec import TEMPERATURE, MeasureSpec, Mode
@@ -115,8 +115,8 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         reserved = torch.zeros(spec.reserve_bytes, dtype=torch.uint8, device=device)
         model_bytes += reserved.numel()
         loss_fn, tokens = _step_function(spec, device, models)
-        probe = MemoryProbe(device)
-        marks = PhaseMarks(policy, probe) if spec.phases else None
+        meter = MemoryMeter(device)
+        marks = PhaseMarks(policy, meter) if spec.phases else None
 
         def step() -> float:
             if marks is not None:
@@ -140,14 +140,14 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         times, cpu_times, peaks, host_peaks, losses, baselines = [], [], [], [], [], []
         grad_norm = None
         for i in range(spec.repeats):
-            baselines.append(probe.reset())
+            baselines.append(meter.reset())
             start, cpu_start = time.perf_counter(), time.process_time()
             losses.append(step())
             times.append(time.perf_counter() - start)
             cpu_times.append(time.process_time() - cpu_start)
             # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
-            peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else probe.peak_above_baseline())
-            host_peaks.append(probe.host_peak_above_baseline())
+            peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else meter.peak_above_baseline())
+            host_peaks.append(meter.host_peak_above_baseline())
             if i == spec.repeats - 1:
                 norms = [p.grad.detach().double().norm() for p in policy.parameters() if p.grad is not None]
                 grad_norm = float(torch.stack(norms).norm()) if norms else None

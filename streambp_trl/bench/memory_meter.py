@@ -27,7 +27,7 @@ def read_status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} field")
 
 
-class MemoryProbe:
+class MemoryMeter:
     """Peak memory above a baseline: peak RSS on CPU, peak allocated memory on CUDA (and the host's peak RSS)."""
 
     def __init__(self, device: Any) -> None:
@@ -76,10 +76,10 @@ class PhaseMarks:
     Each mark restarts the peak counter, so the step's peak is the largest phase peak.
     """
 
-    def __init__(self, model: Any, probe: MemoryProbe) -> None:
+    def __init__(self, model: Any, meter: MemoryMeter) -> None:
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        self.probe = probe
+        self.meter = meter
         self.armed = False
         self.phases: list[dict[str, Any]] = []
         self.start = 0.0
@@ -106,11 +106,11 @@ class PhaseMarks:
     def mark(self, name: str) -> None:
         import torch
 
-        if self.probe.device.type == "cuda":
-            torch.cuda.synchronize(self.probe.device)
+        if self.meter.device.type == "cuda":
+            torch.cuda.synchronize(self.meter.device)
         now = time.perf_counter()
         self.phases.append(
-            {"phase": name, "peak_mb": self.probe.peak_above_baseline() / 2**20, "time_s": now - self.start}
+            {"phase": name, "peak_mb": self.meter.peak_above_baseline() / 2**20, "time_s": now - self.start}
         )
-        self.probe.reset_peak()
+        self.meter.reset_peak()
         self.start = time.perf_counter()
