@@ -121,17 +121,19 @@ class ShapeRecorder(TorchDispatchMode):
 
 
 class ShapesEveryStep(TrainerCallback):
-    """Records every tensor shape produced during the training steps, and whether the model still streams after
-    each step."""
+    """Records every tensor shape produced during the training steps (only step ``step``, 0-based, when given), and
+    whether the model still streams after each step."""
 
-    def __init__(self):
-        self.recorder, self.streaming = ShapeRecorder(), []
+    def __init__(self, step: int | None = None):
+        self.step, self.recorder, self.streaming = step, ShapeRecorder(), []
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.recorder.__enter__()
+        if self.step in (None, state.global_step):
+            self.recorder.__enter__()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.recorder.__exit__(None, None, None)
+        if self.step in (None, state.global_step - 1):
+            self.recorder.__exit__(None, None, None)
         self.streaming.append(is_streaming(model))
 
 

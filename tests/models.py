@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from streambp_trl.bench.causal_lm_zoo import batch  # noqa: F401 (the tests' batch: padded, a prompt unlabelled)
+
 VOCAB = 101
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -65,22 +67,3 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0, *
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     model.train()
     return model
-
-
-def batch(batch_size: int = 2, seq_len: int = 23, padding: str = "right", prompt: int = 6, seed: int = 1):
-    """input_ids, attention_mask and labels with -100 on padding and on a prompt prefix."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch_size, seq_len), generator=g)
-    mask = torch.ones(batch_size, seq_len, dtype=torch.long)
-    if padding == "right":
-        mask[-1, seq_len - 7 :] = 0
-    elif padding == "left":
-        mask[-1, :7] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    labels = ids.masked_fill(mask == 0, -100)
-    if padding == "left":
-        labels[-1, : 7 + prompt] = -100
-        labels[:-1, :prompt] = -100
-    else:
-        labels[:, :prompt] = -100
-    return ids, mask, labels

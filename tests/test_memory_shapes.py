@@ -5,32 +5,16 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import load_dataset
+from helpers import ShapeRecorder, ShapesEveryStep
 from models import VOCAB, batch, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
-from streambp_trl.engine import is_streaming
 
 ROOT = Path(__file__).resolve().parents[1]
 
 T, CHUNK, TILE = 96, 8, 8
-
-
-class _Shapes(TorchDispatchMode):
-    """Records the shape of every tensor any aten op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes: list[tuple[str, tuple[int, ...]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.shapes.append((str(func), tuple(t.shape)))
-        return out
 
 
 def _violations(shapes):
@@ -46,7 +30,7 @@ def _violations(shapes):
 
 def _run(model, **call):
     ids, mask, labels = batch(seq_len=T, padding="left")
-    with _Shapes() as rec:
+    with ShapeRecorder() as rec:
         model(input_ids=ids, attention_mask=mask, labels=labels, **call).loss.backward()
     return _violations(rec.shapes)
 
@@ -69,29 +53,12 @@ def test_detector_flags_the_stock_model():
     assert "T x T" in {kind for kind, *_ in _run(model, fused_lm_head=True, use_cache=False)}
 
 
-class _ShapesOnStep(TrainerCallback):
-    """Records every tensor shape produced during the training step ``step`` (0-based), and whether the model still
-    streams after each step."""
-
-    def __init__(self, step: int):
-        self.step, self.recorder, self.streaming = step, _Shapes(), []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            self.recorder.__enter__()
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if state.global_step == self.step + 1:
-            self.recorder.__exit__(None, None, None)
-        self.streaming.append(is_streaming(model))
-
-
 def test_second_trainer_step_builds_no_full_mask_or_logits(tmp_path):
     """The detector over a later StreamSFTTrainer step (packed 192-token rows, chunks of 16): no tensor with two
     dimensions of at least 150 (the tiny model's widest weight dimension other than its 512-token vocabulary is 128),
     so no (T x T) mask or score and no (tokens x vocab) logits."""
     model_dir = ROOT / "configs" / "tiny_model"
-    record = _ShapesOnStep(step=1)
+    record = ShapesEveryStep(step=1)
     trainer = StreamSFTTrainer(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         args=StreamSFTConfig(
