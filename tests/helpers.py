@@ -182,6 +182,7 @@ def train(
     ref_model: bool = False,
     peft_config=None,
     rewards: Callable[[], list] | None = None,
+    model: Callable[[], PreTrainedModel] = load_model,
     **overrides,
 ) -> tuple[Trainer, dict[str, torch.Tensor]]:
     """Train ``trainer_cls`` from :func:`load_model` on ``dataset`` with :func:`args` (``overrides`` on top) in
@@ -189,16 +190,17 @@ def train(
     (:class:`RecordUpdate`).
 
     ``ref_model``: give the trainer a separately loaded reference model (otherwise it makes its own, if it uses one);
-    ``peft_config``: a copy of it; ``rewards``: builds the reward functions (GRPO, RLOO), anew for each trainer.
+    ``peft_config``: a copy of it; ``rewards``: builds the reward functions (GRPO, RLOO), anew for each trainer;
+    ``model``: builds the policy (and the reference), the same weights on every call.
     """
     record = RecordUpdate()
     extra = {}
     if ref_model:
-        extra["ref_model"] = load_model()
+        extra["ref_model"] = model()
     if rewards is not None:
         extra["reward_funcs"] = rewards()
     trainer = trainer_cls(
-        model=load_model(),
+        model=model(),
         args=args(config_cls, Path(output_dir) / trainer_cls.__name__, **overrides),
         train_dataset=dataset,
         processing_class=load_tokenizer(),
@@ -208,6 +210,18 @@ def train(
     )
     trainer.train()
     return trainer, record.update
+
+
+class LengthReward:
+    """A reward (completion length in characters) that records every completion it scores."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self.__name__ = "length_reward"
+
+    def __call__(self, completions, **kwargs):
+        self.seen += list(completions)
+        return [float(len(c)) for c in completions]
 
 
 def assert_each_close(

@@ -4,7 +4,7 @@ same completions generated, the same parameter update, the same logged metrics, 
 from __future__ import annotations
 
 import pytest
-from helpers import ShapesEveryStep, args, assert_same_training, load_model, load_tokenizer, tiny_dataset
+from helpers import LengthReward, ShapesEveryStep, args, assert_same_training, load_model, load_tokenizer, tiny_dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from streambp_trl import StreamGRPOConfig, StreamGRPOTrainer, StreamRLOOConfig, StreamRLOOTrainer
@@ -20,24 +20,12 @@ RL = dict(
 )
 
 
-class _Completions:
-    """A reward (completion length in characters) that records every completion it scores."""
-
-    def __init__(self):
-        self.seen: list[str] = []
-        self.__name__ = "length_reward"
-
-    def __call__(self, completions, **kwargs):
-        self.seen += list(completions)
-        return [float(len(c)) for c in completions]
-
-
 def _same(trl_pair, stream_pair, tmp_path, **options):
     """:func:`helpers.assert_same_training` on 8 prompts, rewarded by completion length: both trainers also
     generated the same completions (and not all equal)."""
     dataset = tiny_dataset("prompt_completion", 8).remove_columns("completion")
     ref_trainer, ours = assert_same_training(
-        trl_pair, stream_pair, tmp_path, dataset, rewards=lambda: [_Completions()], **{**RL, **options}
+        trl_pair, stream_pair, tmp_path, dataset, rewards=lambda: [LengthReward()], **{**RL, **options}
     )
     completions, ref_completions = ours.reward_funcs[0].seen, ref_trainer.reward_funcs[0].seen
     assert completions == ref_completions and len(set(completions)) > 1  # the same samples, and not all equal
@@ -109,7 +97,7 @@ def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_inclu
     record = ShapesEveryStep()
     trainer = StreamGRPOTrainer(
         model=load_model(),
-        reward_funcs=[_Completions()],
+        reward_funcs=[LengthReward()],
         args=args(
             StreamGRPOConfig,
             tmp_path,

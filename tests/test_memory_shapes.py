@@ -1,5 +1,6 @@
 """No (T x T) mask or score tensor and no (tokens x vocab) logits tensor is ever built by the engine."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
+from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +43,34 @@ def test_stream_builds_no_full_mask_or_logits(family, fused):
     model = enable_streambp(tiny_model(family, dtype=torch.float32), stream_chunk_size=CHUNK, logits_chunk_size=TILE)
     assert model.config.hidden_size < T // 2  # so the LM head weight (vocab x hidden) is not flagged
     assert _run(model, **({"fused_lm_head": True} if fused else {})) == []
+
+
+def _state_size(config) -> int:
+    """Elements of one sequence's recurrent state in one layer (Gated DeltaNet or Mamba2)."""
+    if hasattr(config, "linear_num_value_heads"):
+        return config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    return config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h"])
+def test_hybrid_stream_builds_no_full_mask_logits_or_state_history(family):
+    """A hybrid's streamed step: besides no (T x T) and no (tokens x vocab) tensor, no (T x state) one (a state per
+    position); the stock model with padding is flagged (its attention layer's T x T mask)."""
+    model = tiny_causal_lm(family, dtype=torch.float32)
+    batch_size, state = 2, _state_size(model.config)
+    assert model.config.hidden_size < T // 2
+
+    def history(shapes):
+        return [s for _, s in shapes if max(s, default=0) >= T - 1 and math.prod(s) >= batch_size * (T - 1) * state]
+
+    ids, mask, labels = batch(seq_len=T, padding="left")
+    with ShapeRecorder() as stock:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert "T x T" in {kind for kind, *_ in _violations(stock.shapes)}
+    streamed = enable_streambp(model, stream_chunk_size=CHUNK, logits_chunk_size=TILE)
+    with ShapeRecorder() as rec:
+        streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert _violations(rec.shapes) == [] and history(rec.shapes) == []
 
 
 def test_detector_flags_the_stock_model():

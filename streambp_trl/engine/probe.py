@@ -177,5 +177,6 @@ def check_streamed(
     if not diff <= _tolerance(lm):
         refuse(
             "its layers give a different result when streamed chunk by chunk (relative difference "
-            f"{diff:.1e}): they mix tokens outside the key/value cache (e.g. convolution or recurrent state)"
+            f"{diff:.1e}): they mix tokens outside what a chunk receives from the earlier ones through the cache (the "
+            "keys/values, or the recurrent and convolution states), e.g. a scan that always starts from a zero state"
         )

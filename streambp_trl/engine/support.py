@@ -15,7 +15,25 @@ from transformers import PreTrainedModel
 
 from ..layers.layer_args import CACHE_KWARGS
 
-_SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention"}
+# Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values) and
+# the recurrent and convolution mixers of transformers' linear-attention cache interface (their states at the chunk
+# boundary); "mlp" / "moe" layers mix no tokens. Whether a model's layers really do so is what the probe checks.
+_SUPPORTED_LAYER_TYPES = {
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "linear_attention",
+    "conv",
+    "mamba",
+    "hybrid",
+    "hybrid_sliding",
+    "mlp",
+    "moe",
+}
+_REFUSED_LAYER_TYPES = {
+    "indexed_attention": "its sparse indexed attention chooses each query's keys by a top-k over an indexer's scores "
+    "of every earlier position, from an indexer key cache that the chunk cache does not serve",
+}
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
 # PEFT methods whose trained tokens reach the decoder as a filled key/value cache (past_key_values)
 _PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
@@ -85,8 +103,14 @@ def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers
     if getattr(config, "attn_logit_softcapping", None) is not None:
         refuse(lm, "attention-logit softcapping has no exact fused kernel here")
     layer_types = set(getattr(config, "layer_types", None) or ())
+    for layer_type in sorted(layer_types & set(_REFUSED_LAYER_TYPES)):
+        refuse(lm, f"{_REFUSED_LAYER_TYPES[layer_type]} (layer type {layer_type!r})")
     if layer_types - _SUPPORTED_LAYER_TYPES:
-        refuse(lm, f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are not softmax attention")
+        refuse(
+            lm,
+            f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are neither softmax attention nor a "
+            "recurrent or convolution mixer served through transformers' cache interface",
+        )
     if getattr(config, "output_router_logits", False):
         raise router_loss_refusal(
             f"StreamBP cannot train {type(lm).__name__} exactly",

@@ -35,12 +35,17 @@ from .stream_layer import LayerCall, StreamLayerFunction, StreamSettings
 class LayerPlan:
     """What a stream layer's hook needs that no call changes, found once when the engine is installed: the
     model-wide ``settings``, the transformers ``configs`` its attention reads, the names of its forward's parameters
-    and the one that takes the key/value cache."""
+    and the one that takes the cache, and the fewest tokens a chunk may have.
+
+    A layer holding a recurrent mixer (a module whose forward takes transformers' ``cache_params``: Gated DeltaNet,
+    Mamba) gets chunks of at least two tokens: on one token such a mixer takes its decoding path, which updates the
+    state it is given in place, and a state that later chunks differentiate through cannot be changed in place."""
 
     settings: StreamSettings
     configs: tuple
     parameter_names: tuple[str, ...]
     cache_name: str
+    min_chunk: int = 1
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings) -> LayerPlan:
@@ -48,7 +53,8 @@ class LayerPlan:
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
-        return cls(settings, stream_configs(layer), names, cache_name)
+        recurrent = any("cache_params" in parameter_names(m) for m in layer.modules())
+        return cls(settings, stream_configs(layer), names, cache_name, 2 if recurrent else 1)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -114,9 +120,10 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     decoder = active_call()
     chunk = decoder.chunk_size or settings.chunk_size
     call.chunk_size = chunk if chunk is not None else rule_of_thumb(seq_len)
+    call.min_chunk = plan.min_chunk
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
-        return call.forward_chunks(x, keep_kv=False, rng="none")[0]
+        return call.as_returned(call.forward_chunks(x, keep_kv=False, rng="none")[0])
     rebuildable = input_rebuildable(layer, decoder)
     call.embedding_source = decoder.embeddings.source_of(x) if rebuildable else None
     if settings.keep_every > 1:  # join the segment of the previous stream layer (its output is x), or start one
@@ -127,7 +134,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     if call.segment is not None:
         call.segment.left(y)
         decoder.segment = call.segment
-    return y
+    return call.as_returned(y)
 
 
 def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:

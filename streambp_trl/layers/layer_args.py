@@ -19,7 +19,7 @@ from torch import nn
 PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
 # Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
 PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
-CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
 def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:

@@ -112,6 +112,8 @@ class LayerCall:
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
     chunk_size: int = 0  # tokens per chunk of this call
+    min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
+    output_nones: int | None = None  # the layer returns (hidden states, None, ...): how many Nones
     rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
     state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
@@ -135,9 +137,18 @@ class LayerCall:
         mask = self.kwargs.get("attention_mask")
         return mask if isinstance(mask, StreamMask) else None
 
+    def as_returned(self, y: torch.Tensor) -> torch.Tensor | tuple:
+        """``y`` in the form the layer's own forward returns its output: the tensor, or ``(y, None, ...)``."""
+        return y if self.output_nones is None else (y, *[None] * self.output_nones)
+
     def chunks(self) -> list[tuple[int, int]]:
-        c = self.chunk_size
-        return [(s, min(s + c, self.seq_len)) for s in range(0, self.seq_len, c)]
+        """The chunks [s, e) of the sequence, ``chunk_size`` tokens each but the last; none shorter than
+        ``min_chunk`` (a short last chunk joins the one before)."""
+        c = max(self.chunk_size, self.min_chunk)
+        bounds = [(s, min(s + c, self.seq_len)) for s in range(0, self.seq_len, c)]
+        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < self.min_chunk:
+            bounds[-2:] = [(bounds[-2][0], self.seq_len)]
+        return bounds
 
     def prefix_start(self, s: int) -> int:
         """First key position any query of a chunk starting at ``s`` can attend to."""
@@ -157,7 +168,8 @@ class LayerCall:
         with torch.autocast(**self.autocast), streaming(self.configs):
             out = self.func(self.layer, x, **kwargs)
         if isinstance(out, (tuple, list)) and out and all(o is None for o in out[1:]):
-            out = out[0]  # (hidden states, None): attention weights that were not asked for
+            self.output_nones = len(out) - 1  # (hidden states, None): attention weights that were not asked for
+            out = out[0]
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"StreamBP expects {type(self.layer).__name__} to return a tensor, got {type(out).__name__}."
