@@ -93,6 +93,12 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         return forward(*args)
     x = args[0]
     batch, seq_len = x.shape[:2]
+    if plan.min_chunk > 1 and any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        raise ValueError(
+            f"StreamBP cannot stream packed rows given as cu_seq_lens through {type(layer).__name__}: its recurrent "
+            "mixer would reset its state at the documents' boundaries of the whole row inside every chunk. Train "
+            "without padding_free (padded rows), or pack without flash-attention sequence descriptors."
+        )
     for k in CACHE_KWARGS:
         kwargs.pop(k, None)
     mask = kwargs.get("attention_mask")
