@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .masks import LowerRight, StreamMask
+from .softcap import softcap_attention
 
 
 def stream_attention(
@@ -44,12 +45,17 @@ def stream_attention(
             f"StreamBP attention in {type(module).__name__} got a {type(attention_mask).__name__} mask instead of a "
             "StreamMask: the model built its attention mask outside transformers' mask interface."
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"StreamBP cannot compute attention with `softcap` exactly for {type(module).__name__}.")
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     prefix = PrefixGrad.of(attention_mask, key, value)
     query, key, value, prefix = _autocast_inputs(query, key, value, prefix)
+    if kwargs.get("softcap") is not None:
+        if sinks is not None or dropout or (block is not None and block.dtype != torch.bool):
+            raise ValueError(
+                f"StreamBP computes softcapped attention ({type(module).__name__}) without attention sinks, dropout "
+                "or an additive mask; set attention_dropout=0.0 (and pass a boolean 4D mask, if any)."
+            )
+        return softcap_attention(query, key, value, block, scaling, kwargs["softcap"]), None
     attend = _cuda_attention if query.device.type == "cuda" else _cpu_attention
     return attend(module, query, key, value, block, sinks, scaling, dropout, prefix), None
 

@@ -36,9 +36,9 @@ NOT_BUILDABLE = {
     "gemma3n": "its vision tower needs timm, pillow and torchvision, which this CPU setup does not install; its text "
     "decoder is the gemma3n_text case (refused: shared keys/values and AltUp streams)",
 }
-# transformers' own float64 forward gives NaN on fully masked padded query rows of these models (eager attention
-# with sinks); they are compared unpadded.
-UNPADDED = {"granite_swa", "granitemoe_swa"}
+# transformers' own float64 forward gives NaN on padded batches of these models (eager attention with sinks, or
+# with logit softcapping); they are compared unpadded.
+UNPADDED = {"granite_swa", "granitemoe_swa", "gemma2", "vaultgemma"}
 
 
 class _Float32InLayers(TorchDispatchMode):
