@@ -13,15 +13,18 @@ SDPA's math kernel, which would hold a (chunk x prefix x heads) score tensor, is
 applies, a ``RuntimeError`` says why.
 
 * :mod:`.masks`: :class:`StreamMask` (the mask described, and its blocks) and the bottom-right causal bias;
-* :mod:`.kernels`: :func:`stream_attention` on the CPU and on CUDA, attention sinks, grouped-query heads;
+* :mod:`.kernels`: :func:`stream_attention` on the CPU and on CUDA, attention sinks;
+* :mod:`.grouped`: grouped-query heads one group at a time, and :class:`PrefixGrad`;
+* :mod:`.softcap`: attention with logit softcapping, tiled over the keys;
 * :mod:`.interface`: the registration with transformers and the :func:`streaming` switch.
 
 Outside streamed calls the config names the model's own implementation, so eval, generation and saved
 checkpoints are unchanged.
 """
 
+from .grouped import PrefixGrad
 from .interface import IMPLEMENTATION, stream_configs, streaming
-from .kernels import PrefixGrad, stream_attention
+from .kernels import stream_attention
 from .masks import StreamMask, stream_mask
 
 __all__ = [

@@ -1,24 +1,14 @@
-"""The ``streambp-trl`` command: one subcommand per objective, each parsed by TRL's ``TrlParser``.
-
-``streambp-trl {sft,dpo,kto,grpo,rloo} --config FILE.yaml [--any_config_field value ...]`` reads TRL's script, model
-and dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` / ... do, and trains with
-the objective's ``Stream*Trainer``. The inputs a config names (model, data files, reward model) are looked up next to
-the config file first, so a config runs from any directory. A mistake in the command or its config (an unknown
-field, a missing file, a model that is neither a directory nor reachable on the Hub, a launch that would not train the
-processes it started) ends the command with one line naming it and the fix, before any model or data is loaded.
-``streambp-trl max-len --model NAME [...]`` (plain argparse) gives the longest sequence a step fits, per mode.
-``streambp-trl --version`` prints the versions of the package, torch, transformers and TRL.
-"""
+"""The command line's arguments: TRL's ``TrlParser`` over the objective's configs, the YAML config (its inputs looked
+up next to it), the reward functions of RL objectives and the launch checks; every mistake a one-line
+:class:`UsageError` naming the fix."""
 
 from __future__ import annotations
 
-import argparse
 import copy
 import difflib
 import importlib
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +51,7 @@ def reward_functions(script_args: RewardScriptArguments) -> list:
     """The reward models and functions a config names; unknown names fail before any model is loaded."""
     import trl.rewards
 
-    from .rewards import REWARDS
+    from ..rewards import REWARDS
 
     rewards: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
     for name in script_args.reward_funcs or []:
@@ -85,7 +75,7 @@ def reward_functions(script_args: RewardScriptArguments) -> list:
 
 def _objective(name: str) -> tuple[type, type]:
     """The (config, trainer) classes of an objective."""
-    from . import trainers
+    from .. import trainers
 
     upper = name.upper()
     return getattr(trainers, f"Stream{upper}Config"), getattr(trainers, f"Stream{upper}Trainer")
@@ -216,195 +206,3 @@ def _check_launch(training_args) -> None:
             f"{launched} processes were launched, but each would train alone: without GPUs set `use_cpu: true` "
             "(--use_cpu true) so that they train as one data-parallel group on the CPU (gloo)"
         )
-
-
-def _model_path(name: str, revision: str | None, field_name: str) -> str:
-    """``name`` as the trainer should load it: a local directory as an absolute path (a LoRA adapter saved from it
-    then names its base model from anywhere); otherwise a Hub repository, whose config is fetched (or found in the
-    cache) now, so that a wrong name or no network is said before any data is loaded."""
-    if os.path.isdir(name):
-        return os.path.abspath(name)
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (
-        EntryNotFoundError,
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    where = f"{field_name} {name!r} is not a directory (relative to {os.getcwd()})"
-    try:
-        hf_hub_download(name, "config.json", revision=revision)
-    except LocalEntryNotFoundError as error:
-        raise UsageError(
-            f"{where} nor in the Hugging Face cache, and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
-            f"give a local directory, or download it once with network access (`hf download {name}`)"
-        ) from error
-    except EntryNotFoundError:
-        pass  # a Hub repository without config.json (a PEFT adapter): loading it says what it lacks
-    except GatedRepoError as error:
-        raise UsageError(f"{where}, and on the Hub it is gated: accept its terms there and `hf auth login`") from error
-    except RevisionNotFoundError as error:
-        raise UsageError(f"{where}, and on the Hub it has no revision {revision!r}: fix `model_revision`") from error
-    except (RepositoryNotFoundError, HFValidationError) as error:
-        raise UsageError(
-            f"{where} nor a model on the Hugging Face Hub: fix the path or the name (a private model needs "
-            "`hf auth login`)"
-        ) from error
-    return name
-
-
-def _load_dataset(script_args, dataset_args):
-    from datasets import load_dataset
-    from trl import get_dataset
-
-    try:
-        if dataset_args.datasets:
-            return get_dataset(dataset_args)
-        if script_args.dataset_name:
-            return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
-    except FileNotFoundError as error:
-        raise UsageError(
-            f"cannot load the dataset: {_one_line(error)} (a config's data paths are looked up next to the config "
-            "file, then from the current directory)"
-        ) from error
-    except OSError as error:  # a Hub dataset without network
-        raise UsageError(f"cannot load the dataset: {_one_line(error)}") from error
-    raise UsageError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
-
-
-def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
-    """Train as ``trl <objective>`` does, with the objective's ``Stream*Trainer``; returns the output directory."""
-    from trl import get_peft_config, get_quantization_config
-
-    _, trainer_cls = _objective(objective)
-    _check_launch(training_args)
-    if not model_args.model_name_or_path:
-        raise UsageError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
-    revision = model_args.model_revision
-    model_args.model_name_or_path = _model_path(model_args.model_name_or_path, revision, "model_name_or_path")
-    if objective in _RL and script_args.reward_model_name_or_path:
-        script_args.reward_model_name_or_path = _model_path(
-            script_args.reward_model_name_or_path, None, "reward_model_name_or_path"
-        )
-    rewards = {"reward_funcs": reward_functions(script_args)} if objective in _RL else {}
-
-    model_init_kwargs = {
-        "revision": revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-    }
-    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
-    dataset = _load_dataset(script_args, dataset_args)
-    eval_dataset = None
-    if training_args.eval_strategy != "no":
-        split, strategy = script_args.dataset_test_split, str(training_args.eval_strategy.value)
-        if split not in dataset:
-            raise UsageError(
-                f"eval_strategy={strategy!r} needs an evaluation split, but the dataset has no "
-                f"split {split!r} (it has {sorted(dataset)}). Set `dataset_test_split` to one of them, add a "
-                "test split to the dataset, or set `eval_strategy: 'no'`."
-            )
-        eval_dataset = dataset[split]
-    trainer = trainer_cls(
-        model=model_args.model_name_or_path,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=eval_dataset,
-        quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
-        **rewards,
-    )
-    state = trainer.accelerator.state
-    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
-    trainer.accelerator.print(f"Training on {processes} ({state.distributed_type.value}, {trainer.args.device.type})")
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    return training_args.output_dir
-
-
-def _command(name: str) -> Callable[[list[str]], None]:
-    def run(argv: list[str]) -> None:
-        train(name, *parse_args(name, argv))
-
-    return run
-
-
-def _max_len(argv: list[str]) -> None:
-    from .bench.max_len import main
-
-    main(argv)
-
-
-# name -> (one-line help, entry point taking the remaining arguments)
-COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
-    "sft": (
-        "Supervised fine-tuning with StreamSFTTrainer (TRL's `trl sft` arguments plus the stream options).",
-        _command("sft"),
-    ),
-    "dpo": (
-        "Preference training with StreamDPOTrainer (TRL's `trl dpo` arguments plus the stream options).",
-        _command("dpo"),
-    ),
-    "kto": (
-        "Unpaired preference training with StreamKTOTrainer (TRL's `trl kto` arguments plus the stream options).",
-        _command("kto"),
-    ),
-    "grpo": (
-        "Online RL with StreamGRPOTrainer (TRL's `trl grpo` arguments, `reward_funcs`, the stream options).",
-        _command("grpo"),
-    ),
-    "rloo": (
-        "Online RL with StreamRLOOTrainer (TRL's `trl rloo` arguments, `reward_funcs`, the stream options).",
-        _command("rloo"),
-    ),
-    "max-len": (
-        "The longest sequence a training step fits, per mode: measured on a GPU, or estimated (--gpu-memory).",
-        _max_len,
-    ),
-}
-
-
-def versions() -> str:
-    """``streambp-trl X (torch X, transformers X, trl X)``."""
-    import torch
-    import transformers
-    import trl
-
-    from . import __version__
-
-    return (
-        f"streambp-trl {__version__} (torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"trl {trl.__version__})"
-    )
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(
-        prog="streambp-trl",
-        description="Fine-tune with TRL trainers whose backpropagation streams along the sequence (StreamBP). "
-        "Each command takes --config FILE.yaml and any config field as --field value; --help lists them.",
-    )
-    parser.add_argument("--version", action="version", version=versions())
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
-    for name, (help_text, _) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, add_help=False)
-    if not argv or argv[0].startswith("-"):
-        parser.parse_args(argv or ["--help"])  # --help, --version: prints and exits
-    if argv[0] not in COMMANDS:
-        parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
-    try:
-        COMMANDS[argv[0]][1](argv[1:])
-    except UsageError as error:
-        sys.exit(f"streambp-trl {argv[0]}: error: {error}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,119 @@
+"""Training from parsed arguments: the model and dataset the config names (one-line errors when they cannot be
+loaded), the objective's ``Stream*Trainer``, and the saved result."""
+
+from __future__ import annotations
+
+import os
+
+from .arguments import _RL, UsageError, _check_launch, _objective, _one_line, reward_functions
+
+
+def _model_path(name: str, revision: str | None, field_name: str) -> str:
+    """``name`` as the trainer should load it: a local directory as an absolute path (a LoRA adapter saved from it
+    then names its base model from anywhere); otherwise a Hub repository, whose config is fetched (or found in the
+    cache) now, so that a wrong name or no network is said before any data is loaded."""
+    if os.path.isdir(name):
+        return os.path.abspath(name)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{field_name} {name!r} is not a directory (relative to {os.getcwd()})"
+    try:
+        hf_hub_download(name, "config.json", revision=revision)
+    except LocalEntryNotFoundError as error:
+        raise UsageError(
+            f"{where} nor in the Hugging Face cache, and the Hub cannot be reached (no network, or HF_HUB_OFFLINE=1): "
+            f"give a local directory, or download it once with network access (`hf download {name}`)"
+        ) from error
+    except EntryNotFoundError:
+        pass  # a Hub repository without config.json (a PEFT adapter): loading it says what it lacks
+    except GatedRepoError as error:
+        raise UsageError(f"{where}, and on the Hub it is gated: accept its terms there and `hf auth login`") from error
+    except RevisionNotFoundError as error:
+        raise UsageError(f"{where}, and on the Hub it has no revision {revision!r}: fix `model_revision`") from error
+    except (RepositoryNotFoundError, HFValidationError) as error:
+        raise UsageError(
+            f"{where} nor a model on the Hugging Face Hub: fix the path or the name (a private model needs "
+            "`hf auth login`)"
+        ) from error
+    return name
+
+
+def _load_dataset(script_args, dataset_args):
+    from datasets import load_dataset
+    from trl import get_dataset
+
+    try:
+        if dataset_args.datasets:
+            return get_dataset(dataset_args)
+        if script_args.dataset_name:
+            return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+    except FileNotFoundError as error:
+        raise UsageError(
+            f"cannot load the dataset: {_one_line(error)} (a config's data paths are looked up next to the config "
+            "file, then from the current directory)"
+        ) from error
+    except OSError as error:  # a Hub dataset without network
+        raise UsageError(f"cannot load the dataset: {_one_line(error)}") from error
+    raise UsageError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
+
+
+def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
+    """Train as ``trl <objective>`` does, with the objective's ``Stream*Trainer``; returns the output directory."""
+    from trl import get_peft_config, get_quantization_config
+
+    _, trainer_cls = _objective(objective)
+    _check_launch(training_args)
+    if not model_args.model_name_or_path:
+        raise UsageError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
+    revision = model_args.model_revision
+    model_args.model_name_or_path = _model_path(model_args.model_name_or_path, revision, "model_name_or_path")
+    if objective in _RL and script_args.reward_model_name_or_path:
+        script_args.reward_model_name_or_path = _model_path(
+            script_args.reward_model_name_or_path, None, "reward_model_name_or_path"
+        )
+    rewards = {"reward_funcs": reward_functions(script_args)} if objective in _RL else {}
+
+    model_init_kwargs = {
+        "revision": revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    dataset = _load_dataset(script_args, dataset_args)
+    eval_dataset = None
+    if training_args.eval_strategy != "no":
+        split, strategy = script_args.dataset_test_split, str(training_args.eval_strategy.value)
+        if split not in dataset:
+            raise UsageError(
+                f"eval_strategy={strategy!r} needs an evaluation split, but the dataset has no "
+                f"split {split!r} (it has {sorted(dataset)}). Set `dataset_test_split` to one of them, add a "
+                "test split to the dataset, or set `eval_strategy: 'no'`."
+            )
+        eval_dataset = dataset[split]
+    trainer = trainer_cls(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+        **rewards,
+    )
+    state = trainer.accelerator.state
+    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
+    trainer.accelerator.print(f"Training on {processes} ({state.distributed_type.value}, {trainer.args.device.type})")
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    return training_args.output_dir
