@@ -111,7 +111,9 @@ def test_refused_settings(family, overrides, match):
         enable_streambp(tiny_model(family, **overrides), stream_chunk_size=4)
 
 
-def test_refuses_attention_softcapping():
+def test_attention_softcapping_streams_but_not_with_attention_dropout():
+    """Softcapped attention runs through the engine's own kernel (exactness: tests/test_softcap.py), which has no
+    attention dropout: that is refused when enabling, not at the first step."""
     config = transformers.Gemma2Config(
         vocab_size=50,
         hidden_size=16,
@@ -122,7 +124,9 @@ def test_refuses_attention_softcapping():
         head_dim=8,
         attn_logit_softcapping=50.0,
     )
-    with pytest.raises(ValueError, match="Gemma2ForCausalLM .*softcapping"):
+    enable_streambp(transformers.AutoModelForCausalLM.from_config(config), stream_chunk_size=4)
+    config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM .*softcapped attention .*attention_dropout=0.0"):
         enable_streambp(transformers.AutoModelForCausalLM.from_config(config), stream_chunk_size=4)
 
 

@@ -100,6 +100,12 @@ def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers
         )
     if not lm._can_set_attn_implementation():
         refuse(lm, "its attention does not go through transformers' AttentionInterface")
+    if getattr(config, "attn_logit_softcapping", None) is not None and getattr(config, "attention_dropout", 0.0):
+        refuse(
+            lm,
+            "its softcapped attention would need attention dropout, which the softcap kernel has not; set "
+            "attention_dropout=0.0",
+        )
     layer_types = set(getattr(config, "layer_types", None) or ())
     for layer_type in sorted(layer_types & set(_REFUSED_LAYER_TYPES)):
         refuse(lm, f"{_REFUSED_LAYER_TYPES[layer_type]} (layer type {layer_type!r})")
