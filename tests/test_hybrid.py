@@ -3,7 +3,7 @@
 A chunk of such a layer takes from the earlier positions only the states at its start (the recurrent state and the
 convolution's last inputs), which it receives through transformers' cache interface; in backward the chunks run last
 to first and each hands the gradient of the states it received back to the chunk before
-(:class:`streambp_trl.layers.kv_cache.LayerCarry`). One-layer models check that carry alone against plain autograd,
+(:class:`streambp_trl.layers.carry.LayerCarry`). One-layer models check that carry alone against plain autograd,
 in float64 (the layers' float32 internals computed in float64 too, :class:`Float64Internals`, so the bound is
 1e-10), and fail when the carry's gradient is dropped.
 """
@@ -27,7 +27,7 @@ from streambp_trl import (
 )
 from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
-from streambp_trl.layers import kv_cache
+from streambp_trl.layers import carry
 
 ONE_LAYER = {
     "gated_deltanet": ("qwen3_5_text", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
@@ -64,13 +64,13 @@ def test_dropping_the_carry_gradient_is_caught(monkeypatch, mixer):
     family, overrides = ONE_LAYER[mixer]
     reference = tiny_causal_lm(family, **overrides)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
-    absorb = kv_cache.LayerCarry.absorb
+    absorb = carry.LayerCarry.absorb
 
     def dropped(self, cache, n, grads):
         absorb(self, cache, n, grads)
         self.state_grads[n] = {}
 
-    monkeypatch.setattr(kv_cache.LayerCarry, "absorb", dropped)
+    monkeypatch.setattr(carry.LayerCarry, "absorb", dropped)
     assert _error(reference, streamed, "right") > 1e-3
 
 

@@ -18,7 +18,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
-from ..layers.layer_args import CACHE_KWARGS
+from ..layers.layer_args import CACHE_KWARGS, cache_argument
 from ..layers.sharding import check_segmentable, sharded
 from ..logits import chunked_logprobs
 from ..patching import bypassed, original, temporarily, unpatched
@@ -32,7 +32,7 @@ def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
     """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call
     (:func:`streamed_decoder_call`). Other calls, and those that bring a key/value cache without grad (generation),
     are the model's own, with the layers as they were before the engine (no checkpoint hook: they fill the cache)."""
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     if not (self.training or state.options.stream_eval) or (cache is not None and not torch.is_grad_enabled()):
         with unpatched(state.layers):
             return original(self, "forward")(*args, **kwargs)
@@ -43,7 +43,7 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
     """One streamed decoder call: masks as descriptions, layers chunked (``chunk_size`` tokens, else as the options
     say). Builds the call's :class:`~streambp_trl.layers.DecoderCall` and hands it to the layer hooks."""
     decoder = state.decoder
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     if cache is not None and cache.get_seq_length() > 0:
         raise ValueError(
             f"StreamBP cannot train {type(decoder).__name__} on top of a filled key/value cache (past_key_values); "

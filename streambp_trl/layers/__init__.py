@@ -4,7 +4,7 @@
   the layer call through
 * :mod:`.stream_layer`: the autograd Function, chunk by chunk;
 * :mod:`.decoder_call`: the state of one streamed decoder call, which the hooks read (:class:`DecoderCall`);
-* :mod:`.kv_cache`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
+* :mod:`.carry`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
   keys/values of one layer;
 * :mod:`.layer_args`: a layer call's arguments, split per chunk;
 * :mod:`.offload`: the saved inputs in pinned host memory between forward and backward;

@@ -24,9 +24,9 @@ from torch import nn
 
 from ..attention import StreamMask, stream_configs
 from ..sizing.auto import rule_of_thumb
+from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
-from .kv_cache import ChunkCache
-from .layer_args import CACHE_KWARGS, parameter_names, per_token
+from .layer_args import CACHE_KWARGS, cache_argument, parameter_names, per_token
 from .segments import Segment
 from .stream_layer import LayerCall, StreamLayerFunction, StreamSettings
 
@@ -88,7 +88,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     layer = forward.args[0]
     names = plan.parameter_names
     kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
-    cache = next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+    cache = cache_argument(kwargs)
     if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
     x = args[0]

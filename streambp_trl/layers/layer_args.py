@@ -22,6 +22,11 @@ PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
 CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
 
 
+def cache_argument(kwargs: dict):
+    """The cache a call passes (under any of :data:`CACHE_KWARGS`), or ``None``."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
 def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:
     """The dimension of a per-token layer argument that runs along the sequence, or None if it has none."""
     if name in PER_TOKEN_LAST:
