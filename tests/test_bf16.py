@@ -26,6 +26,7 @@ from trl import SFTConfig, SFTTrainer
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import kernels
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
+from streambp_trl.bench.model_support import Float64Internals
 
 GRAD_SLACK = torch.finfo(torch.bfloat16).eps  # 2**-7, relative
 LOSS_SLACK = 1e-4
@@ -41,13 +42,15 @@ PATHS = {
     "sliding_window_padded": ("mistral", "right"),
     "sinks": ("gpt_oss", "none"),  # sinks on sliding and full attention layers
     "sinks_padded": ("gpt_oss", "right"),
+    "gated_deltanet": ("qwen3_5_text", "right"),  # per-head vectors (dt_bias, A_log) summed over every position
+    "mamba2": ("nemotron_h", "left"),
 }
 FORMS = ("autocast_fp32", "bf16_weights")
 
 
 def _weights(family: str, form: str, **overrides) -> torch.nn.Module:
     dtype = torch.float32 if form == "autocast_fp32" else torch.bfloat16
-    if family == "gpt_oss":
+    if family in ("gpt_oss", "qwen3_5_text", "nemotron_h"):
         return tiny_causal_lm(family, dtype=dtype, **overrides)
     return tiny_model(family, dtype, **overrides)
 
@@ -102,6 +105,28 @@ def _check(family: str, padding: str, form: str, chunk: int, **overrides) -> Non
 def test_bf16_streamed_is_as_exact_as_plain(path, form, chunk):
     family, padding = PATHS[path]
     _check(family, padding, form, chunk)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_bf16_recurrent_per_head_vectors_as_exact_as_plain(seed):
+    """Gated DeltaNet's per-head vectors (``dt_bias``, ``A_log``) take a gradient summed over every position whose
+    terms nearly cancel: over 515 tokens the chunks' sums are far larger than the total, and rounding each to
+    bfloat16 before adding them made ``dt_bias``'s error several times the plain step's. The engine sums such vectors
+    in float32. The reference keeps the layer's float32 internals in float64 (the cancellation shows at float32
+    rounding too)."""
+    model = tiny_causal_lm("qwen3_5_text", seed=seed)
+    ids, mask, labels = batch(2, 515, padding="right", seed=seed + 1)
+
+    def step(m: torch.nn.Module) -> tuple[float, dict[str, torch.Tensor]]:
+        loss = m(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.double() for n, p in m.named_parameters() if p.grad is not None}
+
+    with Float64Internals():
+        reference = step(copy.deepcopy(model))
+    plain = _errors(step(copy.deepcopy(model).to(torch.bfloat16)), reference)
+    streamed = enable_streambp(copy.deepcopy(model).to(torch.bfloat16), stream_chunk_size=64, logits_chunk_size=96)
+    _assert_as_close_as_plain(_errors(step(streamed), reference), plain)
 
 
 def _cuda_path_on_cpu(module, query, key, value, block, sinks, scaling, dropout, prefix):

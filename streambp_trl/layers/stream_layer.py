@@ -260,7 +260,11 @@ class LayerCall:
                 hook.remove()
             for p, own in zip(params, users, strict=True):
                 p._backward_hooks.update(own)
-        return dx, dextra, dparams
+        return (
+            dx,
+            dextra,
+            [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)],
+        )
 
     def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params) -> None:
         """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
@@ -298,12 +302,22 @@ class LayerCall:
             del grads, it, g, outputs, grad_outputs, yc, cache, carried, carried_grads, incoming, inputs, leaves, xc
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torch.Tensor:
     """Parameter ``j``'s hook during a chunk's backward: its gradient is added to ``sums[j]`` (or becomes it) at once,
     and autograd keeps a storage-less zero in its place. So a chunk's backward holds one parameter's fresh gradient at
-    a time beside the sums, not a whole layer's set of them until ``autograd.grad`` returns."""
+    a time beside the sums, not a whole layer's set of them until ``autograd.grad`` returns.
+
+    A bfloat16/float16 vector (a norm's scale, a bias, a per-head parameter such as a decay's ``dt_bias``) sums in
+    float32: each of its elements sums over every position, chunk sums can be far larger than the total, and the
+    plain backward rounds that total to the low precision once. The layer's backward rounds the float32 sum once too
+    (:meth:`LayerCall.backward_chunks`); a layer's vectors are a few KiB. Matrices sum in their own dtype."""
     if sums[j] is not None:
         sums[j].add_(grad)
+    elif grad.dtype in LOW_PRECISION and grad.dim() <= 1:
+        sums[j] = grad.float()
     else:  # autograd's own buffer becomes the sum, unless elements share memory (an expanded scalar's gradient)
         overlapping = any(stride == 0 and size > 1 for stride, size in zip(grad.stride(), grad.shape, strict=True))
         sums[j] = grad.clone() if overlapping else grad
