@@ -1,0 +1,263 @@
+"""The engine on a real CUDA GPU (skipped without one): exactness in bfloat16 and float32, the attention kernels it
+takes, checkpoint offload overlapping compute, and peak memory against the memory model.
+
+* **Exactness.** bfloat16 and float32 cannot agree with plain autograd to float64 rounding, so both the streamed and
+  the plain step on the GPU are measured against a float64 reference on the CPU (the same weights and batch; float32
+  internals computed in float64, :class:`Float64Internals`). The streamed loss and each parameter's gradient must
+  be as close to it as the plain step's are, up to a factor 2 and a slack of one unit of the dtype's rounding
+  (``2**-7`` for bfloat16, ``1e-6`` for float32, relative). A missing prefix term or a dropped carry gradient is off
+  by orders of magnitude more. The recurrent mixers' carry (Gated DeltaNet, Mamba2, short convolution) also runs in
+  float64 on the GPU, where it must agree with plain autograd to ``1e-10``.
+* **Kernels.** The profiler's operator names show flash attention for unpadded bfloat16 chunks, the
+  memory-efficient kernel for float32 and masked chunks, and never SDPA's math kernel (a chunk x prefix score
+  tensor).
+* **Offload.** A profiler trace of a step with ``offload_checkpoints=True`` shows the device-to-host copies on a
+  stream other than the compute stream, and most of their time overlapping compute kernels.
+* **Memory.** ``torch.cuda.max_memory_allocated`` of a Qwen3-4B / Qwen3-8B-shaped step (random weights, bfloat16,
+  parameter gradients allocated before the step) within 5% of the memory model
+  (:func:`streambp_trl.sizing.memory_model.estimate_peak_bytes`).
+
+With ``STREAMBP_CUDA_REPORT=FILE`` set, each test appends what it measured to ``FILE`` as JSON lines (the figures
+recorded in ``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from streambp_trl import enable_streambp
+from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
+from streambp_trl.bench.model_support import Float64Internals
+from streambp_trl.sizing import memory_model as mm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SEQ_LEN = 515  # no chunk size below divides it
+CHUNK, LOGITS_CHUNK = 128, 96
+SLACK = {torch.bfloat16: 2.0**-7, torch.float32: 1e-6}
+WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+# family -> config overrides: grouped heads with q/k norms, a sliding window, softcapped scores, two hybrids
+FAMILIES = {
+    "qwen3": WIDE,
+    "mistral": {**WIDE, "sliding_window": 100},
+    "gemma2": {**WIDE, "sliding_window": 100},
+    "qwen3_5_text": {},  # Gated DeltaNet beside full attention (transformers' torch path without the fla kernels)
+    "nemotron_h": {},  # Mamba2, MoE, attention and MLP layers
+}
+ONE_MIXER = {
+    "gated_deltanet": ("qwen3_5_text", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
+    "mamba2": ("mamba2", {"num_hidden_layers": 1}),
+    "short_conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"]}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def _report(**record) -> None:
+    path = os.environ.get("STREAMBP_CUDA_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _step(model, inputs, device: str, reference: bool = False) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and float64 parameter gradients (on the CPU) of one forward/backward on ``device``; ``reference``: a
+    float64 model's step with its float32 internals in float64 too."""
+    ids, mask, labels = (t.to(device) for t in inputs)
+    with Float64Internals() if reference else contextlib.nullcontext():
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+    grads = {n: p.grad.detach().double().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads
+
+
+def _errors(result, reference) -> dict[str, float]:
+    """Relative error of the loss and of each parameter's gradient against the reference."""
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    assert grads.keys() == ref_grads.keys()
+    floor = 1e-8 * max(g.norm() for g in ref_grads.values())
+    errors = {"loss": abs(loss - ref_loss) / abs(ref_loss)}
+    for name, ref in ref_grads.items():
+        errors[name] = ((grads[name] - ref).norm() / torch.maximum(ref.norm(), floor)).item()
+    return errors
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_is_as_exact_as_plain_on_cuda(family, dtype, padding):
+    model = tiny_causal_lm(family, **FAMILIES[family])
+    inputs = batch(2, SEQ_LEN, padding=padding)
+    reference = _step(copy.deepcopy(model), inputs, "cpu", reference=True)
+    plain = _errors(_step(copy.deepcopy(model).to("cuda", dtype), inputs, "cuda"), reference)
+    streamed_model = enable_streambp(
+        copy.deepcopy(model).to("cuda", dtype), stream_chunk_size=CHUNK, logits_chunk_size=LOGITS_CHUNK
+    )
+    streamed = _errors(_step(streamed_model, inputs, "cuda"), reference)
+    worst = max(streamed, key=lambda n: streamed[n] / (2 * plain[n] + SLACK[dtype]))
+    _report(
+        test="exactness", family=family, dtype=str(dtype), padding=padding, worst=worst,
+        streamed_error=streamed[worst], plain_error=plain[worst],
+        max_streamed_error=max(streamed.values()), max_plain_error=max(plain.values()),
+    )  # fmt: skip
+    for name, err in streamed.items():
+        assert err <= 2 * plain[name] + SLACK[dtype], f"{name}: streamed {err:.2e}, plain {plain[name]:.2e}"
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 23])
+@pytest.mark.parametrize("mixer", ONE_MIXER)
+def test_recurrent_carry_is_exact_in_float64_on_cuda(mixer, chunk):
+    """The carry between chunks of one recurrent or convolution layer, in float64 on the GPU (the layers' float32
+    internals too), against plain autograd on the GPU."""
+    family, overrides = ONE_MIXER[mixer]
+    reference = tiny_causal_lm(family, **overrides).cuda()
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
+    inputs = batch(padding="right")
+    errors = _errors(_step(streamed, inputs, "cuda", reference=True), _step(reference, inputs, "cuda", reference=True))
+    _report(test="carry_float64", mixer=mixer, chunk=chunk, max_error=max(errors.values()))
+    assert max(errors.values()) < 1e-10, max(errors.items(), key=lambda kv: kv[1])
+
+
+def _sdpa_ops(model, inputs) -> set[str]:
+    """The SDPA operators one streamed step calls (forward and backward), by the profiler's operator names."""
+    ids, mask, labels = (t.cuda() for t in inputs)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    names = {e.key for e in prof.key_averages()}
+    return {n for n in names if "attention" in n and n.startswith("aten::_")}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "padding", "family", "kernel"),
+    [
+        (torch.bfloat16, "none", "qwen3", "flash"),  # bottom-right causal chunks: flash
+        (torch.bfloat16, "right", "qwen3", "efficient"),  # a mask block
+        (torch.bfloat16, "none", "mistral", "efficient"),  # a sliding window
+        (torch.float32, "none", "qwen3", "efficient"),  # flash has no float32
+    ],
+)
+def test_attention_kernels(dtype, padding, family, kernel):
+    model = enable_streambp(
+        tiny_causal_lm(family, **FAMILIES[family]).to("cuda", dtype), stream_chunk_size=CHUNK, verify=False
+    )
+    ops = _sdpa_ops(model, batch(2, SEQ_LEN, padding=padding))
+    _report(test="kernels", family=family, dtype=str(dtype), padding=padding, ops=sorted(ops))
+    assert not any("math" in op for op in ops), ops
+    assert any(kernel in op for op in ops) and not any(("flash" if kernel != "flash" else "efficient") in op
+                                                       for op in ops), ops  # fmt: skip
+
+
+def _intervals(events: list[dict]) -> list[tuple[float, float]]:
+    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+
+
+def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Total length of ``spans`` covered by the union of ``busy`` (both lists of (start, end))."""
+    merged: list[list[float]] = []
+    for start, end in busy:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    total = 0.0
+    for start, end in spans:
+        for b_start, b_end in merged:
+            if b_start >= end:
+                break
+            total += max(0.0, min(end, b_end) - max(start, b_start))
+    return total
+
+
+def test_offload_copies_overlap_compute():
+    """The saved layer inputs' copies (device to host in forward, back in backward) run on the side stream while
+    the compute stream works. The model is wide enough that the GPU, not the host's kernel launches, sets the pace
+    (in a launch-bound step the compute stream idles between kernels whether or not the copies overlap)."""
+    overrides = dict(hidden_size=2048, intermediate_size=8192, head_dim=128, num_attention_heads=16,
+                     num_key_value_heads=8, num_hidden_layers=4, layer_types=["full_attention"] * 4,
+                     vocab_size=4096)  # fmt: skip
+    seq_len = 8192
+    model = enable_streambp(
+        tiny_causal_lm("qwen3", **overrides).to("cuda", torch.bfloat16),
+        stream_chunk_size=2048,
+        offload_checkpoints=True,
+        verify=False,
+    )
+    ids = torch.randint(3, 4096, (1, seq_len), device="cuda")
+    model(input_ids=ids, labels=ids).loss.backward()  # warm-up
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    streams: dict[int, int] = {}
+    for e in kernels:
+        streams[e["args"]["stream"]] = streams.get(e["args"]["stream"], 0) + 1
+    compute = max(streams, key=streams.get)
+    layer_input = seq_len * overrides["hidden_size"] * 2  # bytes of one saved layer input
+    big = [e for e in events if e.get("cat") == "gpu_memcpy" and e["args"].get("bytes", 0) >= layer_input // 2]
+    to_host = [e for e in big if "DtoH" in e["name"]]
+    to_device = [e for e in big if "HtoD" in e["name"]]
+    busy = _intervals([e for e in kernels if e["args"]["stream"] == compute])
+    copies = _intervals(to_host + to_device)
+    copy_time = sum(end - start for start, end in copies)
+    overlapped = _overlap(copies, busy) / copy_time if copy_time else 0.0
+    copy_streams = {e["args"]["stream"] for e in to_host + to_device}
+    compute_time = sum(end - start for start, end in busy)
+    _report(test="offload_overlap", copies=len(copies), copy_ms=copy_time / 1e3, compute_ms=compute_time / 1e3,
+            overlapped=overlapped, compute_stream=compute, copy_streams=sorted(copy_streams))  # fmt: skip
+    assert len(to_host) >= overrides["num_hidden_layers"] - 1 and to_device, (len(to_host), len(to_device))
+    assert compute not in copy_streams, (compute, copy_streams)
+    assert overlapped >= 0.5, f"only {overlapped:.0%} of the copy time overlaps compute"
+
+
+@pytest.mark.parametrize(("model_name", "seq_len", "chunk"), [("qwen3-4b", 16384, 4096), ("qwen3-8b", 32768, 4096)])
+def test_peak_memory_within_5_percent_of_the_model(model_name, seq_len, chunk):
+    """Random weights in bfloat16, full fine-tuning, parameter gradients allocated before the measured step (as the
+    memory model counts them), the ``fused_lm_head=True`` call of TRL's trainers."""
+    from streambp_trl.bench.models import build_model
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()  # anything an earlier test left behind is not this step's
+    shape = mm.ModelShape.from_name(model_name)
+    setup = mm.StepSetup(mode="stream", chunk=chunk, logits_chunk=chunk)
+    estimate = mm.estimate_peak_bytes(shape, setup, seq_len)
+    if estimate > 0.9 * torch.cuda.get_device_properties(0).total_memory:
+        pytest.skip(f"{model_name} at {seq_len} tokens needs about {mm.gib(estimate):.0f} GiB")
+    model = enable_streambp(
+        build_model(model_name, "bfloat16", "cuda", 0), stream_chunk_size=chunk, logits_chunk_size=chunk, verify=False
+    )
+    ids = torch.randint(0, shape.vocab, (1, seq_len), device="cuda")
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids, fused_lm_head=True, use_cache=False).loss.backward()
+
+    step()  # allocates the parameter gradients, which stay (accumulated into) for the measured step
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    error = abs(peak - estimate) / peak
+    _report(test="memory_model", model=model_name, seq_len=seq_len, chunk=chunk, peak_gib=mm.gib(peak),
+            estimate_gib=mm.gib(estimate), error=error, device=torch.cuda.get_device_name())  # fmt: skip
+    assert error <= 0.05, f"measured {mm.gib(peak):.3f} GiB, the memory model {mm.gib(estimate):.3f} GiB"
