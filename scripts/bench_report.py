@@ -132,7 +132,8 @@ def _sim_label(rec: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display); ImportError without matplotlib."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,8 +142,9 @@ def _plt():
     return plt
 
 
-def _axes(title: str, ylabel: str, xlabel: str = "sequence length (tokens)"):
-    plt = _plt()
+def new_axes(title: str, ylabel: str, xlabel: str = "sequence length (tokens)"):
+    """A figure with one gridded axes in the style of every benchmark plot."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
     ax.set_title(title, fontsize=11)
     ax.set_xlabel(xlabel)
@@ -151,10 +153,11 @@ def _axes(title: str, ylabel: str, xlabel: str = "sequence length (tokens)"):
     return fig, ax
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
+    """Writes ``fig`` to ``path`` and closes it."""
     fig.tight_layout()
     fig.savefig(path)
-    _plt().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -165,7 +168,7 @@ def plot_bench(series, meta, out: Path, what: str) -> Path | None:
     device = "CPU" if meta["device"] == "cpu" else meta.get("device_name", meta["device"])
     title = f"{meta['model']}, {meta['dtype']}, one forward+backward, measured on {device}"
     ylabel = "peak memory above the model (MiB)" if what == "memory" else "time per token (ms)"
-    fig, ax = _axes(title, ylabel)
+    fig, ax = new_axes(title, ylabel)
     styles: dict[int, list[str]] = defaultdict(lambda: ["-", "--", ":", "-."])
     for label, points in series.items():
         xs = sorted(points)
@@ -177,13 +180,13 @@ def plot_bench(series, meta, out: Path, what: str) -> Path | None:
         ax.plot(xs, ys, marker="o", label=label, color=f"C{family}", linestyle=styles[family].pop(0))
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def plot_objectives(files: list[dict[str, Any]], out: Path) -> Path | None:
     if not files:
         return None
-    fig, ax = _axes("One DPO / GRPO step (2 sequences per step), measured on CPU", "peak memory above models (MiB)")
+    fig, ax = new_axes("One DPO / GRPO step (2 sequences per step), measured on CPU", "peak memory above models (MiB)")
     for f in files:
         by_mode = defaultdict(dict)
         for r in f["records"]:
@@ -197,14 +200,14 @@ def plot_objectives(files: list[dict[str, Any]], out: Path) -> Path | None:
             )
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 def plot_sim(model: str, records: list[dict[str, Any]], budget_gib: float, out: Path) -> Path:
     dtype = records[0].get("dtype", "")
     grads = ", parameter gradients allocated" if any(r.get("grads_ready") for r in records) else ""
     title = f"{model}, {dtype}, one forward+backward\nsimulated CUDA peak (cudasim){grads}"
-    fig, ax = _axes(title, "peak GPU memory (GiB)")
+    fig, ax = new_axes(title, "peak GPU memory (GiB)")
     series: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
     for r in records:
         series[_sim_label(r)][r["seq_len"]] = r
@@ -225,9 +228,9 @@ def plot_sim(model: str, records: list[dict[str, Any]], budget_gib: float, out: 
             host_ax.plot(*zip(*points, strict=True), linestyle="--", color=color, marker="x", label=f"{label}: host")
         host_ax.set_ylim(bottom=0)
         host_ax.legend(fontsize=8, loc="lower right")
-    ax.xaxis.set_major_formatter(_plt().FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
+    ax.xaxis.set_major_formatter(pyplot().FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
     ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, out)
+    return save_figure(fig, out)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -262,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR)
     args = parser.parse_args(argv)
     try:
-        _plt()
+        pyplot()
     except ImportError:
         sys.exit("bench_report.py needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)")
     out_dir, bench_dir = args.out_dir, BENCH_DIR

@@ -93,9 +93,12 @@ class MeasureSpec:
     same_logits_tile: bool = False  # checkpoint+chunked-loss: TRL's fused head takes logits_chunk_size as its tile
     phases: bool = False  # also record each phase's peak and time (streambp_trl.bench.memory_meter.PhaseMarks)
     reserve_bytes: int = 0  # a tensor held through the step like optimizer states, counted with the model
+    warmup_seq_len: int | None = None  # the warm-up step's length (fresh random ids); None: seq_len
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
+        if self.warmup_seq_len is not None and self.warmup_seq_len < 2:
+            raise ValueError(f"warmup_seq_len must be at least 2 tokens, got {self.warmup_seq_len}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

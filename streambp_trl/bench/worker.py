@@ -12,8 +12,10 @@ ids, random weights (fixed seed), dropout set to 0 (modes: :mod:`streambp_trl.be
 :mod:`streambp_trl.bench.models`). A stream mode's ``"auto"`` chunk sizes are the engine's own choice
 (:mod:`streambp_trl.sizing.auto`), recorded as chosen.
 
-One warm-up step runs (``spec.warmup``, default on), the gradients are dropped (``set_to_none``), then the
-measured step runs ``repeats`` times, its memory taken as :mod:`streambp_trl.bench.memory_meter` describes.
+One warm-up step runs (``spec.warmup``, default on; at ``spec.warmup_seq_len`` tokens on fresh random ids of that
+length when set, which still selects kernels and initialises lazily, in less time), the gradients are dropped
+(``set_to_none``), then the measured step runs ``repeats`` times, its memory taken as
+:mod:`streambp_trl.bench.memory_meter` describes.
 
 ``peak_mb`` is the peak above the loaded model(s) in MiB, parameter gradients included; ``total_peak_mb`` adds
 the model: on CUDA the allocated baseline (what ``max_memory_allocated`` reports), on CPU the bytes of the
@@ -23,6 +25,7 @@ gives ``status: "oom"``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -103,6 +106,8 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         record.update({k: getattr(spec, k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
     if spec.mode is Mode.CHECKPOINT_CHUNKED_LOSS:
         record["logits_chunk_size"] = spec.logits_chunk_size if spec.same_logits_tile else trl_token_chunk()
+    if spec.warmup and spec.warmup_seq_len is not None:
+        record["warmup_seq_len"] = spec.warmup_seq_len
     try:
         policy = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
         models = [policy]
@@ -118,11 +123,11 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         meter = MemoryMeter(device)
         marks = PhaseMarks(policy, meter) if spec.phases else None
 
-        def step() -> float:
+        def step(fn: Callable[[], Any] = loss_fn) -> float:
             if marks is not None:
                 marks.armed = True
                 marks.begin()
-            loss = loss_fn()
+            loss = fn()
             if marks is not None:
                 marks.armed = False
                 marks.mark("forward")
@@ -135,7 +140,11 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
             return value
 
         if spec.warmup:
-            step()  # first-touch pages, lazy initialisation, kernel selection
+            warm_fn = loss_fn
+            if spec.warmup_seq_len is not None:  # its own ids, dropped before the measured steps
+                warm_fn = _step_function(dataclasses.replace(spec, seq_len=spec.warmup_seq_len), device, models)[0]
+            step(warm_fn)  # first-touch pages, lazy initialisation, kernel selection
+            del warm_fn
             policy.zero_grad(set_to_none=True)
         times, cpu_times, peaks, host_peaks, losses, baselines = [], [], [], [], [], []
         grad_norm = None

@@ -1,0 +1,184 @@
+"""``scripts/gpu_bench.py``: its time-budget decisions, summary and bracket (pure functions), its order of
+measurements with a fake measure and clock, and a real run on the CPU (the fallback CI runs)."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streambp_trl.bench.spec import MeasureSpec, Mode
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gb = _load()
+
+
+def _rec(mode, n, time_s=1.0, wall_s=None, status="ok", peak_mb=10.0, warmup_seq_len=None, **extra):
+    record = {"mode": str(mode), "seq_len": n, "status": status, "batch_size": 1, "wall_s": wall_s, **extra}
+    if status == "ok":
+        record.update(time_s=time_s, peak_mb=peak_mb, total_peak_mb=peak_mb + 100)
+    if warmup_seq_len is not None:
+        record["warmup_seq_len"] = warmup_seq_len
+    return record
+
+
+def test_device_slug():
+    assert gb.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert gb.device_slug("  NVIDIA H200 (141 GB) ") == "nvidia_h200_141_gb"
+
+
+def test_predict_wall_s_scales_the_full_length_steps():
+    assert gb.predict_wall_s([], Mode.STREAM, 1000, None) is None
+    # only an oom so far: its wall time
+    assert gb.predict_wall_s([_rec(Mode.CHECKPOINT, 1000, status="oom", wall_s=7.0)], Mode.STREAM, 2000, 100) == 7.0
+    # one length, warm-up short: 8 s fixed, the 2 s step scaled by (2000/1000)**2
+    one = [_rec(Mode.STREAM, 1000, time_s=2.0, wall_s=10.0, warmup_seq_len=100)]
+    assert gb.predict_wall_s(one, Mode.STREAM, 2000, 100) == pytest.approx(8 + 2 * 4)
+    assert gb.predict_wall_s(one, Mode.STREAM, 2000, None) == pytest.approx(8 + 2 * 2 * 4)  # full-length warm-up
+    assert gb.predict_wall_s(one, Mode.STREAM_OFFLOAD, 2000, 100) == pytest.approx(16)  # another mode's record
+    # a full-length warm-up in the reference: two steps of its wall time were full length
+    full = [_rec(Mode.STREAM, 1000, time_s=2.0, wall_s=10.0)]
+    assert gb.predict_wall_s(full, Mode.STREAM, 1000, None) == pytest.approx(10)
+    # two lengths: time doubles with the length, exponent 1, from the longest length at or below
+    two = [*one, _rec(Mode.STREAM, 2000, time_s=4.0, wall_s=13.0, warmup_seq_len=100)]
+    assert gb.predict_wall_s(two, Mode.STREAM, 4000, 100) == pytest.approx(9 + 4 * 2)
+    assert gb.predict_wall_s(two, Mode.STREAM, 1500, 100) == pytest.approx(8 + 2 * 1.5)
+    assert gb.predict_wall_s(two, Mode.STREAM, 500, 100) == pytest.approx(8 + 2 * 0.5)  # below every length
+    # the exponent stays within [1, 2]
+    steep = [*one, _rec(Mode.STREAM, 2000, time_s=16.0, wall_s=24.0, warmup_seq_len=100)]
+    assert gb.predict_wall_s(steep, Mode.STREAM, 4000, 100) == pytest.approx(8 + 16 * 4)
+
+
+@pytest.mark.parametrize(
+    ("elapsed", "predicted", "expected"),
+    [
+        (100, None, None),
+        (100, 400, None),
+        (100, 441, "would likely pass the time budget (about 441 s needed, 440 s left)"),
+        (540, None, "time budget spent (540 s of 540 s)"),
+        (600, 1, "time budget spent (600 s of 540 s)"),
+    ],
+)
+def test_skip_reason(elapsed, predicted, expected):
+    assert gb.skip_reason(elapsed, 540, predicted) == expected
+
+
+def test_summary_ratios_and_memory_per_token():
+    records = [
+        _rec(Mode.CHECKPOINT, 1024, time_s=1.0, peak_mb=100),
+        _rec(Mode.CHECKPOINT, 2048, status="oom"),
+        _rec(Mode.CHECKPOINT_CHUNKED_LOSS, 1024, time_s=1.25, peak_mb=50),
+        _rec(Mode.CHECKPOINT_CHUNKED_LOSS, 2048, time_s=2.5, peak_mb=90),
+        _rec(Mode.STREAM, 1024, time_s=1.2, peak_mb=20),
+        _rec(Mode.STREAM, 2048, time_s=2.0, peak_mb=30),
+        _rec(Mode.STREAM_OFFLOAD, 1024, time_s=1.32, peak_mb=18),
+        _rec(Mode.STREAM_OFFLOAD, 2048, time_s=2.4, peak_mb=22),
+    ]
+    s = gb.summarize(records)
+    assert s["stream_vs_checkpoint_time"] == {"1024": {"ratio": pytest.approx(1.2)}}  # checkpoint ran out at 2048
+    assert s["stream_vs_trl_default_time"]["1024"]["ratio"] == pytest.approx(0.96)
+    assert s["stream_vs_trl_default_time"]["2048"]["ratio"] == pytest.approx(0.8)
+    offload = s["offload_vs_stream_time"]
+    assert offload["1024"] == {"ratio": pytest.approx(1.1), "target": 1.15, "met": True}
+    assert offload["2048"] == {"ratio": pytest.approx(1.2), "target": 1.15, "met": False}
+    per_token = s["memory_per_extra_token"]
+    assert set(per_token) == {"checkpoint+chunked-loss", "stream", "stream+offload"}  # checkpoint: one length ok
+    assert per_token["stream"]["kib_per_token"] == pytest.approx(10 * 1024 / 1024)
+    assert per_token["checkpoint+chunked-loss"]["kib_per_token"] == pytest.approx(40.0)
+
+
+def test_bracket():
+    budget = 200 * 2**20  # total_peak_mb = peak_mb + 100
+    trials = [
+        _rec(Mode.STREAM, 4096, peak_mb=50),
+        _rec(Mode.STREAM, 8192, peak_mb=99),
+        _rec(Mode.STREAM, 16384, status="oom"),
+        _rec(Mode.STREAM, 12288, peak_mb=101),  # ran, above the budget
+        _rec(Mode.STREAM, 10240, status="error"),  # timed out: neither
+    ]
+    assert gb.bracket(trials, budget) == (8192, 12288)
+    assert gb.bracket(trials[:2], budget) == (8192, None)
+    assert gb.bracket(trials[2:], budget) == (0, 12288)
+    assert gb.bracket([], budget) == (0, None)
+
+
+def test_order_oom_and_time_budget_with_a_fake_measure(tmp_path, monkeypatch):
+    """Lengths increasing, modes interleaved; a mode that ran out of memory is not run longer; nothing starts that
+    would likely pass the time budget; the bisection stops with the grid's bracket."""
+    now = [0.0]
+    calls = []
+
+    def fake_measure(spec, timeout=None, log=True):
+        assert isinstance(spec, MeasureSpec) and spec.warmup_seq_len == 128
+        assert timeout == pytest.approx(110 - now[0])
+        calls.append((str(spec.mode), spec.seq_len))
+        wall = 10 * spec.seq_len / 256
+        now[0] += wall
+        record = {"mode": str(spec.mode), "seq_len": spec.seq_len, "batch_size": 1, "warmup_seq_len": 128}
+        if spec.mode is Mode.CHECKPOINT and spec.seq_len >= 512:
+            return {**record, "status": "oom", "error": "OutOfMemoryError"}
+        peak = spec.seq_len / 100
+        return {**record, "status": "ok", "time_s": wall / 2, "peak_mb": peak, "total_peak_mb": 10 + peak}
+
+    monkeypatch.setattr(gb, "measure", fake_measure)
+    monkeypatch.setattr(gb.Run, "clock", staticmethod(lambda: now[0]))
+    argv = ["--device", "cpu", "--model", "qwen3-tiny", "--mode", "checkpoint", "stream", "stream+offload"]
+    argv += ["--seq-len", "1024", "256", "512", "--chunk", "128", "--step", "256", "--warmup-seq-len", "128"]
+    result = gb.main([*argv, "--budget", "1GiB", "--time-budget", "110", "--out-dir", str(tmp_path)])
+    # 256: 3 x 10 s; 512: 3 x 20 s (checkpoint out of memory); 1024: about 30 s predicted with 20 s left
+    assert calls == [(m, n) for n in (256, 512) for m in ("checkpoint", "stream", "stream+offload")]
+    skipped = {(k["mode"], k.get("seq_len")): k["reason"] for k in result["skipped"]}
+    assert skipped[("checkpoint", 1024)] == "oom at a shorter length (512)"
+    for mode in ("stream", "stream+offload"):
+        assert skipped[(mode, 1024)] == "would likely pass the time budget (about 30 s needed, 20 s left)"
+    section = result["max_len"]
+    assert section["status"].startswith("stopped by time budget before")
+    assert (section["longest_fit"], section["shortest_failure"]) == (512, None)
+    assert section["total_peak_mb_at_longest_fit"] == pytest.approx(10 + 5.12)
+    assert skipped[("stream", None)] == section["status"]
+    saved = json.loads((tmp_path / "cpu_fallback.json").read_text())
+    assert saved["command"].startswith("python ") and saved["command"].endswith("--out-dir " + str(tmp_path))
+    assert [(r["mode"], r["seq_len"]) for r in saved["records"]] == calls
+    assert saved["records"][1]["estimated_peak_mb"] > 0 and saved["records"][1]["ms_per_1k_tokens"] > 0
+    md = (tmp_path / "cpu_fallback.md").read_text()
+    assert "- checkpoint at 1024: oom at a shorter length (512)" in md and "**512** tokens" in md
+
+
+@pytest.mark.slow
+def test_cpu_run(tmp_path):
+    """The CPU fallback, for real: every measurement a fresh process (warm-up at 128 tokens), then a short bisection
+    against 24 MiB."""
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model", "qwen3-tiny", "--seq-len", "256", "512"]
+    cmd += ["--mode", "checkpoint+chunked-loss", "stream", "stream+offload", "--chunk", "128", "--step", "256"]
+    cmd += ["--warmup-seq-len", "128", "--budget", "24MiB", "--out-dir", str(tmp_path), "--time-budget", "120"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # quicker on a busy machine
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "cpu_fallback.json").read_text())
+    status = {(r["mode"], r["seq_len"]): r["status"] for r in result["records"]}
+    assert status == {
+        (m, n): "ok" for m in ("checkpoint+chunked-loss", "stream", "stream+offload") for n in (256, 512)
+    }
+    assert all(r["warmup_seq_len"] == 128 for r in result["records"])
+    assert result["command"].startswith("python ") and "gpu_bench.py" in result["command"]
+    assert result["env"]["device"] == "cpu" and result["env"]["versions"]["torch"]
+    offload = result["summary"]["offload_vs_stream_time"]
+    assert set(offload) == {"256", "512"} and all(math.isfinite(v["ratio"]) for v in offload.values())
+    section = result["max_len"]
+    assert section["longest_fit"] > 0 and section["longest_fit"] % 256 == 0
+    assert section["total_peak_mb_at_longest_fit"] * 2**20 <= 24 * 2**20, section
+    md = (tmp_path / "cpu_fallback.md").read_text()
+    assert "| stream |" in md and "Stream's longest length" in md and md in proc.stdout
