@@ -28,10 +28,18 @@ def _plain(h, w, b, t, temperature, softcap, scale):
     }
 
 
+FORMS = {
+    "fused": {},
+    "two-node": {"fused_backward": False},
+    "eager": {"gradient_in_forward": True},  # the loss below weights rows unequally: the eager node recomputes
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tiles", [(3, 7), (64, 1000), (1, 1)])
-def test_kernel_matches_log_softmax_float64(tiles, bias, softcap):
+def test_kernel_matches_log_softmax_float64(tiles, bias, softcap, form):
     g = torch.Generator().manual_seed(0)
     n, hdim, vocab = 19, 12, 37
     h = torch.randn(n, hdim, dtype=torch.float64, generator=g, requires_grad=True)
@@ -52,6 +60,7 @@ def test_kernel_matches_log_softmax_float64(tiles, bias, softcap):
         token_chunk=tiles[0],
         vocab_chunk=tiles[1],
         outputs=STAT_OUTPUTS,
+        **FORMS[form],
     )
     for name in STAT_OUTPUTS:
         if name == "is_top1":
@@ -65,6 +74,90 @@ def test_kernel_matches_log_softmax_float64(tiles, bias, softcap):
     our_grads = torch.autograd.grad((ours["log_probs"] * wts).sum() + 0.3 * ours["entropy"].sum(), params)
     for r, o in zip(ref_grads, our_grads, strict=True):
         assert ((r - o).norm() / r.norm()).item() < 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_and_two_node_backward_agree(dtype):
+    """The fused backward (one logit recompute) and the two-node one sum the same products in the same order: equal
+    gradients for the hidden states, the weight, the bias and the final norm, scored rows a subset."""
+    g = torch.Generator().manual_seed(2)
+    m, hdim, vocab = 23, 16, 41
+    norm = torch.nn.RMSNorm(hdim, dtype=dtype)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2, generator=g)
+    h = torch.randn(m, hdim, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(vocab, hdim, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(dtype).requires_grad_()
+    rows = torch.tensor([0, 2, 3, 5, 8, 9, 13, 17, 21, 22])
+    t = torch.randint(0, vocab, (rows.numel(),), generator=g)
+    wts = torch.randn(rows.numel(), generator=g)
+    grads = []
+    for fused in (True, False):
+        out = chunked_logprobs(
+            h,
+            w,
+            b,
+            t,
+            rows=rows,
+            norm=norm,
+            outputs=("log_probs", "entropy"),
+            token_chunk=4,
+            vocab_chunk=16,
+            fused_backward=fused,
+        )
+        loss = (out["log_probs"].float() * wts).sum() + 0.5 * out["entropy"].float().sum()
+        grads.append(torch.autograd.grad(loss, [h, w, b, norm.weight]))
+    for fused_grad, two_node_grad in zip(*grads, strict=True):
+        assert fused_grad.dtype == two_node_grad.dtype == dtype
+        assert torch.equal(fused_grad, two_node_grad)
+
+
+@pytest.mark.parametrize("scored", ["all", "some"])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_gradient_in_forward_float64(softcap, scored, monkeypatch):
+    """A token-mean loss (the same weight on every row, no entropy gradient): the gradient formed in the forward, with
+    no recompute in backward, equals plain autograd's for the hidden states, the weight, the bias and the final norm
+    (all rows, or some rows, scored). A loss that weights rows unequally takes the recompute and is exact too."""
+    from streambp_trl.logits import eager, nodes
+
+    g = torch.Generator().manual_seed(3)
+    m, hdim, vocab = 17, 8, 29
+    norm = torch.nn.RMSNorm(hdim, dtype=torch.float64)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2, generator=g)
+    h = torch.randn(m, hdim, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hdim, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(vocab, dtype=torch.float64, generator=g, requires_grad=True)
+    rows = None if scored == "all" else torch.tensor([1, 2, 4, 7, 8, 11, 15, 16])
+    n = m if rows is None else rows.numel()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    params = [h, w, b, norm.weight]
+    y = norm(h if rows is None else h[rows]) @ w.t() + b
+    y = y * 1.3 if softcap is None else softcap * torch.tanh(y * 1.3 / softcap)
+    ref_logp = torch.log_softmax(y / 0.7, -1).gather(1, t[:, None])[:, 0]
+    monkeypatch.setattr(eager, "EAGER_TILE_ELEMENTS", 3 * vocab)  # tiles of 3 rows
+    recomputed = []
+    original = nodes.LogitNode._backward
+    monkeypatch.setattr(nodes.LogitNode, "_backward", lambda *a: recomputed.append(1) or original(*a))
+    for weights, recomputes in ((torch.full((n,), -1 / n, dtype=torch.float64), 0), (torch.randn(n, generator=g), 1)):
+        out = chunked_logprobs(
+            h,
+            w,
+            b,
+            t,
+            rows=rows,
+            norm=norm,
+            temperature=0.7,
+            softcap=softcap,
+            logit_scale=1.3,
+            outputs=("log_probs", "entropy"),
+            gradient_in_forward=True,
+        )
+        torch.testing.assert_close(out["log_probs"], ref_logp, rtol=1e-12, atol=1e-12)
+        ours = torch.autograd.grad((out["log_probs"] * weights).sum(), params)
+        ref = torch.autograd.grad((ref_logp * weights).sum(), params, retain_graph=True)
+        for r, o in zip(ref, ours, strict=True):
+            assert ((r - o).norm() / r.norm()).item() < 1e-12
+        assert len(recomputed) == recomputes
+        recomputed.clear()
 
 
 def test_kernel_without_entropy_gradient():

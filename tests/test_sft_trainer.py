@@ -122,7 +122,7 @@ def test_loss_curve_equals_sft_trainer(tmp_path):
 def test_plain_sft_config_gets_default_stream_options(tmp_path):
     trainer, _ = _train(StreamSFTTrainer, SFTConfig, tmp_path, max_length=4096)
     assert trainer.stream_options == StreamOptions(
-        stream_chunk_size="auto", stream_eval=True, fused_outputs=("entropy", "is_top1")
+        stream_chunk_size="auto", stream_eval=True, fused_outputs=("entropy", "is_top1"), token_mean_loss=True
     )
     assert not trainer.args.gradient_checkpointing  # the engine owns checkpointing: layers are not wrapped twice
     logs = [h for h in trainer.state.log_history if "loss" in h]

@@ -59,7 +59,7 @@ def _log_probs(model: Any, ids: Any, labels: Any, spec: MeasureSpec) -> Any:
     return logp * (target != -100)
 
 
-def _step_function(spec: MeasureSpec, device: Any, models: list[Any]) -> tuple[Callable[[], Any], int]:
+def step_function(spec: MeasureSpec, device: Any, models: list[Any]) -> tuple[Callable[[], Any], int]:
     """``(loss_fn, tokens)``: the objective's loss of one step on random ids, and the tokens it processes."""
     import torch
     import torch.nn.functional as F
@@ -119,7 +119,7 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         # held through the step like optimizer states (zeros: resident on the CPU too); counted with the model
         reserved = torch.zeros(spec.reserve_bytes, dtype=torch.uint8, device=device)
         model_bytes += reserved.numel()
-        loss_fn, tokens = _step_function(spec, device, models)
+        loss_fn, tokens = step_function(spec, device, models)
         meter = MemoryMeter(device)
         marks = PhaseMarks(policy, meter) if spec.phases else None
 
@@ -142,7 +142,7 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         if spec.warmup:
             warm_fn = loss_fn
             if spec.warmup_seq_len is not None:  # its own ids, dropped before the measured steps
-                warm_fn = _step_function(dataclasses.replace(spec, seq_len=spec.warmup_seq_len), device, models)[0]
+                warm_fn = step_function(dataclasses.replace(spec, seq_len=spec.warmup_seq_len), device, models)[0]
             step(warm_fn)  # first-touch pages, lazy initialisation, kernel selection
             del warm_fn
             policy.zero_grad(set_to_none=True)

@@ -222,6 +222,10 @@ def stream_forward(
     softcap, scale = _logit_transform(self.config.get_text_config())
     # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
     rows = scored[mask]
+    tile = state.logits_tile(hidden)
+    # without fused_lm_head the loss is ours, a token mean: the gradient may be formed in the forward
+    token_mean = not fused_lm_head or state.options.token_mean_loss
+    form = state.logit_gradient_form(self, head, rows.numel(), tile, hidden.device, token_mean)
     stats = chunked_logprobs(
         hidden.reshape(-1, hidden.shape[-1]),
         head.weight,
@@ -232,9 +236,11 @@ def stream_forward(
         temperature=state.options.temperature if fused_lm_head else 1.0,
         softcap=softcap,
         logit_scale=scale,
-        token_chunk=state.logits_tile(hidden),
+        token_chunk=tile,
         outputs=state.options.fused_outputs if fused_lm_head else ("log_probs",),
         gathered=gathered,
+        fused_backward=form == "fused",
+        gradient_in_forward=form == "eager",
     )
     # masked_scatter keeps the outputs connected to the graph even when no label is valid
     per_token = {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}

@@ -57,6 +57,10 @@ class StreamOptions:
         keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
             other layers rebuild theirs in backward by one more chunked forward (see
             :mod:`streambp_trl.layers.segments`). Not with ZeRO-3 or FSDP.
+        token_mean_loss: the loss of ``fused_lm_head=True`` calls weights every scored token alike (SFT's negative
+            log-likelihood): the logit kernel may form the LM head's gradient in the forward, computing each logit
+            once (:mod:`streambp_trl.logits.eager`); checked in backward, which recomputes otherwise. Calls without
+            ``fused_lm_head`` do so whatever this says: their loss is the engine's own token mean.
 
     Raises:
         ValueError: naming the option (and its config field, where that is spelled differently), the value given and
@@ -73,6 +77,7 @@ class StreamOptions:
     offload_checkpoints: bool = False
     memory_budget: int | str | None = None
     keep_every: int = 1
+    token_mean_loss: bool = False
 
     def __post_init__(self):
         for name in ("stream_chunk_size", "logits_chunk_size"):
@@ -93,7 +98,7 @@ class StreamOptions:
         if unknown:
             raise ValueError(f"Unknown fused_outputs {sorted(unknown)}; choose among {STAT_OUTPUTS}.")
         object.__setattr__(self, "fused_outputs", tuple(dict.fromkeys(("log_probs", *self.fused_outputs))))
-        for name in ("stream_eval", "verify", "offload_checkpoints"):
+        for name in ("stream_eval", "verify", "offload_checkpoints", "token_mean_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.memory_budget is not None:

@@ -12,10 +12,13 @@ import dataclasses
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from ..layers import StreamSettings
-from ..sizing.auto import AUTO, AutoChunks
+from ..sizing.auto import AUTO, AutoChunks, head_form
 from .options import StreamOptions
+
+logger = logging.get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -37,6 +40,7 @@ class EngineState:
     final_norm: nn.Module | None = dataclasses.field(compare=False)
     settings: StreamSettings
     auto: AutoChunks | None
+    head_form: str | None = dataclasses.field(default=None, compare=False)  # the latest call's logit gradient form
 
     def stream_chunk(self, inputs: torch.Tensor | None) -> int | None:
         """Tokens per chunk for a decoder call on ``inputs`` (batch, T, ...): the fixed size, what ``"auto"`` chooses
@@ -59,3 +63,16 @@ class EngineState:
         stream, logits = self.options.stream_chunk_size, self.options.logits_chunk_size
         last = self.auto.last if self.auto is not None else None
         return (last if stream == AUTO else stream), (last if logits == AUTO else logits)
+
+    def logit_gradient_form(
+        self, lm: nn.Module, head: nn.Linear, n: int, tile: int, device: torch.device, token_mean: bool
+    ) -> str:
+        """The form of the logit kernel's gradient for a call scoring ``n`` rows in tiles of ``tile``
+        (:func:`~streambp_trl.sizing.auto.head_form`): ``"eager"`` only when the call's loss is a token mean
+        (``token_mean``), else ``"fused"`` or ``"two-node"``. A change of form is logged (at info level)."""
+        forms = ("two-node", "fused", "eager") if token_mean else ("two-node", "fused")
+        form = head_form(lm, head, n, tile, self.options.memory_budget, device, forms)
+        if form != self.head_form:
+            logger.info(f"StreamBP: the logit kernel's gradient for {n} scored rows takes the {form} form.")
+        self.head_form = form
+        return form

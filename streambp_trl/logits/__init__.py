@@ -13,12 +13,21 @@ The backward recomputes each tile's logits and forms
 
     dL/dz_v = g_logp * (1[v = target] - p_v) - g_H * p_v * (log p_v + H).
 
-It runs as two autograd nodes, so their large buffers are never alive together:
+It takes one of two forms (``fused_backward``; the engine chooses by the memory free at the call,
+:func:`streambp_trl.sizing.auto.fused_head_fits`):
 
-* the weight node (runs first): for each vocabulary tile, dW[tile] = sum over token tiles of dy^T n, accumulated in
-  a (vocab_chunk, H) float32 buffer and written into dW (V, H) in W's dtype; db likewise;
-* the hidden node: for each token tile, dn = sum over vocabulary tiles of dy W (float32), then back through the norm
-  (recomputed on the tile, with its parameters' gradients summed over tiles), written into dh (M, H).
+* fused (one autograd node): for each token tile, dn = sum over vocabulary tiles of dy W, and in the same sweep
+  dW[tile] += dy^T n (db likewise) into a (V, H) accumulator, so each logit tile is recomputed once: 3 vocabulary
+  matmul passes in backward (4 with the forward's), where the model's own backward over stored logits takes 2 (3)
+  and the two-node form 4 (5);
+* two-node, so that their large buffers are never alive together: the weight node (runs first): for each vocabulary
+  tile, dW[tile] = sum over token tiles of dy^T n, accumulated in a (vocab_chunk, H) float32 buffer and written into
+  dW (V, H) in W's dtype; db likewise; then the hidden node: for each token tile, dn = sum over vocabulary tiles of
+  dy W (float32).
+
+In both, dn goes back through the norm (recomputed on the tile, with its parameters' gradients summed over tiles) into
+dh (M, H). Both sum the same products in the same order: their gradients are equal. With an untrained head (LoRA) the
+hidden part runs alone.
 
 Accumulators are float32 for half-precision inputs and the input dtype otherwise (float64 stays exact).
 
@@ -31,10 +40,13 @@ copies), so they see whatever the parameters hold when the node runs (DeepSpeed 
 What the backward reads again (the hidden states, the weight and bias, the norm's parameters, trainable or frozen,
 the rows and targets) goes through ``save_for_backward``, so autograd's own check raises its in-place error if one
 was changed in place between the forward and the backward, as it does for plain autograd (a ``param.data`` swap
-keeps the version). The backward is not differentiable: ``create_graph=True`` is refused (:func:`_first_order`).
+keeps the version). The backward is not differentiable: ``create_graph=True`` is refused (:func:`.nodes.first_order`).
 
-Memory beyond the inputs: a few tiles, per-row statistics (a few floats per row), dh (M, H) in the hidden node and
-dW (V, H) in the weight node. ``h`` is saved as it is (no gathered copy of the labelled rows, no normalised copy).
+Memory beyond the inputs: a few tiles, per-row statistics (a few floats per row), and dh (M, H) with, in the fused
+form, a (V, H) accumulator in the accumulation dtype (dW itself for float32 weights); in the two-node form dW (V, H)
+in the weight node and dh in the hidden node, one after the other. ``h`` is saved as it is (no gathered copy of the
+labelled rows, no normalised copy). No host synchronisation per tile: the target's term is a scatter-add of zeros
+outside the tile.
 """
 
 from .kernel import chunked_logprobs

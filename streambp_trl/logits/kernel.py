@@ -9,7 +9,8 @@ from contextlib import AbstractContextManager as ContextManager
 import torch
 from torch import nn
 
-from .nodes import HiddenNode, WeightNode
+from .eager import EagerNode
+from .nodes import LogitNode, WeightNode
 from .tiles import DEFAULT_VOCAB_CHUNK, STAT_OUTPUTS, LogitCall, Transform, acc_dtype, autocast_state
 
 
@@ -28,6 +29,8 @@ def chunked_logprobs(
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     outputs: tuple[str, ...] = ("log_probs",),
     gathered: Callable[[], ContextManager] | None = None,
+    fused_backward: bool = True,
+    gradient_in_forward: bool = False,
 ) -> dict[str, torch.Tensor | None]:
     """Per-row statistics of ``norm(hidden[rows]) @ weight.T (+ bias)`` at ``targets``; see the module docstring.
 
@@ -35,6 +38,11 @@ def chunked_logprobs(
     ``norm`` is a row-wise module (the model's final norm) applied to each tile (its ``forward``), or ``None``.
     ``gathered``: a factory of context managers inside which ``weight``, ``bias`` and the norm's parameters hold their
     whole values (sharded parameters); entered once for the forward and once per backward node.
+    ``fused_backward``: form the weight's (and bias's) gradient in the same sweep as the hidden states' (one logit
+    recompute, a (V, H) accumulator beside dh), else in a weight node of its own (two recomputes, never both
+    gradients' buffers at once); see the module docstring. ``gradient_in_forward``: form the gradient's bases in the
+    forward (:mod:`.eager`: no recompute when the loss weights every row alike, e.g. a token mean; checked in
+    backward, else recomputed as the fused form does).
     Returns a dict with every name of :data:`STAT_OUTPUTS`; those not in ``outputs`` are ``None``.
     """
     unknown = set(outputs) - set(STAT_OUTPUTS)
@@ -62,13 +70,21 @@ def chunked_logprobs(
     # under the gather: the autograd nodes record the parameters' whole shapes
     with call.gathered():
         norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []
+        trained = weight.requires_grad or (bias is not None and bias.requires_grad)
+        if gradient_in_forward and torch.is_grad_enabled() and (trained or hidden.requires_grad or norm_params):
+            return _named(EagerNode.apply(call, hidden, weight, bias, *norm_params))
+        if fused_backward or not trained:
+            return _named(LogitNode.apply(call, hidden, weight, bias, *norm_params))
         detached_bias = None if bias is None else bias.detach()
-        log_z, log_probs, entropy, *rest = HiddenNode.apply(call, hidden, weight.detach(), detached_bias, *norm_params)
-        if weight.requires_grad or (bias is not None and bias.requires_grad):
-            hidden_only = hidden.detach()
-            zero_lp, zero_ent = WeightNode.apply(
-                call, weight, bias, hidden_only, log_z, None if entropy is None else entropy.detach()
-            )
-            log_probs = log_probs + zero_lp
-            entropy = entropy if entropy is None else entropy + zero_ent
-    return dict(zip(STAT_OUTPUTS, (log_probs, entropy, *rest), strict=True))
+        log_z, log_probs, entropy, *rest = LogitNode.apply(call, hidden, weight.detach(), detached_bias, *norm_params)
+        zero_lp, zero_ent = WeightNode.apply(
+            call, weight, bias, hidden.detach(), log_z, None if entropy is None else entropy.detach()
+        )
+        log_probs = log_probs + zero_lp
+        entropy = entropy if entropy is None else entropy + zero_ent
+    return _named((log_z, log_probs, entropy, *rest))
+
+
+def _named(outputs: tuple) -> dict[str, torch.Tensor | None]:
+    """The statistics by name, from the logit node's (log Z, *statistics)."""
+    return dict(zip(STAT_OUTPUTS, outputs[1:], strict=True))

@@ -128,8 +128,9 @@ class LogitCall:
         else:
             dz = p.mul_(-g_logp[i:j].to(self.acc)[:, None])
         del z, log_p
-        if g_logp is not None:
+        if g_logp is not None:  # + g_logp at the target, for the rows whose target is in the tile (0 elsewhere: exact)
             local = self.targets[i:j] - v0
-            hit = torch.nonzero((local >= 0) & (local < v1 - v0))[:, 0]
-            dz[hit, local[hit]] += g_logp[i:j].to(self.acc)[hit]
+            inside = (local >= 0) & (local < v1 - v0)
+            hit = torch.where(inside, g_logp[i:j].to(self.acc), 0.0)
+            dz.scatter_add_(1, local.clamp(0, v1 - v0 - 1)[:, None], hit[:, None])
         return self.transform.chain_(dz, t), w

@@ -11,6 +11,9 @@ kernel launches) is taken whose estimated activations (:func:`memory_model.estim
 
 Where no chunk fits, the smallest is taken (the step may then run out of memory: the budget is too small for the
 length). A decision is kept per (rows, length), so every step of the same shape streams the same way.
+
+:func:`head_form` chooses the form of the logit kernel's gradient for each call the same way: the one that computes
+the logits fewest times whose buffers fit the memory left.
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ class AutoChunks:
         if model is None:
             return None
         params = list(model.parameters())
-        missing_grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+        missing_grads = _missing_grad_bytes(params)
         if self.budget is not None:
             held = sum(p.numel() * p.element_size() for p in params)
             held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -112,3 +115,39 @@ class AutoChunks:
             cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             return free + cached - missing_grads
         return None
+
+
+def _missing_grad_bytes(params: list[nn.Parameter]) -> int:
+    """Bytes of the parameter gradients not allocated yet (the first backward of a run allocates them)."""
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+
+
+def head_form(
+    model: nn.Module,
+    head: nn.Linear,
+    n: int,
+    logits_chunk: int,
+    budget: int | None,
+    device: torch.device,
+    forms: tuple[str, ...] = mm.HEAD_FORMS,
+) -> str:
+    """The form of the logit kernel's gradient for a call scoring ``n`` rows, among ``forms``: the one that
+    recomputes least (eager, then fused, then two-node) whose buffers (:func:`memory_model.head_backward_bytes`) fit
+    what is free now, when the forward's activations are all held (on a CUDA device: free memory plus what PyTorch's
+    allocator holds unused, within ``budget`` if one is given, less the parameter gradients not yet allocated);
+    two-node (the least memory) where none fits. Without a memory figure (the CPU), the first that recomputes least."""
+    ordered = [form for form in reversed(mm.HEAD_FORMS) if form in forms]
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return ordered[0]
+    free, _ = torch.cuda.mem_get_info(device)
+    room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if budget is not None:
+        room = min(room, budget - torch.cuda.memory_allocated(device))
+    room -= _missing_grad_bytes(list(model.parameters()))
+    vocab, hidden = head.out_features, head.in_features  # not the weight's shape: ZeRO-3 partitions it
+    trained = any(p.requires_grad for p in head.parameters())
+    db = head.weight.element_size()
+    for form in ordered:
+        if mm.head_backward_bytes(vocab, hidden, n, logits_chunk, db, head_trained=trained, form=form) <= room:
+            return form
+    return "two-node"

@@ -15,9 +15,10 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
     (``chunk x`` :func:`_chunk_token_bytes`, beside one weight's fresh gradient) and its attention backward (with
     grouped heads, one group's key/value gradients over the whole prefix and flash's expanded workspace; with as many
     key/value heads as query heads, all heads' key/value gradients ``2 kv db N``);
-  - the LM-head weight node (runs first in backward): the last hidden state, dW ``V H db`` and one float32 vocabulary
-    tile of dW, plus logit tiles;
-  - the hidden-state node: the last hidden state and its gradient ``2 H db N``, plus logit tiles.
+  - the LM head's backward (:func:`head_backward_bytes`) in its two-node form, which the engine takes wherever the
+    fused form's (V, H) accumulator would not fit: the weight node (runs first in backward) with the last hidden
+    state, dW ``V H db`` and one float32 vocabulary tile of dW, then the hidden-state node with the last hidden
+    state and its gradient ``2 H db N``, plus logit tiles.
 
 * ``hf-gc`` (Hugging Face gradient checkpointing, the model's own loss over full logits) and ``trl-default``
   (checkpointing + TRL's fused LM head): the saved layer inputs, and either the logits with their float32 copies
@@ -41,6 +42,8 @@ MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
 GiB = 2**30
 _VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
+_EAGER_TILE_ELEMENTS = 2**25  # its whole-vocabulary tiles in the eager form (streambp_trl.logits.eager)
+HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 _LORA_RANK = 16
 
@@ -218,11 +221,46 @@ def estimate_activation_bytes(
     attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
     attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
     layer += max(mlp, attention)
-    # logit tiles: the matmul product, its float32 copy and the probabilities (10 bytes per element)
-    tile = min(logits_chunk, n) * (min(shape.vocab, _VOCAB_TILE) * 10 + h * (db + 4))
-    head_weight = shape.vocab * h * db + _VOCAB_TILE * h * 4 if head_trained else 0
-    head = common + h * db * n + max(head_weight, h * db * n) + tile
+    head = common + h * db * n + head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained)
     return max(layer, head)
+
+
+def head_backward_bytes(
+    vocab: int,
+    hidden: int,
+    n: int,
+    logits_chunk: int,
+    db: int = 2,
+    *,
+    head_trained: bool = True,
+    form: str = "two-node",
+) -> int:
+    """Peak bytes the logit kernel's gradient takes for ``n`` rows (:data:`HEAD_FORMS`), beyond the hidden states it
+    reads: logit tiles (the matmul product, its float32 copy and the probabilities: 10 bytes per element, beside a
+    tile of hidden rows), and
+
+    * ``two-node``: the larger of the weight node's dW ``V H db`` with one float32 vocabulary tile of it, and the
+      hidden node's dh ``H db n``;
+    * ``fused``: dh and dW together, with a float32 (V, H) accumulator beside dW when ``db`` < 4 (half precision);
+    * ``eager`` (the gradient in the forward): the bases dh and dW in the accumulation dtype (float32 at least), then
+      their casts to the parameter dtype beside them (half precision), and the forward's whole-vocabulary tiles
+      (:data:`streambp_trl.logits.eager.EAGER_TILE_ELEMENTS` elements, three such at 4 bytes).
+
+    An untrained head (LoRA) takes dh alone (``eager``: in the accumulation dtype), whatever the form.
+    """
+    if form not in HEAD_FORMS:
+        raise ValueError(f"form must be one of {HEAD_FORMS}, got {form!r}.")
+    h, v, acc = hidden, vocab, max(db, 4)
+    tile = min(logits_chunk, n) * (min(v, _VOCAB_TILE) * 10 + h * (db + 4))
+    if form == "eager":
+        cast = db < acc
+        weight = v * h * (acc + (db if cast else 0)) if head_trained else 0
+        return h * n * (acc + (db if cast else 0)) + weight + 3 * 4 * _EAGER_TILE_ELEMENTS
+    if not head_trained:
+        return h * db * n + tile
+    if form == "fused":
+        return h * db * n + v * h * db + (v * h * 4 if db < 4 else 0) + tile
+    return max(v * h * db + _VOCAB_TILE * h * 4, h * db * n) + tile
 
 
 def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:

@@ -34,17 +34,19 @@ def _qwen3(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: in
 
 
 # Named sizes: Qwen3Config keyword arguments (random weights). The published Qwen3 shapes; "qwen3-cpu-bench" is the
-# 4-layer model of the CPU benchmarks, "qwen3-tiny" a 2-layer one for quick CPU bisections (tests).
+# 4-layer model of the CPU benchmarks, "qwen3-1k-bench" a wider 4-layer one (counted FLOPs and operations),
+# "qwen3-tiny" a 2-layer one for quick CPU bisections (tests).
 NAMED_MODELS: dict[str, dict[str, Any]] = {
     "qwen3-tiny": _qwen3(2, 256, 512, 4, 2, False, head_dim=64, vocab_size=2048),
     "qwen3-cpu-bench": _qwen3(4, 512, 1536, 8, 4, False, head_dim=64, vocab_size=8000),
+    "qwen3-1k-bench": _qwen3(4, 1024, 3072, 16, 8, False, head_dim=64, vocab_size=32768),
     "qwen3-0.6b": _qwen3(28, 1024, 3072, 16, 8, True),
     "qwen3-4b": _qwen3(36, 2560, 9728, 32, 8, True),
     "qwen3-8b": _qwen3(36, 4096, 12288, 32, 8, False),
     "qwen3-14b": _qwen3(40, 5120, 17408, 40, 8, False),
     "qwen3-32b": _qwen3(64, 5120, 25600, 64, 8, False),
 }
-_NOT_ON_THE_HUB = ("qwen3-tiny", "qwen3-cpu-bench")
+_NOT_ON_THE_HUB = ("qwen3-tiny", "qwen3-cpu-bench", "qwen3-1k-bench")
 
 
 def canonical_model_name(name: str) -> str:

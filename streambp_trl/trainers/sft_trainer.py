@@ -24,3 +24,8 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy", "is_top1")
+
+    def _engine_options(self) -> dict:
+        # TRL's `nll` loss is the token mean of -log p (its other losses read the fused head without grad, or weight
+        # tokens by their probability: `dft`, which the kernel's backward check sends to the recompute)
+        return {"token_mean_loss": self.args.loss_type == "nll"}
