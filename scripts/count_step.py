@@ -6,12 +6,12 @@ gradient checkpointing over full logits (``checkpoint``, the reference), TRL's d
 head, ``checkpoint+chunked-loss``) and stream (chunk = logit tile = ``--chunk``), counted by
 :class:`streambp_trl.bench.counting.StepCounter` after one uncounted warm-up step: FLOPs (causal attention as the
 pairs it allows), by weight (LM head, attention projections, MLP) and attention; aten operations (views left out);
-host syncs with their file and line, and those inside the engine's layer and logit loops (``streambp_trl/layers/``,
-``streambp_trl/logits/``) apart.
+host syncs with their file and line.
 
-Operations per layer-chunk: stream is counted a second time with twice the chunk and the same logit tile; the
-difference in operations, over the layer-chunks it removes (layers x (T/chunk - T/(2 chunk))), is what one
-layer-chunk costs in launches.
+Per layer-chunk: stream is counted a second time with twice the chunk and the same logit tile; the difference in
+operations, over the layer-chunks it removes (layers x (T/chunk - T/(2 chunk))), is what one layer-chunk costs in
+launches, and the difference in host syncs is the syncs inside the layer loop (0: the syncs are once per call).
+``tests/test_counting.py`` checks the logit kernel's tile loop the same way.
 
 Counts are exact and repeatable (they do not depend on the machine's load); a step on 2 CPU cores at the issue's
 size (``--model qwen3-1k-bench --seq-len 8192 --chunk 2048``) takes a few minutes per mode::
@@ -33,11 +33,11 @@ from typing import Any
 
 from streambp_trl.bench.counting import count_step
 from streambp_trl.bench.metadata import environment
+from streambp_trl.bench.models import build_config
 from streambp_trl.bench.spec import MeasureSpec
 from streambp_trl.sizing.shapes import canonical_model_name
 
 MODES = ("checkpoint", "checkpoint+chunked-loss", "stream")
-LOOPS = ("streambp_trl/layers/", "streambp_trl/logits/")
 
 
 def _spec(args: argparse.Namespace, mode: str, chunk: int) -> MeasureSpec:
@@ -53,32 +53,28 @@ def _spec(args: argparse.Namespace, mode: str, chunk: int) -> MeasureSpec:
     )
 
 
-def loop_syncs(record: dict[str, Any]) -> int:
-    """Host syncs asked from inside the layer and logit loops."""
-    return sum(n for where, n in record["syncs_by_location"].items() if any(loop in where for loop in LOOPS))
-
-
-def layer_chunk_ops(single: dict[str, Any], double: dict[str, Any], layers: int) -> float:
-    """Operations one layer-chunk costs, from two stream counts at chunk c and 2c (same logit tile)."""
+def per_layer_chunk(single: dict[str, Any], double: dict[str, Any], layers: int) -> dict[str, float]:
+    """Operations and host syncs one layer-chunk costs, from two stream counts at chunk c and 2c (same logit tile)."""
     chunks = [r["seq_len"] // r["stream_chunk_size"] for r in (single, double)]
     removed = layers * (chunks[0] - chunks[1])
-    return (single["ops"] - double["ops"]) / removed
+    return {key: (single[key] - double[key]) / removed for key in ("ops", "syncs")}
 
 
-def table(records: dict[str, dict[str, Any]], per_layer_chunk: float | None) -> str:
+def table(records: dict[str, dict[str, Any]], layer_chunk: dict[str, float] | None) -> str:
     base = records["checkpoint"]
     groups = sorted({g for r in records.values() for g in r["flops_by"]})
     head = "| mode | FLOPs / checkpoint | " + " | ".join(f"{g} / checkpoint" for g in groups)
-    head += " | ops | ops / checkpoint | host syncs (in the loops) |"
+    head += " | ops | ops / checkpoint | host syncs |"
     lines = [head, "|" + "---|" * (6 + len(groups))]
     for mode, r in records.items():
         by = " | ".join(f"{r['flops_by'].get(g, 0) / base['flops']:.4f}" for g in groups)
         lines.append(
             f"| {mode} | {r['flops'] / base['flops']:.4f} | {by} | {r['ops']} | {r['ops'] / base['ops']:.1f} | "
-            f"{r['syncs']} ({loop_syncs(r)}) |"
+            f"{r['syncs']} |"
         )
-    if per_layer_chunk is not None:
-        lines.append(f"\nStream operations per layer-chunk: {per_layer_chunk:.0f}.")
+    if layer_chunk is not None:
+        ops, syncs = layer_chunk["ops"], layer_chunk["syncs"]
+        lines.append(f"\nStream per layer-chunk: {ops:.0f} operations, {syncs:g} host syncs.")
     return "\n".join(lines)
 
 
@@ -97,24 +93,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode in args.modes:
         records[mode] = count_step(_spec(args, mode, args.chunk))
         print(f"{mode}: {json.dumps({k: records[mode][k] for k in ('flops', 'ops', 'syncs')})}", flush=True)
-    per_layer_chunk = None
+    layer_chunk = None
     if "stream" in args.modes and 2 * args.chunk <= args.seq_len:
         double = count_step(_spec(args, "stream", 2 * args.chunk))
-        from streambp_trl.bench.models import build_config
-
-        per_layer_chunk = layer_chunk_ops(records["stream"], double, build_config(args.model).num_hidden_layers)
+        layer_chunk = per_layer_chunk(records["stream"], double, build_config(args.model).num_hidden_layers)
     name = args.name or f"count_{canonical_model_name(args.model)}_{args.seq_len}"
     out = {
         "command": "python scripts/count_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "environment": environment("cpu"),
         "records": records,
-        "stream_ops_per_layer_chunk": per_layer_chunk,
-        "stream_syncs_in_loops": loop_syncs(records["stream"]) if "stream" in records else None,
+        "stream_per_layer_chunk": layer_chunk,
     }
     os.makedirs(args.out_dir, exist_ok=True)
     Path(args.out_dir, f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
     text = f"# Counted step: {args.model}, {args.seq_len} tokens, chunk {args.chunk}\n\n`{out['command']}`\n\n"
-    text += table(records, per_layer_chunk) + "\n"
+    text += table(records, layer_chunk) + "\n"
     Path(args.out_dir, f"{name}.md").write_text(text)
     print(text)
     return out
