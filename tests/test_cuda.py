@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -240,7 +241,7 @@ def test_peak_memory_within_5_percent_of_the_model(model_name, seq_len, chunk):
     before = torch.cuda.memory_allocated()  # anything an earlier test left behind is not this step's
     shape = mm.ModelShape.from_name(model_name)
     setup = mm.StepSetup(mode="stream", chunk=chunk, logits_chunk=chunk)
-    estimate = mm.estimate_peak_bytes(shape, setup, seq_len)
+    estimate = mm.estimate_peak_bytes(shape, setup, seq_len)  # two-node: the least the step may take
     if estimate > 0.9 * torch.cuda.get_device_properties(0).total_memory:
         pytest.skip(f"{model_name} at {seq_len} tokens needs about {mm.gib(estimate):.0f} GiB")
     model = enable_streambp(
@@ -257,7 +258,9 @@ def test_peak_memory_within_5_percent_of_the_model(model_name, seq_len, chunk):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
+    form = model._streambp.head_form  # the logit kernel's gradient form the engine chose for the free memory
+    estimate = mm.estimate_peak_bytes(shape, dataclasses.replace(setup, head_form=form), seq_len)
     error = abs(peak - estimate) / peak
-    _report(test="memory_model", model=model_name, seq_len=seq_len, chunk=chunk, peak_gib=mm.gib(peak),
+    _report(test="memory_model", model=model_name, seq_len=seq_len, chunk=chunk, head_form=form, peak_gib=mm.gib(peak),
             estimate_gib=mm.gib(estimate), error=error, device=torch.cuda.get_device_name())  # fmt: skip
     assert error <= 0.05, f"measured {mm.gib(peak):.3f} GiB, the memory model {mm.gib(estimate):.3f} GiB"

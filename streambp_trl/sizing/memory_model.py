@@ -130,12 +130,15 @@ class StepSetup:
     logits_chunk: int | None = None
     optimizer_bytes_per_param: int = 0  # e.g. 8 for AdamW's two float32 moments of every trainable parameter
     keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.segments)
+    head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+        if self.head_form not in HEAD_FORMS:
+            raise ValueError(f"head_form must be one of {HEAD_FORMS}, got {self.head_form!r}.")
 
     @property
     def rows(self) -> int:
@@ -200,10 +203,12 @@ def estimate_activation_bytes(
     head_trained: bool = True,
     layer_trained_params: int | None = None,
     keep_every: int = 1,
+    head_form: str = "two-node",
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
-    layer's trainable parameters (all of them by default)."""
+    layer's trainable parameters (all of them by default); ``head_form``: the logit kernel's gradient form
+    (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short)."""
     h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
     group = shape.heads // shape.kv_heads
     saved = _saved_inputs(shape.layers, keep_every, offload) * h * db * n
@@ -221,7 +226,8 @@ def estimate_activation_bytes(
     attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
     attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
     layer += max(mlp, attention)
-    head = common + h * db * n + head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained)
+    head = common + h * db * n
+    head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained, form=head_form)
     return max(layer, head)
 
 
@@ -291,6 +297,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             head_trained=not setup.lora,
             layer_trained_params=_lora_params(shape) // shape.layers if setup.lora else None,
             keep_every=setup.keep_every,
+            head_form=setup.head_form,
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
