@@ -252,7 +252,8 @@ class LayerCall:
         for p, own in zip(params, users, strict=True):
             if own:
                 p._backward_hooks.clear()
-        hooks = [p.register_hook(functools.partial(_absorb, dparams, j)) for j, p in enumerate(params)]
+        zeros: dict = {}  # one storage-less zero per (dtype, device), shared by every chunk's placeholders
+        hooks = [p.register_hook(functools.partial(_absorb, dparams, zeros, j)) for j, p in enumerate(params)]
         try:
             self._chunk_backwards(x, dy, carry, dx, extra, dextra, params)
         finally:
@@ -305,10 +306,11 @@ class LayerCall:
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torch.Tensor:
+def _absorb(sums: list[torch.Tensor | None], zeros: dict, j: int, grad: torch.Tensor) -> torch.Tensor:
     """Parameter ``j``'s hook during a chunk's backward: its gradient is added to ``sums[j]`` (or becomes it) at once,
-    and autograd keeps a storage-less zero in its place. So a chunk's backward holds one parameter's fresh gradient at
-    a time beside the sums, not a whole layer's set of them until ``autograd.grad`` returns.
+    and autograd keeps a storage-less zero in its place (an expanded scalar from ``zeros``, made once per backward).
+    So a chunk's backward holds one parameter's fresh gradient at a time beside the sums, not a whole layer's set of
+    them until ``autograd.grad`` returns.
 
     A bfloat16/float16 vector (a norm's scale, a bias, a per-head parameter such as a decay's ``dt_bias``) sums in
     float32: each of its elements sums over every position, chunk sums can be far larger than the total, and the
@@ -321,7 +323,10 @@ def _absorb(sums: list[torch.Tensor | None], j: int, grad: torch.Tensor) -> torc
     else:  # autograd's own buffer becomes the sum, unless elements share memory (an expanded scalar's gradient)
         overlapping = any(stride == 0 and size > 1 for stride, size in zip(grad.stride(), grad.shape, strict=True))
         sums[j] = grad.clone() if overlapping else grad
-    return grad.new_zeros(()).expand(grad.shape)
+    key = (grad.dtype, grad.device)
+    if key not in zeros:
+        zeros[key] = grad.new_zeros(())
+    return zeros[key].expand(grad.shape)
 
 
 class StreamLayerFunction(torch.autograd.Function):
