@@ -51,6 +51,12 @@ class EagerNode(LogitNode):
         ctx.bases = None
         if call.n == 0:  # nothing to score: nothing to form early
             return LogitNode.forward(ctx, call, hidden, weight, bias, *norm_params)
+        # the tiles' products are cast to the matmul dtype explicitly; autocast would also lower the row sums
+        with torch.autocast(call.autocast["device_type"], enabled=False):
+            return EagerNode._forward(ctx, call, hidden, weight, bias, *norm_params)
+
+    @staticmethod
+    def _forward(ctx, call: LogitCall, hidden, weight, bias, *norm_params):
         ctx.set_materialize_grads(False)
         need_w, need_b = ctx.needs_input_grad[2:4]
         need_dn = ctx.needs_input_grad[1] or any(ctx.needs_input_grad[4:])

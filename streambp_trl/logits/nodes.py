@@ -32,7 +32,8 @@ class LogitNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LogitCall, hidden, weight, bias, *norm_params):
         ctx.set_materialize_grads(False)
-        with torch.no_grad():
+        # the tiles' products are cast to the matmul dtype explicitly; autocast would also lower the row sums
+        with torch.no_grad(), torch.autocast(call.autocast["device_type"], enabled=False):
             log_z, *stats = statistics(call, hidden, weight, bias)
         ctx.save_for_backward(hidden, log_z, stats[1], *call.reread())
         ctx.call, ctx.norm_params = call, norm_params
