@@ -65,7 +65,7 @@ def table(records: dict[str, dict[str, Any]], layer_chunk: dict[str, float] | No
     groups = sorted({g for r in records.values() for g in r["flops_by"]})
     head = "| mode | FLOPs / checkpoint | " + " | ".join(f"{g} / checkpoint" for g in groups)
     head += " | ops | ops / checkpoint | host syncs |"
-    lines = [head, "|" + "---|" * (6 + len(groups))]
+    lines = [head, "|" + "---|" * (5 + len(groups))]
     for mode, r in records.items():
         by = " | ".join(f"{r['flops_by'].get(g, 0) / base['flops']:.4f}" for g in groups)
         lines.append(
