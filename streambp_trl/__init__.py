@@ -3,12 +3,16 @@
 from .engine import StreamOptions, disable_streambp, enable_streambp
 from .logits import chunked_logprobs
 from .trainers import (
+    StreamDistillationConfig,
+    StreamDistillationTrainer,
     StreamDPOConfig,
     StreamDPOTrainer,
     StreamGRPOConfig,
     StreamGRPOTrainer,
     StreamKTOConfig,
     StreamKTOTrainer,
+    StreamRewardConfig,
+    StreamRewardTrainer,
     StreamRLOOConfig,
     StreamRLOOTrainer,
     StreamSFTConfig,
@@ -16,6 +20,8 @@ from .trainers import (
 )
 
 __all__ = [
+    "StreamDistillationConfig",
+    "StreamDistillationTrainer",
     "StreamDPOConfig",
     "StreamDPOTrainer",
     "StreamGRPOConfig",
@@ -23,6 +29,8 @@ __all__ = [
     "StreamKTOConfig",
     "StreamKTOTrainer",
     "StreamOptions",
+    "StreamRewardConfig",
+    "StreamRewardTrainer",
     "StreamRLOOConfig",
     "StreamRLOOTrainer",
     "StreamSFTConfig",

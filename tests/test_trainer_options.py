@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import ROOT, args, assert_each_close, load_model, load_tokenizer, tiny_dataset, torchrun  # noqa: E402
 from models import batch, tiny_model  # noqa: E402
+from trl import SFTConfig  # noqa: E402
 
 from streambp_trl import (  # noqa: E402
     StreamDPOConfig,
@@ -82,6 +83,18 @@ def _trainer(tmp_path, **overrides) -> StreamSFTTrainer:
         train_dataset=tiny_dataset("chat", 4),
         processing_class=load_tokenizer(),
     )
+
+
+@pytest.mark.parametrize("config_cls", [StreamSFTConfig, SFTConfig])
+def test_activation_offloading_is_the_engines_checkpoint_offload(tmp_path, config_cls):
+    """TRL's activation_offloading=True becomes the engine's offload_checkpoints=True in the trainer's copy of the
+    config, and TRL's own offloading is off: never a second offload on top of the engine's."""
+    config = args(config_cls, tmp_path, max_length=64, activation_offloading=True)
+    trainer = StreamSFTTrainer(
+        model=load_model(), args=config, train_dataset=tiny_dataset("chat", 4), processing_class=load_tokenizer()
+    )
+    assert trainer.stream_options.offload_checkpoints
+    assert not trainer.args.activation_offloading and config.activation_offloading  # the caller's config unchanged
 
 
 @pytest.mark.parametrize("setting, expected", [(None, False), (True, True), (False, False)])

@@ -1,11 +1,12 @@
 """The ``streambp-trl`` command: one subcommand per objective, each parsed by TRL's ``TrlParser``.
 
-``streambp-trl {sft,dpo,kto,grpo,rloo} --config FILE.yaml [--any_config_field value ...]`` reads TRL's script, model
-and dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` / ... do, and trains with
-the objective's ``Stream*Trainer``. The inputs a config names (model, data files, reward model) are looked up next to
-the config file first, so a config runs from any directory. A mistake in the command or its config (an unknown
-field, a missing file, a model that is neither a directory nor reachable on the Hub, a launch that would not train the
-processes it started) ends the command with one line naming it and the fix, before any model or data is loaded.
+``streambp-trl {sft,dpo,kto,grpo,rloo,distillation,reward} --config FILE.yaml [--any_config_field value ...]`` reads
+TRL's script, model and dataset arguments and the objective's ``Stream*Config``, as ``trl sft`` / ``trl dpo`` /
+... do, and trains with the objective's ``Stream*Trainer``. The inputs a config names (model, data files, reward or
+teacher model) are looked up next to the config file first, so a config runs from any directory. A mistake in the
+command or its config (an unknown field, a missing file, a model that is neither a directory nor reachable on the
+Hub, a launch that would not train the processes it started) ends the command with one line naming it and the fix,
+before any model or data is loaded.
 ``streambp-trl max-len --model NAME [...]`` (plain argparse) gives the longest sequence a step fits, per mode.
 ``streambp-trl --version`` prints the versions of the package, torch, transformers and TRL.
 
@@ -69,6 +70,15 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
     "rloo": (
         "Online RL with StreamRLOOTrainer (TRL's `trl rloo` arguments, `reward_funcs`, the stream options).",
         _command("rloo"),
+    ),
+    "reward": (
+        "Reward modelling with StreamRewardTrainer (TRL's `trl reward` arguments plus the stream options).",
+        _command("reward"),
+    ),
+    "distillation": (
+        "Distillation from a teacher with StreamDistillationTrainer (TRL's `trl distillation` arguments, "
+        "`teacher_model_name_or_path`, the stream options).",
+        _command("distillation"),
     ),
     "max-len": (
         "The longest sequence a training step fits, per mode: measured on a GPU, or estimated (--gpu-memory).",

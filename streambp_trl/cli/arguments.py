@@ -17,7 +17,14 @@ from trl import ScriptArguments, TrlParser
 # objectives whose trainers score generated completions with reward functions
 _RL = ("grpo", "rloo")
 # config fields that name inputs, and those of each `datasets:` entry: looked up next to the config file first
-_INPUT_FIELDS = ("model_name_or_path", "reward_model_name_or_path", "dataset_name", "chat_template_path", "deepspeed")
+_INPUT_FIELDS = (
+    "model_name_or_path",
+    "reward_model_name_or_path",
+    "teacher_model_name_or_path",
+    "dataset_name",
+    "chat_template_path",
+    "deepspeed",
+)
 _DATASET_INPUT_FIELDS = ("path", "data_dir", "data_files")
 # what launchers set for the number of processes of a run (torchrun, MPI)
 _WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -77,7 +84,7 @@ def _objective(name: str) -> tuple[type, type]:
     """The (config, trainer) classes of an objective."""
     from .. import trainers
 
-    upper = name.upper()
+    upper = {"reward": "Reward", "distillation": "Distillation"}.get(name, name.upper())
     return getattr(trainers, f"Stream{upper}Config"), getattr(trainers, f"Stream{upper}Trainer")
 
 

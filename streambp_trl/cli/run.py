@@ -65,12 +65,33 @@ def _load_dataset(script_args, dataset_args):
     raise UsageError("Give a dataset: `datasets:` (a list of {path, data_files, ...}) or `dataset_name`.")
 
 
+def _teacher(training_args, model_args) -> str:
+    """The teacher of a ``distillation`` run, checked like the model, loaded as TRL's distillation script loads it
+    (the model's ``dtype`` and attention, the teacher's revision, any ``teacher_model_init_kwargs`` over them)."""
+    name, revision = training_args.teacher_model_name_or_path, training_args.teacher_model_revision
+    if not name:
+        raise UsageError("Give the teacher: `teacher_model_name_or_path` (a Hub name or a local directory).")
+    loading = {
+        "revision": revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    training_args.teacher_model_init_kwargs = {**loading, **(training_args.teacher_model_init_kwargs or {})}
+    return _model_path(name, revision, "teacher_model_name_or_path")
+
+
 def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
     """Train as ``trl <objective>`` does, with the objective's ``Stream*Trainer``; returns the output directory."""
     from trl import get_peft_config, get_quantization_config
 
     _, trainer_cls = _objective(objective)
     _check_launch(training_args)
+    if objective == "reward" and model_args.use_peft and model_args.lora_task_type != "SEQ_CLS":
+        raise UsageError(
+            f"reward trains a sequence classifier: set `lora_task_type: SEQ_CLS` (got {model_args.lora_task_type!r}), "
+            "so that PEFT trains its new score head in full (modules_to_save) besides the LoRA adapters"
+        )
     if not model_args.model_name_or_path:
         raise UsageError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
     revision = model_args.model_revision
@@ -80,6 +101,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
             script_args.reward_model_name_or_path, None, "reward_model_name_or_path"
         )
     rewards = {"reward_funcs": reward_functions(script_args)} if objective in _RL else {}
+    teacher = {"teacher_model": _teacher(training_args, model_args)} if objective == "distillation" else {}
 
     model_init_kwargs = {
         "revision": revision,
@@ -107,6 +129,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
         **rewards,
+        **teacher,
     )
     state = trainer.accelerator.state
     processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")

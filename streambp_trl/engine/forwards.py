@@ -141,7 +141,7 @@ def _scored_rows(
     return given.to(hidden.device), rows
 
 
-def _hooked(module: nn.Module, global_hooks: bool) -> bool:
+def hooked(module: nn.Module, global_hooks: bool) -> bool:
     """Whether user code hooks ``module``'s forward or backward: its own hooks (and, with ``global_hooks``, global
     module hooks). The hooks of FSDP2 and DeepSpeed ZeRO-3, which gather a sharded module's parameters, are not user
     code."""
@@ -197,7 +197,7 @@ def stream_forward(
     kwargs["use_cache"] = False
     decoder = state.decoder
     head_module = self.get_output_embeddings()
-    if _hooked(head_module, False) or _hooked(lm_head_linear(self), False):
+    if hooked(head_module, False) or hooked(lm_head_linear(self), False):
         raise ValueError(
             f"{type(self).__name__}.lm_head has a forward or backward hook, which would not run: StreamBP computes "
             "the loss from the hidden states tile by tile and never forms the (tokens x vocab) logits the hook would "
@@ -207,7 +207,7 @@ def stream_forward(
     # no hook watches it (else it runs as the model runs it, and its hooks see what they see without streaming);
     # (global hooks are not refused for lm_head: they watch every module, and a streamed call has no head call)
     norm = None if kwargs.get("output_hidden_states") else state.final_norm
-    norm = None if norm is not None and _hooked(norm, True) else norm
+    norm = None if norm is not None and hooked(norm, True) else norm
     with bypassed(norm) if norm is not None else contextlib.nullcontext():
         decoded = decoder(*args, return_dict=True, **kwargs)
     hidden = decoded.last_hidden_state

@@ -43,6 +43,7 @@ from . import probe
 from .forwards import head_logits, stream_decoder_forward, stream_forward, streamed_decoder_call
 from .model_parts import causal_lm, decoder_layers, final_norm_name, find_decoder, lm_head_linear
 from .options import StreamOptions
+from .score_head import sequence_classifier, stream_score_forward
 from .state import EngineState
 from .support import check_peft_method, check_supported, refuse
 from .zero3 import mark_zero3_leaves, zero3_enabled
@@ -52,7 +53,9 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
     Args:
-        model: a transformers causal LM, or a PEFT model wrapping one.
+        model: a transformers causal LM, or a decoder's ``*ForSequenceClassification`` (a reward model; its
+            score head reads only the last non-pad token of each row: :mod:`.score_head`), or a PEFT model
+            wrapping one.
         options: a :class:`~streambp_trl.engine.options.StreamOptions` (e.g. a config's ``to_options()``).
         overrides: :class:`~streambp_trl.engine.options.StreamOptions` fields, given one by one
             (``stream_chunk_size=4096``, ``kv_mode="capture"``, ...) or replacing those of ``options``.
@@ -83,18 +86,21 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         disable_streambp(lm)
     decoder = find_decoder(lm)
     layers = decoder_layers(decoder) if decoder is not None else []
-    check_supported(lm, decoder, layers)
-    lm_head_linear(lm)
+    classifier = sequence_classifier(lm)  # a *ForSequenceClassification model (reward model): a score head
+    check_supported(lm, decoder, layers, lm_head=not classifier)
+    if not classifier:
+        lm_head_linear(lm)
     if zero3_enabled(lm):
         mark_zero3_leaves(lm)
     check_segmentable(lm, options.keep_every)
     norm_name = final_norm_name(decoder)
     norm = getattr(decoder, norm_name) if norm_name else None
     baseline = None
-    if options.verify:
-        baseline = probe.baseline(lm, decoder, functools.partial(head_logits, lm), functools.partial(refuse, lm), norm)
-        if baseline is not None and not baseline.norm_last:
-            norm = None
+    if options.verify:  # a sequence classifier's score head is applied as the model applies it: no logits to check
+        logits = None if classifier else functools.partial(head_logits, lm)
+        baseline = probe.baseline(lm, decoder, logits, functools.partial(refuse, lm), norm)
+    if baseline is not None and not baseline.norm_last:
+        norm = None
     chunk = options.stream_chunk_size
     settings = StreamSettings(
         chunk_size=None if chunk == AUTO else chunk,
@@ -136,7 +142,8 @@ def _install(lm: PreTrainedModel, state: EngineState) -> None:
         if isinstance(module, PreTrainedModel):
             patch(module, "_set_gradient_checkpointing", Method(guarded_set_gradient_checkpointing, module))
     patch(state.decoder, "forward", Method(stream_decoder_forward, state.decoder, state, wraps="forward"))
-    patch(lm, "forward", Method(stream_forward, lm, state, wraps="forward"))
+    forward = stream_score_forward if sequence_classifier(lm) else stream_forward
+    patch(lm, "forward", Method(forward, lm, state, wraps="forward"))
     lm._streambp = state
 
 

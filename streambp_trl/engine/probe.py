@@ -104,19 +104,21 @@ def _hidden(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.
 def baseline(
     lm: PreTrainedModel,
     decoder: PreTrainedModel,
-    head_logits: Callable[[torch.Tensor], torch.Tensor],
+    head_logits: Callable[[torch.Tensor], torch.Tensor] | None,
     refuse: Callable[[str], None],
     final_norm: nn.Module | None = None,
 ) -> ProbeBaseline | None:
-    """Run the probe input through the unmodified model; refuse a head the logit kernel does not reproduce.
+    """Run the probe input through the unmodified model; refuse a head the logit kernel does not reproduce
+    (``head_logits``: the logits the kernel would compute from the decoder's output; ``None`` for a model whose head
+    is applied as the model applies it, e.g. a sequence classifier's score head, which has no logits to check).
 
     With ``final_norm``, also tell whether the decoder's output is ``final_norm`` applied to what the decoder returns
-    when that module is bypassed (so the logit kernel can apply it tile by tile instead).
+    when that module is bypassed (so the logit kernel, or the score head's rows, can take it instead).
     """
     if not _probe_able(lm):
         return None
     device = _device(lm)
-    vocab = lm.get_output_embeddings().weight.shape[0]
+    vocab = (lm.get_output_embeddings() if head_logits is not None else lm.get_input_embeddings()).weight.shape[0]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(min(3, vocab - 1), vocab, (2, PROBE_TOKENS), generator=g).to(device)
     mask = torch.ones_like(ids)
@@ -124,9 +126,10 @@ def baseline(
     valid = mask.bool()
     try:
         with _quiet(lm):
-            logits = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).logits
             post = _hidden(decoder, ids, mask)
-            own = head_logits(post)
+            if head_logits is not None:
+                logits = lm(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).logits
+                own = head_logits(post)
             if final_norm is not None:
                 with bypassed(final_norm):
                     pre = _hidden(decoder, ids, mask)
@@ -140,6 +143,8 @@ def baseline(
         refuse(
             f"its own forward does not run on input_ids and an attention mask alone ({type(error).__name__}: {error})"
         )
+    if head_logits is None:
+        return ProbeBaseline(ids, mask, hidden, random, final_norm is not None and norm_last)
     if logits is None or logits.shape[:2] != ids.shape:
         refuse("its forward returns no per-token logits")
     diff = _relative_difference(own, logits.to(own.dtype), valid)

@@ -81,14 +81,17 @@ def check_peft_method(model: nn.Module, lm: PreTrainedModel) -> None:
             )
 
 
-def check_supported(lm: PreTrainedModel, decoder: PreTrainedModel | None, layers: list[nn.Module]) -> None:
-    """Raise ``ValueError`` if ``lm`` cannot be streamed exactly; ``layers`` are its decoder's layers."""
+def check_supported(
+    lm: PreTrainedModel, decoder: PreTrainedModel | None, layers: list[nn.Module], lm_head: bool = True
+) -> None:
+    """Raise ``ValueError`` if ``lm`` cannot be streamed exactly; ``layers`` are its decoder's layers; ``lm_head``:
+    it must have an LM head (``False`` for a sequence classifier, whose score head :mod:`.score_head` serves)."""
     config = lm.config.get_text_config()
     if getattr(lm.config, "is_encoder_decoder", False):
         refuse(lm, "encoder-decoder models are not supported, only decoder-only causal LMs")
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
         refuse(lm, "its attention is bidirectional, so a chunk would need keys from later positions")
-    if lm.get_output_embeddings() is None:
+    if lm_head and lm.get_output_embeddings() is None:
         refuse(lm, "it has no LM head (get_output_embeddings() is None)")
     if decoder is None:
         refuse(lm, "get_decoder() does not return a separate transformers decoder model")

@@ -49,7 +49,8 @@ labelled rows, no normalised copy). No host synchronisation per tile: the target
 outside the tile.
 """
 
+from .divergence import chunked_divergence
 from .kernel import chunked_logprobs
 from .tiles import DEFAULT_VOCAB_CHUNK, STAT_OUTPUTS
 
-__all__ = ["DEFAULT_VOCAB_CHUNK", "STAT_OUTPUTS", "chunked_logprobs"]
+__all__ = ["DEFAULT_VOCAB_CHUNK", "STAT_OUTPUTS", "chunked_divergence", "chunked_logprobs"]

@@ -18,13 +18,22 @@ logger = logging.getLogger(__name__)
 
 
 def take_over_checkpointing(args):
-    """``args``, or a copy of it with Hugging Face activation checkpointing off: the stream engine checkpoints (and
-    streams) every decoder layer itself. The caller's config object is never changed."""
-    if not (getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)):
+    """``args``, or a copy of it with Hugging Face activation checkpointing off (the stream engine checkpoints and
+    streams every decoder layer itself) and TRL's activation offloading off: ``activation_offloading=True`` becomes
+    the engine's ``offload_checkpoints=True`` (each layer's saved input, the only activation the engine keeps per
+    layer, in host memory), never a second offload on top of it. The caller's config object is never changed."""
+    checkpointing = getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
+    offloading = getattr(args, "activation_offloading", False)
+    if not (checkpointing or offloading):
         return args
-    logger.info("activation_checkpointing=True is provided by the stream engine; Hugging Face's own is turned off.")
     args = copy.copy(args)
-    args.activation_checkpointing = args.gradient_checkpointing = False
+    if checkpointing:
+        logger.info("activation_checkpointing=True is provided by the stream engine; Hugging Face's is turned off.")
+        args.activation_checkpointing = args.gradient_checkpointing = False
+    if offloading:
+        logger.info("activation_offloading=True is the stream engine's offload_checkpoints=True; TRL's is turned off.")
+        args.activation_offloading = False
+        args.offload_checkpoints = True  # a field of StreamArguments; read by stream_options from TRL's configs too
     return args
 
 

@@ -111,7 +111,9 @@ class StreamArguments:
 
 
 def stream_options(args, **engine_options) -> StreamOptions:
-    """The engine options of a trainer's config: a ``Stream*Config``'s own, or the defaults for TRL's configs."""
+    """The engine options of a trainer's config: a ``Stream*Config``'s own, or the defaults for TRL's configs (with
+    checkpoint offload where :func:`~streambp_trl.trainers.mixin.take_over_checkpointing` took TRL's over)."""
     if isinstance(args, StreamArguments):
         return args.to_options(**engine_options)
-    return StreamOptions(stream_chunk_size=AUTO, **engine_options)
+    offload = getattr(args, "offload_checkpoints", False)
+    return StreamOptions(stream_chunk_size=AUTO, offload_checkpoints=offload, **engine_options)

@@ -1,0 +1,166 @@
+"""``StreamDistillationTrainer``: TRL's ``DistillationTrainer`` with the student and the teacher streamed and the
+divergence computed tile by tile."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+from torch import nn
+from trl import DistillationTrainer
+
+from ..engine import enable_streambp, lm_head_linear
+from ..engine.model_parts import causal_lm
+from ..engine.zero3 import zero3_gathered
+from ..logits import chunked_divergence
+from ..patching import bypassed
+from .distillation_config import StreamDistillationConfig
+from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+
+# what TRL's DistillationTrainer puts in a batch for a vision-language model's forward, besides the token ids
+_MULTIMODAL_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def logit_transform(config) -> tuple[float | None, float]:
+    """``(softcap, scale)`` of a model's logits, from its text config, as TRL's ``DistillationTrainer`` reads them:
+    the first of ``logit_scale`` (Cohere), ``output_multiplier`` (Muse) and ``lm_head_multiplier`` (Falcon-H1) that
+    is set multiplies the logits; else ``logits_scaling`` divides them (Granite, MiniCPM3; HyperCLOVA X multiplies);
+    ``final_logit_softcapping`` (Gemma) caps them after the scale."""
+    scales = [getattr(config, k, None) for k in ("logit_scale", "output_multiplier", "lm_head_multiplier")]
+    scale = next((s for s in scales if s is not None), None)
+    scaling = getattr(config, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        scale = scaling if config.model_type == "hyperclovax" else 1.0 / scaling
+    return getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
+
+
+def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """An LM head parameter as one tensor: a sharded FSDP2 ``DTensor`` (a teacher outside its forward) gathered."""
+    if isinstance(tensor, torch.distributed.tensor.DTensor):
+        return tensor.full_tensor()
+    return tensor
+
+
+def _kernel_norm(lm: nn.Module) -> nn.Module | None:
+    """The final norm the divergence kernel applies tile by tile for a streaming causal LM ``lm``: the engine's (the
+    decoder's last step, as its probe found), unless forward hooks (its own or global ones) watch it, which would not
+    run there; else ``None`` (the decoder applies its norm itself)."""
+    norm = lm._streambp.final_norm
+    modules = nn.modules.module
+    hooked = norm is not None and (
+        any((norm._forward_hooks, norm._forward_pre_hooks))
+        or bool(modules._global_forward_hooks or modules._global_forward_pre_hooks)
+    )
+    return None if hooked else norm
+
+
+class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
+    """Drop-in for [`~trl.DistillationTrainer`]; accepts a [`StreamDistillationConfig`] or a plain
+    [`~trl.DistillationConfig`].
+
+    Generation (on-policy, with `temperature`, `top_k`, `top_p`, `min_p`), batching, gradient accumulation, LoRA and
+    the logged metrics are TRL's own. The loss is TRL's generalised JSD (`beta`, `temperature`) between the student's
+    and the teacher's next-token distributions on the completion tokens, computed from:
+
+    * the student's decoder streamed chunk by chunk (the stream engine);
+    * the teacher's no-grad forward streamed chunk by chunk (`stream_eval`): a separate model, of its own width,
+      sharing the student's vocabulary; only its last hidden states are kept;
+    * [`~streambp_trl.logits.chunked_divergence`] on both models' hidden states and LM heads, tile by tile over
+      tokens (`logits_chunk_size`) and vocabulary, each model's final norm applied there, so neither model's
+      (tokens x vocab) logits exist.
+
+    Memory per token beyond the engine's (each student layer's input): the student's last hidden state and the
+    teacher's, and in backward the gradient of the student's.
+    """
+
+    def __init__(self, model, teacher_model=None, args=None, *pos, **kwargs):
+        if teacher_model is None:
+            raise ValueError(
+                "StreamDistillationTrainer needs a teacher: pass `teacher_model` (a Hub name, a local directory or "
+                "a PreTrainedModel sharing the student's vocabulary), e.g. "
+                "`teacher_model=args.teacher_model_name_or_path`."
+            )
+        args = take_over_checkpointing(
+            args if args is not None else default_args(StreamDistillationConfig, model, "Distillation")
+        )
+        super().__init__(model, teacher_model, args, *pos, **kwargs)
+        self._install_stream_engine()
+        teacher = dataclasses.replace(self.stream_options, fused_outputs=("log_probs",))
+        enable_streambp(self.accelerator.unwrap_model(self.teacher_model), teacher)
+
+    def _compute_loss(self, unwrapped_student, inputs, num_items_in_batch):
+        """TRL's divergence loss on this micro-batch: ``(loss, entropy sum (detached), number of scored tokens)``.
+
+        Position ``P - 1 + k`` of prompt + completion (``P`` prompt columns) predicts completion token ``k``; the
+        scored rows are those whose completion (and tool) mask is set. The loss is the sum of their divergences over
+        ``num_items_in_batch`` (or, without it, over their number).
+        """
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        loss_mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)
+        model_inputs = {
+            "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+            "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1),
+            "use_cache": False,
+            **{key: inputs[key] for key in _MULTIMODAL_INPUTS if key in inputs},
+        }
+        student = causal_lm(unwrapped_student)
+        norm = _kernel_norm(student)
+        with bypassed(norm) if norm is not None else contextlib.nullcontext():
+            hidden = student.base_model(**model_inputs).last_hidden_state  # streamed; before the final norm
+        self.teacher_model.eval()
+        unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
+        teacher = causal_lm(unwrapped_teacher)
+        teacher_norm = _kernel_norm(teacher)
+        with torch.no_grad(), bypassed(teacher_norm) if teacher_norm is not None else contextlib.nullcontext():
+            teacher_hidden = self._forward_redirection(
+                self.teacher_model, unwrapped_teacher, lambda: teacher.base_model(**model_inputs).last_hidden_state
+            )
+        s_head, t_head = lm_head_linear(student), lm_head_linear(teacher)
+        if s_head.weight.device != t_head.weight.device:
+            raise ValueError(
+                f"The student's lm_head is on {s_head.weight.device} and the teacher's on {t_head.weight.device}: the "
+                "divergence compares them tile by tile. Place both on one device (their `device_map`)."
+            )
+        device = s_head.weight.device
+        batch, length = model_inputs["input_ids"].shape
+        start = prompt_ids.shape[1] - 1
+        positions = torch.arange(batch * length, device=device).view(batch, length)[:, start : length - 1]
+        valid = loss_mask.to(device) != 0
+        norm_params = [p for n in (norm, teacher_norm) if n is not None for p in n.parameters()]
+        s_softcap, s_scale = logit_transform(student.config.get_text_config())
+        t_softcap, t_scale = logit_transform(teacher.config.get_text_config())
+        divergence, entropy = chunked_divergence(
+            hidden.to(device).reshape(batch * length, -1),
+            _whole(s_head.weight),
+            _whole(s_head.bias),
+            teacher_hidden.to(device).reshape(batch * length, -1),
+            _whole(t_head.weight),
+            _whole(t_head.bias),
+            beta=self.beta,
+            rows=positions[valid],
+            norm=norm,
+            teacher_norm=teacher_norm,
+            temperature=self.temperature,
+            student_softcap=s_softcap,
+            student_logit_scale=s_scale,
+            teacher_softcap=t_softcap,
+            teacher_logit_scale=t_scale,
+            token_chunk=student._streambp.logits_tile(hidden),
+            gathered=zero3_gathered([s_head.weight, s_head.bias, t_head.weight, t_head.bias, *norm_params]),
+        )
+        num_valid = valid.sum()
+        if num_items_in_batch is None:
+            denominator = num_valid.clamp(min=1)
+        else:
+            denominator = num_items_in_batch.to(device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        return divergence.sum() / denominator, entropy.sum().detach(), num_valid

@@ -1,0 +1,24 @@
+"""``StreamRewardTrainer``: TRL's ``RewardTrainer`` with the reward model's decoder streamed."""
+
+from __future__ import annotations
+
+from trl import RewardTrainer
+
+from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .reward_config import StreamRewardConfig
+
+
+class StreamRewardTrainer(StreamTrainerMixin, RewardTrainer):
+    """Drop-in for [`~trl.RewardTrainer`]; accepts a [`StreamRewardConfig`] or a plain [`~trl.RewardConfig`].
+
+    The model is a `*ForSequenceClassification` decoder (loaded with `num_labels=1` from a name, as TRL does). Its
+    decoder streams chunk by chunk and the score head reads only the last non-pad token of each sequence (see
+    `streambp_trl.engine.score_head`), so the rewards TRL's loss reads are exact: the Bradley-Terry loss, `margin`
+    columns, `center_rewards_coefficient`, LoRA (`task_type="SEQ_CLS"`, the score head in `modules_to_save`) and the
+    metrics TRL logs are TRL's own code.
+    """
+
+    def __init__(self, model, args=None, *pos, **kwargs):
+        args = take_over_checkpointing(args if args is not None else default_args(StreamRewardConfig, model, "Reward"))
+        super().__init__(model, args, *pos, **kwargs)
+        self._install_stream_engine()
