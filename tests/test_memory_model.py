@@ -8,15 +8,20 @@ import json
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
-from models import batch, tiny_model
+import torch
+from models import tiny_model
 
 from streambp_trl import enable_streambp
+from streambp_trl.bench.models import build_config
 from streambp_trl.bench.simulator import record_setup, record_shape
 from streambp_trl.engine import chunk_sizes
+from streambp_trl.sizing import auto
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.shapes import canonical_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
@@ -75,13 +80,31 @@ def test_sizes_parse():
             enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto", memory_budget=bad)
 
 
-def test_auto_on_cpu_uses_the_rule_of_thumb_and_is_logged():
+def test_auto_on_cpu_takes_the_largest_chunk_the_host_memory_fits(monkeypatch):
+    """On the CPU "auto" sizes chunks by the host memory available: the largest chunk that fits (here the whole
+    2100-token sequence fits in 2048-token chunks, where an eighth of it would be 512), the smallest when little is
+    free."""
+    ids = torch.randint(0, 100, (1, 2100))
     model = enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto")
-    ids, mask, labels = batch()
-    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert chunk_sizes(model) == (2048, 2048)
+    little = types.SimpleNamespace(available=2**20)
+    monkeypatch.setattr(auto.psutil, "virtual_memory", lambda: little)
+    model = enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto")
+    model(input_ids=ids, labels=ids).loss.backward()
     assert chunk_sizes(model) == (512, 512)
     with pytest.raises(ValueError, match="'auto'"):
         enable_streambp(tiny_model("qwen3"), stream_chunk_size="big")
+
+
+def test_named_hybrid_shapes():
+    """The Qwen3.5 shapes build their own config (Gated DeltaNet beside full attention) and count their parameters
+    as the model holds them; a Hub name does not stand for them (the Hub's Qwen3.5 configs hold a vision tower)."""
+    config = build_config("qwen3.5-9b")
+    assert config.model_type == "qwen3_5_text" and config.layer_types.count("full_attention") == 8
+    assert round(mm.ModelShape.from_name("qwen3.5-9b").params / 1e9, 2) == 8.95
+    assert round(mm.ModelShape.from_name("qwen3.5-27b").params / 1e9, 2) == 26.9
+    assert canonical_model_name("Qwen/Qwen3.5-9B") == "Qwen/Qwen3.5-9B"
 
 
 @pytest.mark.slow

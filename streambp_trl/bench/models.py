@@ -14,12 +14,13 @@ from .spec import TEMPERATURE, MeasureSpec, Mode
 
 
 def build_config(name: str) -> Any:
-    """A named Qwen3 size, or the config of a Hub name / local directory (config only, never weights)."""
-    from transformers import AutoConfig, Qwen3Config
+    """A named size, or the config of a Hub name / local directory (config only, never weights)."""
+    from transformers import AutoConfig
 
     name = canonical_model_name(name)
     if name in NAMED_MODELS:
-        return Qwen3Config(**NAMED_MODELS[name])
+        kwargs = dict(NAMED_MODELS[name])
+        return AutoConfig.for_model(kwargs.pop("model_type", "qwen3"), **kwargs)
     return AutoConfig.from_pretrained(name)
 
 

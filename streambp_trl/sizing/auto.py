@@ -7,7 +7,10 @@ kernel launches) is taken whose estimated activations (:func:`memory_model.estim
   model holds them, plus the activations must fit in it;
 * otherwise, on a CUDA device, the memory still free when the call starts (free on the device plus what PyTorch's
   allocator holds unused), less the parameter gradients not yet allocated;
-* otherwise (the CPU, or no CUDA runtime): an eighth of the sequence, clamped to [512, 4096].
+* otherwise, on the CPU, the host memory available (``psutil``), less the parameter gradients not yet allocated: the
+  largest chunk that fits is also the fastest there (fewest operations per token);
+* without any memory figure (another device type, or a model whose config lacks the usual size fields): an eighth of
+  the sequence, clamped to [512, 4096] (:func:`rule_of_thumb`).
 
 Where no chunk fits, the smallest is taken (the step may then run out of memory: the budget is too small for the
 length). A decision is kept per (rows, length), so every step of the same shape streams the same way.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 
+import psutil
 import torch
 from torch import nn
 
@@ -114,6 +118,8 @@ class AutoChunks:
             free, _ = torch.cuda.mem_get_info(device)
             cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             return free + cached - missing_grads
+        if device.type == "cpu":
+            return psutil.virtual_memory().available - missing_grads
         return None
 
 

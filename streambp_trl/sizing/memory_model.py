@@ -110,9 +110,18 @@ class ModelShape:
         the Hub name of one such as ``Qwen/Qwen3-8B``: no network), else a local config path or a Hub model id (its
         ``config.json`` only; ``OSError`` when it cannot be read)."""
         key = canonical_model_name(name)
-        if key in NAMED_MODELS:
+        if key in NAMED_MODELS and "model_type" not in NAMED_MODELS[key]:  # a Qwen3 shape: the formula's count
             return cls.from_config(types.SimpleNamespace(**NAMED_MODELS[key]))
         from transformers import AutoConfig
+
+        if key in NAMED_MODELS:  # another architecture (the Qwen3.5 hybrids): its parameters counted on meta tensors
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            kwargs = dict(NAMED_MODELS[key])
+            config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+            with torch.device("meta"):
+                return cls.from_model(AutoModelForCausalLM.from_config(config))
 
         return cls.from_config(AutoConfig.from_pretrained(name))
 

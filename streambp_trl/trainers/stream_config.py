@@ -24,7 +24,7 @@ class StreamArguments:
         stream_chunk_size (`int` or `"auto"`, defaults to `"auto"`):
             Tokens per chunk of each decoder layer's streamed forward and backward. `"auto"` chooses, for each batch
             shape, the largest chunk whose estimated peak memory fits `memory_budget` (or the GPU's free memory),
-            from the engine's memory model (`streambp_trl.sizing`); on the CPU an eighth of the length in [512, 4096].
+            from the engine's memory model (`streambp_trl.sizing`); on the CPU the host memory available.
         logits_chunk_size (`int`, `"auto"` or `None`, defaults to `None`):
             Tokens per tile of the chunked logit kernel; `None` or `"auto"` uses the stream chunk size.
         stream_kv_mode (`str`, defaults to `"recompute"`):
@@ -53,8 +53,8 @@ class StreamArguments:
         default=AUTO,
         metadata={
             "help": "Tokens per chunk of each streamed decoder layer: an int, or 'auto' (default): per batch shape, "
-            "the largest chunk whose estimated peak memory fits memory_budget (or the GPU's free memory); on the "
-            "CPU an eighth of the length in [512, 4096]."
+            "the largest chunk whose estimated peak memory fits memory_budget (or the GPU's free memory, or on the "
+            "CPU the host memory available)."
         },
     )
     logits_chunk_size: int | str | None = field(
