@@ -150,7 +150,7 @@ def test_stream_chunk_size_is_an_int_or_auto():
     assert hints["stream_chunk_size"] == int | str and hints["logits_chunk_size"] == int | str | None
     text = {f.name: f.metadata["help"] for f in dataclasses.fields(StreamArguments)}["stream_chunk_size"]
     assert "an int, or 'auto' (default): per batch shape, the largest chunk" in text
-    assert "fits memory_budget (or the GPU's free memory); on the CPU an eighth of the length in [512, 4096]" in text
+    assert "fits memory_budget (or the GPU's free memory, or on the CPU the host memory available)" in text
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), ("64", 64)])
