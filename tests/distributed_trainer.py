@@ -119,6 +119,12 @@ def gloo_state(wrap: str) -> None:
         PartialState(backend="gloo").distributed_type = DistributedType.MULTI_GPU
     else:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # what `accelerate launch` with a DeepSpeed config sets
+        import deepspeed.ops
+
+        # gloo's own collectives: DeepSpeed's shared-memory all-reduce for CPUs is a C++ op compiled at its first use
+        # (into ~/.cache/torch_extensions, both ranks waiting on one lock file), a build these tests do not check and
+        # that can fail or hang on a fresh machine
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         PartialState(backend="gloo")
 
 
