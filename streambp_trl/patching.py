@@ -12,9 +12,10 @@ the streamed layers keep their hook.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -37,22 +38,46 @@ def temporarily(objects: Iterable, name: str, value) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def bypassed(module: nn.Module) -> Iterator[None]:
-    """``module`` returns its first input unchanged for the duration of a ``with`` block (its instance dictionary is
-    restored exactly afterwards)."""
-    had, previous = "forward" in vars(module), vars(module).get("forward")
-    module.forward = _first_input
+def forwards_replaced(replacements: dict[nn.Module, Callable]) -> Iterator[None]:
+    """Each module's ``forward`` is its callable in ``replacements`` (an instance attribute) for the duration of a
+    ``with`` block; each instance dictionary is restored exactly afterwards."""
+    saved = {m: ("forward" in vars(m), vars(m).get("forward")) for m in replacements}
+    for module, forward in replacements.items():
+        module.forward = forward
     try:
         yield
     finally:
-        if had:
-            module.forward = previous
-        else:
-            del module.forward
+        for module, (had, previous) in saved.items():
+            if had:
+                module.forward = previous
+            else:
+                del module.forward
+
+
+def bypassed(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """``module`` returns its first input unchanged for the duration of a ``with`` block."""
+    return forwards_replaced({module: _first_input})
 
 
 def _first_input(hidden_states, *args, **kwargs):
     return hidden_states
+
+
+def hooked_without_grad(layers: Iterable[nn.Module]) -> contextlib.AbstractContextManager[None]:
+    """Each of ``layers`` (transformers ``GradientCheckpointingLayer``s in training mode, with their checkpoint hook)
+    calls that hook also while grad is disabled, for the duration of a ``with`` block.
+
+    transformers < 5.24 calls ``_gradient_checkpointing_func`` whenever a layer has checkpointing on and is in training
+    mode; 5.24 also requires grad to be enabled, so a streamed no-grad call (``stream_eval``, the probe) would run
+    each layer whole. An instance ``forward`` hands the hook the class's own forward with the call's keyword
+    arguments, as transformers' checkpointing wrapper does."""
+    return forwards_replaced({layer: functools.partial(_through_hook, layer) for layer in layers})
+
+
+def _through_hook(layer: nn.Module, *args, **kwargs):
+    wrapper = type(layer).forward  # transformers' checkpointing wrapper of the class's own forward
+    forward = getattr(wrapper, "__wrapped__", wrapper)
+    return layer._gradient_checkpointing_func(functools.partial(forward, layer, **kwargs), *args)
 
 
 def patch(module: nn.Module, name: str, value) -> None:

@@ -11,6 +11,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from streambp_trl import disable_streambp, enable_streambp
 from streambp_trl.engine import is_streaming
+from streambp_trl.layers.layer_args import cache_argument
 
 
 def _quiet(fn, *args, **kwargs):
@@ -103,7 +104,7 @@ def test_cache_queries_answer_for_the_prefix():
     model = enable_streambp(tiny_model("llama"), stream_chunk_size=5)
     seen = []
     model.model.layers[1].self_attn.register_forward_pre_hook(
-        lambda m, a, kw: seen.append((kw["past_key_values"].get_seq_length(), kw["hidden_states"].shape[1])),
+        lambda m, a, kw: seen.append((cache_argument(kw).get_seq_length(), kw["hidden_states"].shape[1])),
         with_kwargs=True,
     )
     ids, mask, labels = batch(seq_len=23)

@@ -21,7 +21,7 @@ from ..layers import DecoderCall, decoder_call
 from ..layers.layer_args import CACHE_KWARGS, cache_argument
 from ..layers.sharding import check_segmentable, sharded
 from ..logits import chunked_logprobs
-from ..patching import bypassed, original, temporarily, unpatched
+from ..patching import bypassed, hooked_without_grad, original, temporarily, unpatched
 from .model_parts import lm_head_linear
 from .state import EngineState
 from .support import router_loss_refusal
@@ -66,6 +66,7 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
     with (
         streaming(state.configs),
         temporarily(state.layers, "training", True),
+        contextlib.nullcontext() if torch.is_grad_enabled() else hooked_without_grad(state.layers),
         decoder_call(call),
         call.embeddings.watch(decoder) if call.inputs_rebuildable else contextlib.nullcontext(),
     ):

@@ -87,7 +87,9 @@ def stream_score_forward(
 ):
     """``GenericForSequenceClassification.forward`` with the decoder streamed and the final norm and score head
     applied to the read rows only (in training, and in eval with ``stream_eval``; otherwise the model's own)."""
-    call = dict(position_ids=position_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds)
+    call = dict(position_ids=position_ids, inputs_embeds=inputs_embeds)
+    if past_key_values is not None:  # transformers >= 5.24 calls it `cache`, which comes in kwargs
+        call["past_key_values"] = past_key_values
     if not (self.training or state.options.stream_eval):
         own = original(self, "forward")
         return own(input_ids, attention_mask, labels=labels, use_cache=use_cache, **call, **kwargs)

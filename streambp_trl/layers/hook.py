@@ -26,7 +26,7 @@ from ..attention import StreamMask, stream_configs
 from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
-from .layer_args import CACHE_KWARGS, cache_argument, parameter_names, per_token
+from .layer_args import CACHE_KWARGS, cache_argument, carries_state, parameter_names, per_token
 from .segments import Segment
 from .stream_layer import LayerCall, StreamLayerFunction, StreamSettings
 
@@ -37,7 +37,7 @@ class LayerPlan:
     model-wide ``settings``, the transformers ``configs`` its attention reads, the names of its forward's parameters
     and the one that takes the cache, and the fewest tokens a chunk may have.
 
-    A layer holding a recurrent mixer (a module whose forward takes transformers' ``cache_params``: Gated DeltaNet,
+    A layer holding a recurrent mixer (a module that reads transformers' cache state interface: Gated DeltaNet,
     Mamba) gets chunks of at least two tokens: on one token such a mixer takes its decoding path, which updates the
     state it is given in place, and a state that later chunks differentiate through cannot be changed in place."""
 
@@ -53,7 +53,7 @@ class LayerPlan:
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
-        recurrent = any("cache_params" in parameter_names(m) for m in layer.modules())
+        recurrent = any(carries_state(type(m)) for m in layer.modules())
         return cls(settings, stream_configs(layer), names, cache_name, 2 if recurrent else 1)
 
 

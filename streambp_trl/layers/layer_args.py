@@ -9,6 +9,7 @@ sequence length. Only per-token tensors (besides the hidden states and the layer
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -19,12 +20,31 @@ from torch import nn
 PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
 # Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
 PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
-CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache_params")
+# The names a call passes its cache under: ``cache`` since transformers 5.24 (decoder layers and every mixer), the
+# older names before it (``cache_params``: the recurrent and convolution mixers of transformers < 5.24)
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+# transformers' linear-attention cache interface: the methods a recurrent or convolution mixer reads its state with
+_STATE_METHODS = frozenset({"get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state"})
 
 
 def cache_argument(kwargs: dict):
     """The cache a call passes (under any of :data:`CACHE_KWARGS`), or ``None``."""
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
+
+
+@functools.cache
+def carries_state(cls: type) -> bool:
+    """Whether ``cls`` is a recurrent or convolution mixer: a transformers module whose code (any method of the class
+    or of its transformers bases) calls the cache's state interface (``get_conv_state`` / ``update_recurrent_state``
+    ...). Gated DeltaNet, Mamba, Mamba2 and short-convolution mixers do; attention does not."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers."):
+            continue
+        for member in vars(klass).values():
+            code = getattr(inspect.unwrap(member), "__code__", None) if callable(member) else None
+            if code is not None and _STATE_METHODS & set(code.co_names):
+                return True
+    return False
 
 
 def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:
