@@ -1,6 +1,8 @@
 """The step counter (streambp_trl.bench.counting) and what it shows of the engine: no host sync inside the layer and
 logit loops, and the LM head's matmul passes per form of the logit kernel's gradient."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,3 +48,17 @@ def test_stream_step_syncs_once_per_call_and_takes_few_head_passes(objective):
     plain = count_step(_spec("checkpoint", objective))  # the model's own loss over stored logits: 3 passes
     ratio = stream["flops_by"]["lm_head"] / plain["flops_by"]["lm_head"]
     assert (0.9 < ratio <= 1.0) if objective == "sft" else (1.0 < ratio <= 4 / 3)
+
+
+@pytest.mark.slow
+def test_keys_and_values_are_collected_without_the_query_projection():
+    """q_proj and o_proj each take a forward, a recompute and two backward products under stream, as under
+    checkpointing: the pass that collects the keys/values stops before attention and skips the query projection (a
+    shape where the attention projections are told apart from the MLP's weights, and a length equal to no weight's
+    dimension, since products are attributed to weights by shape)."""
+    stream, plain = (
+        count_step(dataclasses.replace(_spec(mode), model="qwen3-cpu-bench", seq_len=640))["flops_by"]
+        for mode in ("stream", "checkpoint")
+    )
+    assert stream["q/o_proj"] == plain["q/o_proj"]
+    assert stream["k/v_proj"] > plain["k/v_proj"]  # the keys/values themselves are recomputed once more

@@ -16,16 +16,51 @@ positions) is what it hands back to the earlier chunks.
 
 from __future__ import annotations
 
+import functools
+from contextlib import AbstractContextManager
+
 import torch
+from torch import nn
 from transformers.cache_utils import Cache
 
 from ..attention import PrefixGrad
+from ..patching import forwards_replaced
 
 
 class StopAfterCacheUpdate(Exception):  # noqa: N818 (a signal, not an error)
     """The early-stop signal of a collecting cache: raised right after the keys/values of a chunk are written, so the
     layer's own code runs only as far as its key/value projections (as ``torch.utils.checkpoint`` stops a recompute
     once every tensor it needs is rebuilt). The collecting loop catches it; it never leaves the engine."""
+
+
+def queries_skipped(layer: nn.Module) -> AbstractContextManager[None]:
+    """For a collecting pass (each chunk stops at its cache update, before attention reads a query): the layer's query
+    projection matmuls return zeros of their output's shape and dtype instead of computing it, for the duration of a
+    ``with`` block. That saves one (chunk x hidden x query width) matmul per chunk, the part of a layer up to its
+    cache update that the keys/values do not need. Nothing of the queries reaches the keys/values in a layer with its
+    own query projection; the exactness sweep checks it.
+
+    Only leaf linear maps are replaced: a module named ``q_proj``, or the ``base_layer`` of an adapter wrapper named so
+    (PEFT's LoRA). An adapter's own dropout and products still run, so the random numbers the chunk draws (replayed
+    from its recorded state) stay the ones its forward drew, and the keys/values' dropout masks with them."""
+    return forwards_replaced(
+        {
+            m: functools.partial(_zero_output, m)
+            for name, m in layer.named_modules()
+            if _is_query_matmul(name) and isinstance(getattr(m, "out_features", None), int) and not any(m.children())
+        }
+    )
+
+
+def _is_query_matmul(name: str) -> bool:
+    parts = name.split(".")
+    return parts[-1] == "q_proj" or parts[-2:] == ["q_proj", "base_layer"]
+
+
+def _zero_output(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return x.new_zeros(*x.shape[:-1], module.out_features, dtype=dtype)
 
 
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values

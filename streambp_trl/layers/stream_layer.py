@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from ..attention import StreamMask, streaming
-from .carry import CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate
+from .carry import CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from .guards import Versions, check_backward, saved_tensors_hooked, sole_holder
 from .layer_args import slice_arg
 from .offload import CheckpointOffload
@@ -203,14 +203,14 @@ class LayerCall:
     def collect_kv(self, x: torch.Tensor) -> CarryStore:
         """Keys/values of every position, each chunk replaying its recorded random state.
 
-        One cache slot: each chunk runs only up to its cache update. Several slots (a later one depends on an earlier
-        one's attention), or recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad
-        chunked forward.
+        One cache slot: each chunk runs only up to its cache update, its query projection skipped. Several slots (a
+        later one depends on an earlier one's attention), or recurrent/convolution states (each chunk's depend on the
+        whole previous chunk): a no-grad chunked forward.
         """
         if len(self.slots) != 1 or self.state_layout:
             return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
         kv = CarryStore(self.seq_len)
-        with torch.no_grad():
+        with torch.no_grad(), queries_skipped(self.layer):
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
                 try:
