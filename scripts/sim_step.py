@@ -36,12 +36,16 @@ GiB = 2**30
 LORA_TARGETS = "all-linear"
 
 
-def build(name: str, dtype: torch.dtype, fake: FakeTensorMode, lora: bool):
+def build(name: str, dtype: torch.dtype, fake: FakeTensorMode, lora: bool, overrides: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     from streambp_trl.bench.models import build_config
 
     config = build_config(name)
+    for key, value in (overrides or {}).items():  # e.g. a smaller layer count or width (tests' tiny shapes)
+        if not hasattr(config, key):
+            raise ValueError(f"--config: {name}'s config has no field {key!r}")
+        setattr(config, key, value)
     config.max_position_embeddings = 1 << 20
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
@@ -86,7 +90,7 @@ def simulate(a: argparse.Namespace) -> dict:
 
     cp.get_device_states = lambda *args: ([], [])
     dtype = getattr(torch, a.dtype)
-    model = build(a.model, dtype, fake, a.lora)
+    model = build(a.model, dtype, fake, a.lora, a.config)
     loss_fn = prepare(model, a.mode, a.chunk, a.stream_kwargs or {})
     with fake:
         ids = torch.empty(1, a.seq_len, dtype=torch.long, device="cuda")
@@ -107,6 +111,7 @@ def simulate(a: argparse.Namespace) -> dict:
     peak = tracker.peak.get("cuda", 0)
     return dict(
         model=a.model,
+        config=a.config,
         lora=a.lora,
         dtype=a.dtype,
         mode=a.mode,
@@ -132,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--lora", action="store_true", help="rank-16 LoRA on every linear layer (PEFT, all-linear)")
     p.add_argument("--grads-ready", action="store_true", help="trainable parameters' gradients allocated first")
+    p.add_argument("--config", type=json.loads, default=None, help="config fields to override (JSON)")
     p.add_argument("--stream-kwargs", type=json.loads, default=None, help="extra enable_streambp arguments (JSON)")
     print(json.dumps(simulate(p.parse_args(argv))), flush=True)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import tiny_model
+from transformers import AutoModelForCausalLM
 
 from streambp_trl import enable_streambp
 from streambp_trl.bench.models import build_config
@@ -25,6 +26,7 @@ from streambp_trl.sizing.shapes import canonical_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
+HYBRID_RECORDS = ROOT / "benchmarks" / "sim_qwen3_5.json"
 CUDASIM = ROOT.parent / "shared" / "cudasim"
 
 
@@ -95,6 +97,45 @@ def test_auto_on_cpu_takes_the_largest_chunk_the_host_memory_fits(monkeypatch):
     assert chunk_sizes(model) == (512, 512)
     with pytest.raises(ValueError, match="'auto'"):
         enable_streambp(tiny_model("qwen3"), stream_chunk_size="big")
+
+
+def _hybrid_shape(record: dict) -> mm.ModelShape:
+    """The shape a ``scripts/sim_step.py`` record ran: its named config with the record's overrides, its parameters
+    counted on meta tensors."""
+    config = build_config(record["model"])
+    for key, value in (record.get("config") or {}).items():
+        setattr(config, key, value)
+    with torch.device("meta"):
+        return mm.ModelShape.from_model(AutoModelForCausalLM.from_config(config))
+
+
+def test_hybrid_shape_counts_layers_by_kind():
+    """A Qwen3.5 config gives its Gated DeltaNet layers and their dims; a Qwen3 config none (its shape as before)."""
+    shape = mm.ModelShape.from_config(build_config("qwen3.5-27b"))
+    assert (shape.layers, shape.full_layers, len(shape.linear_layers)) == (64, 16, 48)
+    assert shape.linear_layers[:4] == (0, 1, 2, 4) and shape.rotary_dim == 64
+    assert shape.conv_dim == 2 * 16 * 128 + 48 * 128 and shape.recurrent_state == 48 * 128 * 128
+    qwen3 = mm.ModelShape.from_name("qwen3-8b")
+    assert qwen3.linear_layers == () and qwen3.full_layers == 36 and qwen3.rotary_dim == 0
+    assert qwen3.params == 36 * qwen3.layer_params + qwen3.embedding_params
+
+
+def test_hybrid_model_against_the_simulator():
+    """Qwen3.5 steps under the simulator (``benchmarks/sim_qwen3_5.json``: tiny 4-layer shapes at several chunks,
+    lengths and widths, and the 9B / 27B points): the model within 5% of every one. Without the hybrid terms (the
+    same dims counted as a Qwen3 shape: keys/values in every layer, no carry states or Gated DeltaNet activations)
+    every streamed tiny step is more than 10% off."""
+    runs = json.loads(HYBRID_RECORDS.read_text())["runs"]
+    tiny = [r for r in runs if r.get("config") and r["mode"] == "streambp"]
+    assert len({(r["seq_len"], r["chunk"], json.dumps(r["config"])) for r in tiny}) >= 6
+    for r in runs:
+        shape, setup = _hybrid_shape(r), dataclasses.replace(record_setup(r), lora=r["lora"])
+        estimate = mm.gib(mm.estimate_peak_bytes(shape, setup, r["seq_len"]))
+        assert abs(estimate - r["peak_gib"]) <= 0.05 * r["peak_gib"], (r["command"], estimate, r["peak_gib"])
+        if r in tiny:
+            qwen3_shaped = dataclasses.replace(shape, linear_layers=())
+            dropped = mm.gib(mm.estimate_peak_bytes(qwen3_shaped, setup, r["seq_len"]))
+            assert abs(dropped - r["peak_gib"]) > 0.10 * r["peak_gib"], (r["command"], dropped, r["peak_gib"])
 
 
 def test_named_hybrid_shapes():

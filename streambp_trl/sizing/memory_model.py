@@ -15,6 +15,10 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
     (``chunk x`` :func:`_chunk_token_bytes`, beside one weight's fresh gradient) and its attention backward (with
     grouped heads, one group's key/value gradients over the whole prefix and flash's expanded workspace; with as many
     key/value heads as query heads, all heads' key/value gradients ``2 kv db N``);
+  - in a hybrid (Gated DeltaNet layers beside full attention, :class:`ModelShape`), the keys/values above are a
+    full-attention layer's only; a Gated DeltaNet layer's backward holds instead the carry of every chunk boundary
+    (:func:`_carry_state_bytes`) beside dY and either its chunked forward's full-length output or one chunk's
+    backward (:func:`_linear_chunk_token_bytes`);
   - the LM head's backward (:func:`head_backward_bytes`) in its two-node form, which the engine takes wherever the
     fused form's (V, H) accumulator would not fit: the weight node (runs first in backward) with the last hidden
     state, dW ``V H db`` and one float32 vocabulary tile of dW, then the hidden-state node with the last hidden
@@ -25,105 +29,51 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
   and gradients (``hf-gc``) or one layer recomputed at full length with its gradients (``trl-default``).
 
 The coefficients of the chunk activations and the recomputed layer are those of a Llama/Qwen-style layer (RMSNorm,
-rotary attention with grouped heads, SwiGLU MLP) as the CUDA simulator ``../shared/cudasim`` measures them; the model
-is checked against it (``tests/test_memory_model.py``, ``benchmarks/sim_memory_model.md``).
+rotary attention with grouped heads, SwiGLU MLP) and of a Qwen3.5 Gated DeltaNet layer (transformers' torch kernels)
+as the CUDA simulator ``../shared/cudasim`` measures them; the model is checked against it
+(``tests/test_memory_model.py``, ``benchmarks/sim_qwen3_bf16.jsonl``, ``benchmarks/sim_qwen3_5.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
-from .shapes import NAMED_MODELS, canonical_model_name
+from .model_shape import ModelShape
+from .units import UNITS, GiB, gib, parse_budget, parse_size
+
+__all__ = [
+    "CHUNKS",
+    "GiB",
+    "HEAD_FORMS",
+    "MODES",
+    "OBJECTIVES",
+    "UNITS",
+    "ModelShape",
+    "StepSetup",
+    "auto_chunk_sizes",
+    "estimate_activation_bytes",
+    "estimate_host_bytes",
+    "estimate_peak_bytes",
+    "gib",
+    "head_backward_bytes",
+    "largest_chunk",
+    "max_len",
+    "parse_budget",
+    "parse_size",
+    "static_bytes",
+]
 
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
-GiB = 2**30
 _VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
 _EAGER_TILE_ELEMENTS = 2**25  # its whole-vocabulary tiles in the eager form (streambp_trl.logits.eager)
 HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 _LORA_RANK = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the memory of a decoder-only transformer step depends on. ``params`` 0: counted from the shape."""
-
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    params: int = 0
-    tied: bool = False
-
-    def __post_init__(self):
-        if not self.params:
-            object.__setattr__(self, "params", self.layers * self.layer_params + self.embedding_params)
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention projections, SwiGLU MLP, norms."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return (
-            self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
-        )
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @classmethod
-    def from_config(cls, config) -> ModelShape:
-        """From a transformers config (its text config for a multimodal one)."""
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(
-            layers=config.num_hidden_layers,
-            hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
-            heads=heads,
-            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            vocab=config.vocab_size,
-            tied=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-    @classmethod
-    def from_model(cls, model) -> ModelShape:
-        """From a loaded model: its config's shape with its actual parameter count."""
-        return dataclasses.replace(cls.from_config(model.config), params=sum(p.numel() for p in model.parameters()))
-
-    @classmethod
-    def from_name(cls, name: str) -> ModelShape:
-        """A named shape of :data:`streambp_trl.sizing.shapes.NAMED_MODELS` (``qwen3-8b``, a size such as ``8B``, or
-        the Hub name of one such as ``Qwen/Qwen3-8B``: no network), else a local config path or a Hub model id (its
-        ``config.json`` only; ``OSError`` when it cannot be read)."""
-        key = canonical_model_name(name)
-        if key in NAMED_MODELS and "model_type" not in NAMED_MODELS[key]:  # a Qwen3 shape: the formula's count
-            return cls.from_config(types.SimpleNamespace(**NAMED_MODELS[key]))
-        from transformers import AutoConfig
-
-        if key in NAMED_MODELS:  # another architecture (the Qwen3.5 hybrids): its parameters counted on meta tensors
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            kwargs = dict(NAMED_MODELS[key])
-            config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
-            with torch.device("meta"):
-                return cls.from_model(AutoModelForCausalLM.from_config(config))
-
-        return cls.from_config(AutoConfig.from_pretrained(name))
+# a Gated DeltaNet layer's chunk backward, bytes per chunk token: per float32 value-head width, per hidden unit, per
+# intermediate unit (least squares over the simulator's runs in benchmarks/sim_qwen3_5.json)
+_GDN_PER_VALUE_WIDTH, _GDN_PER_HIDDEN, _GDN_PER_INTERMEDIATE = 23.3, 56.2, 13.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,10 +110,14 @@ class StepSetup:
 
 
 def _lora_params(shape: ModelShape) -> int:
-    """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer."""
-    q, kv = shape.heads * shape.head_dim, shape.kv_dim
-    per_layer = (shape.hidden + q) * 2 + (shape.hidden + kv) * 2 + (shape.hidden + shape.intermediate) * 3
-    return shape.layers * per_layer * _LORA_RANK
+    """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer (a Gated DeltaNet layer's:
+    its four input projections and its output projection)."""
+    q, kv, i = shape.heads * shape.head_dim, shape.kv_dim, shape.intermediate
+    mlp = (shape.hidden + i) * 3
+    full = (shape.hidden + q) * 2 + (shape.hidden + kv) * 2 + mlp
+    value, v_heads = shape.linear_v_heads * shape.linear_v_dim, shape.linear_v_heads
+    linear = 5 * shape.hidden + shape.conv_dim + 2 * value + 2 * v_heads + mlp
+    return (shape.full_layers * full + len(shape.linear_layers) * linear) * _LORA_RANK
 
 
 def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
@@ -184,21 +138,48 @@ def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
 
 def _per_token_bytes(shape: ModelShape, db: int) -> int:
     """Token bookkeeping held through the step: rotary tables (cos, sin) and integer ids, labels, row indices."""
-    return 2 * shape.head_dim * db + 48
+    return 2 * (shape.rotary_dim or shape.head_dim) * db + 48
 
 
-def _saved_inputs(layers: int, keep_every: int, offload: bool) -> int:
-    """Layer inputs on the device during the backward's worst layer. The first layer's is rebuilt from the token ids
-    (:mod:`streambp_trl.layers.rebuild`). Segments of ``keep_every`` layers keep their first input and rebuild the
-    others while the segment's backward runs (``keep_every=1``: every layer keeps its own): segment i's backward holds
-    its inputs and the kept first inputs of segments 1..i-1, or, with offload, its inputs and the prefetched first
-    input of segment i-1 (none for segment 0, whose first input is rebuilt from the ids)."""
+def _saved_inputs(layers: int, keep_every: int, offload: bool, among: Collection[int] | None = None) -> int:
+    """Layer inputs on the device during the backward's worst layer (of ``among``: those layer indices only; all by
+    default). The first layer's is rebuilt from the token ids (:mod:`streambp_trl.layers.rebuild`). Segments of
+    ``keep_every`` layers keep their first input and rebuild the others while the segment's backward runs
+    (``keep_every=1``: every layer keeps its own): segment i's backward holds its inputs and the kept first inputs of
+    segments 1..i-1, or, with offload, its inputs and the prefetched first input of segment i-1 (none for segment 0,
+    whose first input is rebuilt from the ids)."""
     worst = 0
     for i, start in enumerate(range(0, layers, keep_every)):
         size = min(keep_every, layers - start)
+        if among is not None and not any(j in among for j in range(start, start + size)):
+            continue
         below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
         worst = max(worst, size + below)
     return worst
+
+
+def _linear_chunk_token_bytes(shape: ModelShape) -> int:
+    """Activations of one chunk token at the peak of a Gated DeltaNet layer's chunk backward (its MLP's backward
+    beside the mixer's saved tensors: the float32 queries, keys repeated to the value heads, values, their beta-,
+    decay- and l2-scaled forms, the 64-token sub-chunk products and the recurrent states the sequential scan saves),
+    as the simulator measures them for transformers' torch kernels (the fla CUDA kernels hold fewer): bytes per
+    float32 value-head width, per hidden and per intermediate unit, fitted in ``benchmarks/sim_qwen3_5.md``."""
+    value_widths = shape.linear_v_heads * shape.linear_v_dim * 4
+    return int(
+        _GDN_PER_VALUE_WIDTH * value_widths
+        + _GDN_PER_HIDDEN * shape.hidden
+        + _GDN_PER_INTERMEDIATE * shape.intermediate
+    )
+
+
+def _carry_state_bytes(shape: ModelShape, n: int, chunk_rows: int, db: int) -> int:
+    """What a Gated DeltaNet layer's backward holds for every chunk boundary (the ``CarryStore`` of
+    :mod:`streambp_trl.layers.carry`, filled by its no-grad chunked forward): the float32 recurrent state entering
+    each chunk, and the convolution's last ``kernel`` inputs, kept as a view of the chunk's joined convolution input,
+    whose whole (chunk + kernel) x conv_dim buffer stays allocated with it. ``n // chunk_rows - 1`` boundaries
+    (``rows`` sequences share each boundary's tensors, batched)."""
+    boundaries = max(-(-n // chunk_rows) - 1, 0)
+    return boundaries * (shape.recurrent_state * 4 + (chunk_rows + shape.linear_kernel) * shape.conv_dim * db)
 
 
 def estimate_activation_bytes(
@@ -217,27 +198,43 @@ def estimate_activation_bytes(
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
     layer's trainable parameters (all of them by default); ``head_form``: the logit kernel's gradient form
-    (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short)."""
+    (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short). The worst of a
+    softmax-attention layer's backward, a Gated DeltaNet layer's (hybrids) and the LM head's."""
     h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
     group = shape.heads // shape.kv_heads
-    saved = _saved_inputs(shape.layers, keep_every, offload) * h * db * n
-    common = saved + _per_token_bytes(shape, db) * n
-    layer_grads = shape.layer_params if layer_trained_params is None else layer_trained_params
-    # a layer's backward: dY, the keys/values and their gradient sums, the layer's parameter gradient sums, and either
-    # one chunk's MLP backward (beside one weight's fresh gradient, added to its sum at once) or its attention
-    # backward, whose key/value gradients span the prefix (the whole sequence at the last chunk): one head group's
-    # dK/dV and flash's expanded workspace, the prefix part added into the sums group by group (grouped heads), or
-    # all heads' dK/dV at once (as many key/value heads as query heads)
-    layer = common + (h + 4 * kv) * db * n + layer_grads * db
+    linear = frozenset(shape.linear_layers)
+
+    def common(among: Collection[int] | None) -> int:
+        return (_saved_inputs(shape.layers, keep_every, offload, among) * h * db + _per_token_bytes(shape, db)) * n
+
     chunk_rows = min(chunk, n)
     fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
     mlp = chunk_rows * _chunk_token_bytes(shape, db) + fresh_grad
-    attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
-    attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
-    layer += max(mlp, attention)
-    head = common + h * db * n
+    peaks = []
+    if shape.full_layers:
+        # a softmax-attention layer's backward: dY, the keys/values and their gradient sums, the layer's parameter
+        # gradient sums, and either one chunk's MLP backward (beside one weight's fresh gradient, added to its sum at
+        # once) or its attention backward, whose key/value gradients span the prefix (the whole sequence at the last
+        # chunk): one head group's dK/dV and flash's expanded workspace, the prefix part added into the sums group by
+        # group (grouped heads), or all heads' dK/dV at once (as many key/value heads as query heads)
+        grads = shape.layer_params if layer_trained_params is None else layer_trained_params
+        layer = common(set(range(shape.layers)) - linear if linear else None) + (h + 4 * kv) * db * n + grads * db
+        attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
+        attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
+        peaks.append(layer + max(mlp, attention))
+    if linear:
+        # a Gated DeltaNet layer's backward: dY, the parameter gradient sums and the carry states of every chunk
+        # boundary, and either the no-grad chunked forward that collects those states (its full-length output beside
+        # them) or one chunk's backward (its MLP's and its Gated DeltaNet's activations, one boundary's state
+        # gradients)
+        grads = shape.linear_layer_params if layer_trained_params is None else layer_trained_params
+        layer = common(linear) + h * db * n + grads * db + _carry_state_bytes(shape, n, chunk_rows, db)
+        boundary_grads = _carry_state_bytes(shape, 2 * chunk_rows, chunk_rows, db)
+        backward = chunk_rows * _linear_chunk_token_bytes(shape) + fresh_grad + boundary_grads
+        peaks.append(layer + max(h * db * n, backward))
+    head = common(None) + h * db * n
     head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained, form=head_form)
-    return max(layer, head)
+    return max(*peaks, head)
 
 
 def head_backward_bytes(
@@ -282,12 +279,17 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
     """Hugging Face checkpointing: the saved inputs, plus one layer recomputed at full length with its gradients
     (``trl-default``: TRL's fused head keeps no logits), or the full-length logits, their float32 copies and
     gradients (``hf-gc``). Coefficients per intermediate / hidden / vocabulary unit as the simulator measures them
-    on Qwen3-4B and -8B (``benchmarks/sim_qwen3_bf16.jsonl``), at lengths where these terms dominate."""
+    on Qwen3-4B and -8B (``benchmarks/sim_qwen3_bf16.jsonl``), at lengths where these terms dominate. A hybrid's
+    recomputed layer is the larger of a softmax-attention layer and a Gated DeltaNet layer, whose mixer holds
+    :func:`_linear_chunk_token_bytes` per token in place of the attention's query-sized tensors."""
     saved = shape.layers * shape.hidden * setup.dtype_bytes * n
     if setup.mode == "hf-gc":
         return saved + int((11.2 * shape.vocab + 38.7 * shape.hidden) * n)
     q = shape.heads * shape.head_dim
-    recomputed = int(13.5 * shape.intermediate + 24.5 * shape.hidden + 16 * q)
+    mlp_and_norms = 13.5 * shape.intermediate + 24.5 * shape.hidden
+    recomputed = int(mlp_and_norms + 16 * q if shape.full_layers else 0)
+    if shape.linear_layers:
+        recomputed = max(recomputed, _linear_chunk_token_bytes(shape))
     return saved + (recomputed + _per_token_bytes(shape, setup.dtype_bytes)) * n
 
 
@@ -355,38 +357,3 @@ def auto_chunk_sizes(shape: ModelShape, setup: StepSetup, seq_len: int, budget_b
 
     chunk = largest_chunk(seq_len, fits)
     return chunk, chunk
-
-
-UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-UNITS.update({f"{p}ib": v for p, v in list(UNITS.items()) if p not in ("", "b")})
-UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
-
-
-def parse_size(text: str | int, *, unit_required: bool = False) -> int:
-    """Bytes of a size: ``80GiB`` / ``80G`` (binary), ``78GB`` (decimal), ``512MiB``, ``1.5TiB``, ``4096`` (bytes;
-    with ``unit_required``, a number without a unit is refused: ``80`` is far more likely 80 GiB than 80 bytes)."""
-    if isinstance(text, int) and not isinstance(text, bool) and not unit_required:
-        return text
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?i?b?)\s*", str(text), re.IGNORECASE)
-    unit = match.group(2).lower() if match else None
-    if unit not in UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 80GiB, 78GB, 512MiB, 4096)")
-    if unit_required and not unit:
-        number = match.group(1)
-        raise ValueError(f"{text!r} has no unit: write {number}GiB (binary), {number}GB (decimal) or {number}MiB")
-    return int(float(match.group(1)) * UNITS[unit])
-
-
-def gib(n_bytes: float) -> float:
-    return n_bytes / GiB
-
-
-def parse_budget(value: str | int) -> int:
-    """A memory budget in bytes: a positive size (``parse_size``), else ``ValueError`` saying what to give."""
-    try:
-        budget = parse_size(value)
-    except ValueError as e:
-        raise ValueError(f"memory_budget: {e}") from None
-    if budget <= 0:
-        raise ValueError(f"memory_budget must be a positive size such as '78GiB', got {value!r}.")
-    return budget

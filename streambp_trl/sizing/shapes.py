@@ -1,7 +1,7 @@
 """The named model shapes: the published Qwen3 sizes, three small ones and the Qwen3.5 hybrids (Gated DeltaNet beside
 full attention), as config keyword arguments (``model_type`` when it is not ``qwen3``).
 
-The memory model sizes a named shape without reading any config (:meth:`.memory_model.ModelShape.from_name`), and
+The memory model sizes a named shape without reading any config (:meth:`.model_shape.ModelShape.from_name`), and
 the measuring harness (:mod:`streambp_trl.bench`) builds a random-weight model of one; both read this one table.
 """
 
