@@ -1,4 +1,6 @@
-"""Recurrent and convolution mixers streamed exactly: Gated DeltaNet, Mamba2 and short-convolution layers.
+"""Recurrent and convolution mixers streamed exactly: Gated DeltaNet, Mamba2 and short-convolution layers, and
+Zamba2's hybrid layers (a Mamba2 decoder layer inside each, beside a shared attention block); the mixers that no
+chunk can continue are refused by name when the engine is enabled.
 
 A chunk of such a layer takes from the earlier positions only the states at its start (the recurrent state and the
 convolution's last inputs), which it receives through transformers' cache interface; in backward the chunks run last
@@ -34,7 +36,41 @@ ONE_LAYER = {
     "mamba2": ("mamba2", {"num_hidden_layers": 1}),
     "short_conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"]}),
 }
-HYBRIDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "nemotron_h", "lfm2", "granitemoehybrid", "kimi_linear"]
+HYBRIDS = [
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+    "nemotron_h",
+    "lfm2",
+    "granitemoehybrid",
+    "kimi_linear",
+    "zamba2",
+]
+# Zamba2 with its attention block shared by two of three hybrid layers (num_mem_blocks=2), per-layer adapters on the
+# shared block and rotary embeddings: the layout of the released checkpoints
+ZAMBA2_SHARED = {
+    "num_hidden_layers": 4,
+    "layers_block_type": ["linear_attention", "hybrid", "hybrid", "hybrid"],
+    "hybrid_layer_ids": [1, 2, 3],
+    "num_mem_blocks": 2,
+    "use_shared_attention_adapter": True,
+    "use_mem_rope": True,
+}
+# families whose token mixing no chunk can continue from what the previous chunk left, and what the refusal says
+REFUSED = {
+    "minimax": "lightning attention continues from a cached state only in its token-by-token decoding loop.*"
+    "MiniMaxLightningAttention calls get_linear_cache.*gradient_checkpointing=True",
+    "mamba": "Mamba v1 mixers read a cached state only for one-token decoding.*MambaMixer calls mamba_selective_scan",
+    "falcon_mamba": "Mamba v1 mixers .*FalconMambaMixer calls mamba_selective_scan",
+    "jamba": "Mamba v1 mixers .*JambaMambaMixer calls mamba_selective_scan",
+    "zamba": "Mamba v1 mixers .*ZambaMambaMixer calls mamba_selective_scan",
+    "zaya": "return their router's hidden states beside their output.*"
+    "ZayaDecoderLayer takes prev_router_hidden_states",
+    "blt": "byte-to-patch cross-attention runs between the decoder layers.*BltModel calls "
+    "_prepare_patch_cross_attention_mask",
+    "doge": "dynamic mask attention reads the attention mask as a tensor.*DogeAttention calls prepare_dynamic_mask",
+    "git": "does not go through transformers' AttentionInterface \\(GitSelfAttention adds the mask to its scores",
+}
 
 
 def _error(reference, streamed, padding: str) -> float:
@@ -81,6 +117,24 @@ def test_hybrid_models_are_exact(family, kv_mode):
     reference = tiny_causal_lm(family)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, kv_mode=kv_mode)
     assert _error(reference, streamed, "left") < EXACT
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_zamba2_shared_blocks_stream_exactly(chunk, padding):
+    """Each hybrid layer's Mamba2 decoder layer (a checkpointed layer inside the streamed one) runs on the chunk
+    against the chunk's cache, and the shared block's attention gets the chunk's mask (its ``causal_mask``)."""
+    reference = tiny_causal_lm("zamba2", **ZAMBA2_SHARED)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
+    assert _error(reference, streamed, padding) < EXACT
+
+
+@pytest.mark.parametrize("family", REFUSED)
+def test_mixers_no_chunk_can_continue_are_refused_by_name(family):
+    model = tiny_causal_lm(family)
+    refusal = f"^StreamBP cannot train {type(model).__name__} exactly: .*{REFUSED[family]}"
+    with pytest.raises(ValueError, match=refusal):
+        enable_streambp(model, stream_chunk_size=5)
 
 
 def test_hybrid_generation_uses_the_models_own_cache():

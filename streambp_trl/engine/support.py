@@ -13,7 +13,7 @@ import inspect
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..layers.layer_args import CACHE_KWARGS
+from ..layers.layer_args import CACHE_KWARGS, names_called, parameter_names
 
 # Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values) and
 # the recurrent and convolution mixers of transformers' linear-attention cache interface (their states at the chunk
@@ -34,6 +34,31 @@ _REFUSED_LAYER_TYPES = {
     "indexed_attention": "its sparse indexed attention chooses each query's keys by a top-k over an indexer's scores "
     "of every earlier position, from an indexer key cache that the chunk cache does not serve",
 }
+# What a decoder's modules do that no chunk can reproduce from what it receives, told by a name their code calls (a
+# cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
+# the support table (tests/causal_lm_support.json) lists
+_REFUSED_CALLS = {
+    "get_linear_cache": "its lightning attention continues from a cached state only in its token-by-token decoding "
+    "loop, whose backward keeps a heads x head_dim x head_dim state for every token of a chunk: a per-position state "
+    "history, not one state per chunk boundary",
+    "mamba_selective_scan": "its Mamba v1 mixers read a cached state only for one-token decoding, which updates it "
+    "in place, and start the selective scan of any longer call from a zero state, so a chunk cannot start from the "
+    "previous chunk's state",
+    "prepare_dynamic_mask": "its dynamic mask attention reads the attention mask as a tensor and hands the attention "
+    "a dense per-head bias built from it and from every key's values, where StreamBP's attention takes the mask as "
+    "transformers describes it",
+    "_prepare_patch_cross_attention_mask": "its byte-to-patch cross-attention runs between the decoder layers on the "
+    "whole sequence, with a dense patch mask it builds itself, under the attention implementation it shares with "
+    "the streamed layers",
+}
+# Decoder-layer arguments that mark a layer StreamBP cannot stream, and the reason
+_REFUSED_LAYER_ARGUMENTS = {
+    "prev_router_hidden_states": "its decoder layers return their router's hidden states beside their output, for "
+    "the next layer's router: a second per-token stream through the layers, where a streamed layer returns one tensor",
+}
+_WITHOUT_STREAMBP = (
+    "train it with plain autograd and Hugging Face gradient checkpointing (gradient_checkpointing=True) instead"
+)
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
 # PEFT methods whose trained tokens reach the decoder as a filled key/value cache (past_key_values)
 _PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
@@ -128,9 +153,32 @@ def check_supported(
         refuse(lm, "its last layers reuse the keys/values of earlier layers (num_kv_shared_layers > 0)")
     if getattr(config, "altup_num_inputs", None):
         refuse(lm, "its layers carry several stacked hidden-state streams (AltUp), not one sequence of hidden states")
+    _check_modules(lm, decoder, layers)
+
+
+def _check_modules(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list[nn.Module]) -> None:
+    """Refuse a decoder whose modules mix tokens in a way no chunk reproduces: a call of :data:`_REFUSED_CALLS`
+    anywhere in the decoder; in a streamed layer, an argument of :data:`_REFUSED_LAYER_ARGUMENTS`, a module that is
+    not causal, or an attention that updates the cache and takes its softmax itself (not through transformers'
+    AttentionInterface, so it never sees the chunk's mask)."""
+    for module in decoder.modules():
+        for called in sorted(names_called(type(module)) & _REFUSED_CALLS.keys()):
+            refuse(lm, f"{_REFUSED_CALLS[called]} ({type(module).__name__} calls {called}); {_WITHOUT_STREAMBP}")
     for layer in layers:
+        for argument in sorted(set(parameter_names(layer)) & _REFUSED_LAYER_ARGUMENTS.keys()):
+            refuse(
+                lm,
+                f"{_REFUSED_LAYER_ARGUMENTS[argument]} ({type(layer).__name__} takes {argument}); {_WITHOUT_STREAMBP}",
+            )
         for name, module in layer.named_modules():
             if any(part in name for part in _CROSS_ATTENTION):
                 continue  # attends to encoder states, which a causal LM call never has
             if getattr(module, "is_causal", True) is False:
                 refuse(lm, f"{type(module).__name__} is not causal")
+            called = names_called(type(module))
+            if {"update", "softmax"} <= called and "ALL_ATTENTION_FUNCTIONS" not in called:
+                refuse(
+                    lm,
+                    "its attention does not go through transformers' AttentionInterface "
+                    f"({type(module).__name__} adds the mask to its scores and takes the softmax itself)",
+                )

@@ -21,8 +21,10 @@ import functools
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention import StreamMask, stream_configs
+from ..patching import forwards_replaced
 from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
@@ -39,13 +41,16 @@ class LayerPlan:
 
     A layer holding a recurrent mixer (a module that reads transformers' cache state interface: Gated DeltaNet,
     Mamba) gets chunks of at least two tokens: on one token such a mixer takes its decoding path, which updates the
-    state it is given in place, and a state that later chunks differentiate through cannot be changed in place."""
+    state it is given in place, and a state that later chunks differentiate through cannot be changed in place.
+    ``nested``: the checkpointed layers inside the layer (Zamba's hybrid layer holds a Mamba decoder layer), which run
+    as they are inside each of its chunks (:func:`_nested_run_plain`)."""
 
     settings: StreamSettings
     configs: tuple
     parameter_names: tuple[str, ...]
     cache_name: str
     min_chunk: int = 1
+    nested: tuple[nn.Module, ...] = ()
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings) -> LayerPlan:
@@ -54,7 +59,8 @@ class LayerPlan:
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
         recurrent = any(carries_state(type(m)) for m in layer.modules())
-        return cls(settings, stream_configs(layer), names, cache_name, 2 if recurrent else 1)
+        nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
+        return cls(settings, stream_configs(layer), names, cache_name, 2 if recurrent else 1, nested)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -113,7 +119,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     settings = plan.settings
     call = LayerCall(
         layer,
-        forward.func,
+        functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func,
         kwargs,
         sliced,
         settings,
@@ -141,6 +147,21 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         call.segment.left(y)
         decoder.segment = call.segment
     return call.as_returned(y)
+
+
+def _nested_run_plain(func, nested: tuple[nn.Module, ...], layer: nn.Module, *args, **kwargs):
+    """``func`` (a layer's own forward) with each checkpointed layer inside it (``nested``: a hybrid layer's Mamba
+    decoder layer, as Zamba's) running its own forward as it is, on the chunk the outer layer is given and against its
+    chunk cache. Through transformers' checkpointing wrapper (or the stream hook) it would drop that cache and start
+    its scan from a zero state."""
+    plain = {m: functools.partial(_undecorated(type(m)), m) for m in nested}
+    with forwards_replaced(plain):
+        return func(layer, *args, **kwargs)
+
+
+def _undecorated(cls: type) -> object:
+    """The class's own forward, under transformers' checkpointing wrapper."""
+    return getattr(cls.forward, "__wrapped__", cls.forward)
 
 
 def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:

@@ -32,19 +32,26 @@ def cache_argument(kwargs: dict):
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 
-@functools.cache
 def carries_state(cls: type) -> bool:
-    """Whether ``cls`` is a recurrent or convolution mixer: a transformers module whose code (any method of the class
-    or of its transformers bases) calls the cache's state interface (``get_conv_state`` / ``update_recurrent_state``
-    ...). Gated DeltaNet, Mamba, Mamba2 and short-convolution mixers do; attention does not."""
+    """Whether ``cls`` is a recurrent or convolution mixer: a transformers module whose code calls the cache's state
+    interface (``get_conv_state`` / ``update_recurrent_state`` ...). Gated DeltaNet, Mamba, Mamba2 and
+    short-convolution mixers do; attention does not."""
+    return bool(names_called(cls) & _STATE_METHODS)
+
+
+@functools.cache
+def names_called(cls: type) -> frozenset[str]:
+    """The global and attribute names the code of transformers module class ``cls`` reads (any method of the class or
+    of its transformers bases): the cache methods it calls, the module functions it runs."""
+    names: set[str] = set()
     for klass in cls.__mro__:
         if not klass.__module__.startswith("transformers."):
             continue
         for member in vars(klass).values():
             code = getattr(inspect.unwrap(member), "__code__", None) if callable(member) else None
-            if code is not None and _STATE_METHODS & set(code.co_names):
-                return True
-    return False
+            if code is not None:
+                names.update(code.co_names)
+    return frozenset(names)
 
 
 def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:

@@ -133,9 +133,10 @@ class LayerCall:
         self.versions = Versions.record(_layer_name(self.layer), named)
 
     @property
-    def mask(self) -> StreamMask | None:
-        mask = self.kwargs.get("attention_mask")
-        return mask if isinstance(mask, StreamMask) else None
+    def masks(self) -> dict[str, StreamMask]:
+        """The arguments that carry a :class:`StreamMask`: ``attention_mask``, or the one a hybrid layer hands its
+        attention beside its mixer's (batch, T) padding mask (Zamba's ``causal_mask``)."""
+        return {name: value for name, value in self.kwargs.items() if isinstance(value, StreamMask)}
 
     def as_returned(self, y: torch.Tensor) -> torch.Tensor | tuple:
         """``y`` in the form the layer's own forward returns its output: the tensor, or ``(y, None, ...)``."""
@@ -152,15 +153,15 @@ class LayerCall:
 
     def prefix_start(self, s: int) -> int:
         """First key position any query of a chunk starting at ``s`` can attend to."""
-        window = self.mask.local_size if self.mask is not None else None
-        return max(0, s - window + 1) if window else 0
+        starts = [max(0, s - mask.local_size + 1) if mask.local_size else 0 for mask in self.masks.values()]
+        return min(starts, default=0)
 
     def run(self, x: torch.Tensor, s: int, e: int, cache: ChunkCache, leaves: dict | None = None) -> torch.Tensor:
         """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
         ``leaves`` replaces the chunk's slices of the gradient-carrying arguments."""
         kwargs = dict(self.kwargs)
-        if self.mask is not None:
-            kwargs["attention_mask"] = self.mask.at(s, s - cache.prefix_len, cache.prefix_grads)
+        for name, mask in self.masks.items():
+            kwargs[name] = mask.at(s, s - cache.prefix_len, cache.prefix_grads)
         for name, dims in self.per_token.items():
             kwargs[name] = slice_arg(kwargs[name], dims, s, e)
         kwargs.update(leaves or {})
