@@ -203,3 +203,16 @@ def test_packed_rows_as_cu_seq_lens_are_refused_by_recurrent_layers():
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     with pytest.raises(ValueError, match="packed rows given as cu_seq_lens"):
         model(input_ids=ids, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+
+
+def test_a_kept_convolution_tail_holds_only_its_own_bytes():
+    """A chunk's outgoing convolution tail is a view of its whole joined convolution input ((chunk + kernel) x
+    conv_dim): the carry store keeps a copy of the kernel's inputs, not the view that would hold that buffer."""
+    from streambp_trl.layers.carry import CarryStore
+
+    joined = torch.randn(2, 8, 20)
+    store = CarryStore(20)
+    store.record(0, {("conv", 0, 0): joined[..., -4:]})
+    kept = store.states[("conv", 0, 0)][1]
+    assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
+    assert torch.equal(kept, joined[..., -4:])

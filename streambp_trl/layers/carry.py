@@ -89,9 +89,10 @@ class CarryStore:
         return {key: by_chunk[n] for key, by_chunk in self.states.items() if n in by_chunk}
 
     def record(self, n: int, outgoing: States) -> None:
-        """Keep the states chunk ``n`` left (detached), for chunk ``n + 1``."""
+        """Keep the states chunk ``n`` left, for chunk ``n + 1``: detached copies, since a convolution tail is a view
+        of the chunk's whole joined convolution input ((chunk + kernel) x conv_dim), which a kept view would hold."""
         for key, t in outgoing.items():
-            self.states.setdefault(key, {})[n + 1] = t.detach()
+            self.states.setdefault(key, {})[n + 1] = t.detach().clone()
 
     def layout(self) -> list[tuple[StateKey, int]]:
         return [(key, n) for key in sorted(self.states) for n in sorted(self.states[key])]

@@ -175,11 +175,10 @@ def _linear_chunk_token_bytes(shape: ModelShape) -> int:
 def _carry_state_bytes(shape: ModelShape, n: int, chunk_rows: int, db: int) -> int:
     """What a Gated DeltaNet layer's backward holds for every chunk boundary (the ``CarryStore`` of
     :mod:`streambp_trl.layers.carry`, filled by its no-grad chunked forward): the float32 recurrent state entering
-    each chunk, and the convolution's last ``kernel`` inputs, kept as a view of the chunk's joined convolution input,
-    whose whole (chunk + kernel) x conv_dim buffer stays allocated with it. ``n // chunk_rows - 1`` boundaries
-    (``rows`` sequences share each boundary's tensors, batched)."""
+    each chunk, and a copy of the convolution's last ``kernel`` inputs (kernel x conv_dim). ``n // chunk_rows - 1``
+    boundaries (``rows`` sequences share each boundary's tensors, batched)."""
     boundaries = max(-(-n // chunk_rows) - 1, 0)
-    return boundaries * (shape.recurrent_state * 4 + (chunk_rows + shape.linear_kernel) * shape.conv_dim * db)
+    return boundaries * (shape.recurrent_state * 4 + shape.linear_kernel * shape.conv_dim * db)
 
 
 def estimate_activation_bytes(
@@ -225,11 +224,11 @@ def estimate_activation_bytes(
     if linear:
         # a Gated DeltaNet layer's backward: dY, the parameter gradient sums and the carry states of every chunk
         # boundary, and either the no-grad chunked forward that collects those states (its full-length output beside
-        # them) or one chunk's backward (its MLP's and its Gated DeltaNet's activations, one boundary's state
-        # gradients)
+        # them) or one chunk's backward (its MLP's and its Gated DeltaNet's activations, the float32 recurrent state's
+        # gradient and that of the chunk's joined convolution input, (chunk + kernel) x conv_dim)
         grads = shape.linear_layer_params if layer_trained_params is None else layer_trained_params
         layer = common(linear) + h * db * n + grads * db + _carry_state_bytes(shape, n, chunk_rows, db)
-        boundary_grads = _carry_state_bytes(shape, 2 * chunk_rows, chunk_rows, db)
+        boundary_grads = shape.recurrent_state * 4 + (chunk_rows + shape.linear_kernel) * shape.conv_dim * db
         backward = chunk_rows * _linear_chunk_token_bytes(shape) + fresh_grad + boundary_grads
         peaks.append(layer + max(h * db * n, backward))
     head = common(None) + h * db * n
