@@ -75,9 +75,13 @@ def hooked_without_grad(layers: Iterable[nn.Module]) -> contextlib.AbstractConte
 
 
 def _through_hook(layer: nn.Module, *args, **kwargs):
-    wrapper = type(layer).forward  # transformers' checkpointing wrapper of the class's own forward
-    forward = getattr(wrapper, "__wrapped__", wrapper)
+    forward = own_forward(type(layer))
     return layer._gradient_checkpointing_func(functools.partial(forward, layer, **kwargs), *args)
+
+
+def own_forward(cls: type) -> Callable:
+    """The class's own ``forward``, under transformers' checkpointing wrapper where it has one."""
+    return getattr(cls.forward, "__wrapped__", cls.forward)
 
 
 def patch(module: nn.Module, name: str, value) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..attention import StreamMask, stream_configs
-from ..patching import forwards_replaced
+from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
@@ -154,14 +154,9 @@ def _nested_run_plain(func, nested: tuple[nn.Module, ...], layer: nn.Module, *ar
     decoder layer, as Zamba's) running its own forward as it is, on the chunk the outer layer is given and against its
     chunk cache. Through transformers' checkpointing wrapper (or the stream hook) it would drop that cache and start
     its scan from a zero state."""
-    plain = {m: functools.partial(_undecorated(type(m)), m) for m in nested}
+    plain = {m: functools.partial(own_forward(type(m)), m) for m in nested}
     with forwards_replaced(plain):
         return func(layer, *args, **kwargs)
-
-
-def _undecorated(cls: type) -> object:
-    """The class's own forward, under transformers' checkpointing wrapper."""
-    return getattr(cls.forward, "__wrapped__", cls.forward)
 
 
 def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:
