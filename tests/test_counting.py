@@ -51,14 +51,16 @@ def test_stream_step_syncs_once_per_call_and_takes_few_head_passes(objective):
 
 
 @pytest.mark.slow
-def test_keys_and_values_are_collected_without_the_query_projection():
+def test_recomputes_skip_the_query_projection_and_the_last_mlp_product():
     """q_proj and o_proj each take a forward, a recompute and two backward products under stream, as under
-    checkpointing: the pass that collects the keys/values stops before attention and skips the query projection (a
-    shape where the attention projections are told apart from the MLP's weights, and a length equal to no weight's
-    dimension, since products are attributed to weights by shape)."""
+    checkpointing: the pass that collects the keys/values stops before attention and skips the query projection. The
+    MLP's products are checkpointing's too: the chunk recompute skips down_proj, whose output only the residual add
+    reads (a shape where the attention projections are told apart from the MLP's weights, and a length equal to no
+    weight's dimension, since products are attributed to weights by shape)."""
     stream, plain = (
         count_step(dataclasses.replace(_spec(mode), model="qwen3-cpu-bench", seq_len=640))["flops_by"]
         for mode in ("stream", "checkpoint")
     )
     assert stream["q/o_proj"] == plain["q/o_proj"]
+    assert stream["mlp"] == plain["mlp"]
     assert stream["k/v_proj"] > plain["k/v_proj"]  # the keys/values themselves are recomputed once more

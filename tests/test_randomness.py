@@ -21,7 +21,9 @@ DROPOUT = {"attention_dropout": 0.2}
 
 def _lora(model, dropout=0.05):
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "up_proj"])
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "k_proj", "up_proj", "down_proj"]
+    )
     model = peft.get_peft_model(model, config)
     for name, p in model.named_parameters():  # LoRA B starts at zero; make every path carry gradient
         if "lora_B" in name:

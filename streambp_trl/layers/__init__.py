@@ -11,6 +11,7 @@
 * :mod:`.rebuild`: the first layer's input rebuilt from the token ids instead of kept;
 * :mod:`.segments`: with ``keep_every`` k, the inputs of k - 1 of every k layers rebuilt from the first's;
 * :mod:`.rng`: each chunk's random state, replayed by every recompute;
+* :mod:`.unread`: the linear maps whose output no gradient reads, which the chunk recompute skips;
 * :mod:`.guards`: what a backward checks first (versions, a second backward, ``create_graph``);
 * :mod:`.sharding`: whether parameters are ZeRO-3 partitions or FSDP shards.
 """

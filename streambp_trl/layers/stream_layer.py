@@ -21,7 +21,9 @@ layer is recomputed on x[:, s:e] with grad, with the prefix K[:, :, p:s], V[:, :
 with dK_acc[:, :, p:s] += dK_p, dV_acc likewise, dθ += dθ_c. Later chunks attend to a chunk's keys and values and
 run first, so dK_acc[:, :, s:e] is complete when chunk [s, e) is processed: the result is the exact gradient.
 The layer's trainable parameters θ are inputs of the Function, so each receives its gradient once per layer
-backward, which is what DDP buckets, FSDP2 and ZeRO hooks expect.
+backward, which is what DDP buckets, FSDP2 and ZeRO hooks expect. The recompute reads no value of Y_c, only its graph,
+so a linear map whose output reaches Y_c only through sums and views (a pre-norm layer's ``down_proj``) runs its
+backward products alone (:mod:`.unread`; which maps qualify is seen in the first chunk of the forward).
 
 A layer with several attention sublayers (several cache slots, told apart by ``layer_idx``) gets one K, V and
 dK_acc, dV_acc per slot; its keys/values are then recomputed by a no-grad chunked forward, since a later slot's
@@ -65,6 +67,7 @@ from .offload import CheckpointOffload
 from .rebuild import EmbeddingSource
 from .rng import RngState, rng_fork
 from .segments import Segment
+from .unread import outputs_skipped, unread_outputs
 
 KV_MODES = ("recompute", "capture")
 
@@ -117,6 +120,7 @@ class LayerCall:
     rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
     state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
+    unread: list[nn.Module] = dataclasses.field(default_factory=list)  # linear maps the backward recompute skips
     versions: Versions | None = None  # what the backward reads again, as the forward left it
 
     def record_versions(self, kept: torch.Tensor | None) -> None:
@@ -192,7 +196,11 @@ class LayerCall:
                     self.rng[i].restore()
                 p = self.prefix_start(s)
                 cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i))
-                out = self.run(x[:, s:e], s, e, cache)
+                if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
+                    with unread_outputs(self.layer) as self.unread:
+                        out = self.run(x[:, s:e], s, e, cache)
+                else:
+                    out = self.run(x[:, s:e], s, e, cache)
                 if e < self.seq_len:
                     kv.record(i, cache.outgoing)
                 if y is None:
@@ -277,7 +285,7 @@ class LayerCall:
             xc = x[:, s:e].detach().requires_grad_(need_dx)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
-            with torch.enable_grad():
+            with torch.enable_grad(), outputs_skipped(self.unread):
                 yc = self.run(xc, s, e, cache, leaves)
             carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
             outputs, grad_outputs = [yc, *carried], [dy[:, s:e], *carried_grads]
