@@ -34,18 +34,27 @@ def stream_attention(
 ) -> tuple[torch.Tensor, None]:
     """Attention interface function.
 
-    With a :class:`StreamMask` (training): exact attention of ``query`` (batch, heads, q_len, d) over ``key``/``value``
-    (batch, kv_heads, kv_len, d) under the mask block, through PyTorch SDPA. Otherwise the original implementation.
-    Holds at most one (q_len x kv_len) mask block and SDPA's own workspace.
+    Exact attention of ``query`` (batch, heads, q_len, d) over ``key``/``value`` (batch, kv_heads, kv_len, d) under
+    the mask block, through PyTorch SDPA. The mask is a :class:`StreamMask`, or the dense block of a layer that reads
+    its mask as a tensor (a sparse indexed attention: see :func:`_tensor_block`); ``indices`` (batch, q_len, top-k),
+    the keys a sparse indexed attention chose for each query, keep only those keys of the block, as the model's own
+    eager and SDPA code does. Holds at most one (q_len x kv_len) mask block (and the top-k's selection as one) and
+    SDPA's own workspace.
     """
-    if not isinstance(attention_mask, StreamMask):
-        raise RuntimeError(
-            f"StreamBP attention in {type(module).__name__} got a {type(attention_mask).__name__} mask instead of a "
-            "StreamMask: the model built its attention mask outside transformers' mask interface."
-        )
-    block = attention_mask.block(query.shape[2], key.shape[2], query.device)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    indices = kwargs.get("indices")
+    if isinstance(attention_mask, StreamMask):
+        prefix = PrefixGrad.of(attention_mask, key, value)
+        block = attention_mask.block(q_len, kv_len, query.device)
+        if block is None and indices is not None:
+            block = attention_mask.materialise(q_len, kv_len, query.device)
+    else:
+        prefix, block = None, _tensor_block(module, attention_mask, q_len, kv_len)
+    if indices is not None:
+        block = _selected(block, indices)
+    if block is not None:
+        block = block[..., :kv_len]
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    prefix = PrefixGrad.of(attention_mask, key, value)
     query, key, value, prefix = _autocast_inputs(query, key, value, prefix)
     if kwargs.get("softcap") is not None:
         if sinks is not None or dropout or (block is not None and block.dtype != torch.bool):
@@ -56,6 +65,42 @@ def stream_attention(
         return softcap_attention(query, key, value, block, scaling, kwargs["softcap"]), None
     attend = _cuda_attention if query.device.type == "cuda" else _cpu_attention
     return attend(module, query, key, value, block, sinks, scaling, dropout, prefix), None
+
+
+def _tensor_block(module: torch.nn.Module, mask: object, q_len: int, kv_len: int) -> torch.Tensor:
+    """The mask of a layer handed its chunk's mask block as a tensor (a sparse indexed attention reads it in its own
+    code; :func:`~streambp_trl.layers.hook.stream_checkpoint`), as it is: (batch, 1, q_len, width) for the chunk's
+    queries against keys from the chunk's first key position on, width >= kv_len (it reaches to the sequence's end,
+    where the indexer scores every position). The keys past the ``kv_len`` attended ones must all be masked (bool
+    False, or an additive mask's lowest value), as the later positions of a causal mask are; any other tensor is
+    refused."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] < kv_len:
+        what = f"of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise RuntimeError(
+            f"StreamBP attention in {type(module).__name__} got a mask {what} for {q_len} queries against {kv_len} "
+            "keys instead of a StreamMask or the chunk's mask block: the model built its attention mask outside "
+            "transformers' mask interface."
+        )
+    later = mask[..., kv_len:]
+    attended = later if later.dtype == torch.bool else later > torch.finfo(later.dtype).min
+    if attended.any():
+        raise RuntimeError(
+            f"StreamBP attention in {type(module).__name__} got a mask that lets queries attend to later positions "
+            "than the chunk's keys (a mask that is not causal), which a chunk cannot attend to."
+        )
+    return mask
+
+
+def _selected(block: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``block`` (batch, 1, q_len, width) keeping only the keys in ``indices`` (batch, q_len, top-k; positions
+    counted from the block's first key): what the model's own eager and SDPA code attends to, ``mask & selected``
+    (bool) or the mask with its dtype's lowest value at the others (additive). Holds a (batch, q_len, width) bool
+    selection."""
+    selected = indices.new_zeros(*indices.shape[:-1], block.shape[-1], dtype=torch.bool)
+    selected = selected.scatter_(-1, indices.long(), True).unsqueeze(1)
+    if block.dtype == torch.bool:
+        return block & selected
+    return block.masked_fill(~selected, torch.finfo(block.dtype).min)
 
 
 def _autocast_inputs(

@@ -59,11 +59,17 @@ class StreamMask:
         ``None`` is only returned when the queries end where the keys end, which is how the stream decoder
         always calls a layer, so bottom-right causal alignment is the exact mask.
         """
+        if self.plain_causal and self.q_start + q_len == self.kv_start + kv_len:
+            return None
+        return self.materialise(q_len, kv_len, device)
+
+    def materialise(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+        """The (batch, 1, q_len, kv_len) block as a tensor (bool, or a user-given mask's dtype), even where it is
+        plainly causal: for a layer whose own code reads the mask as a tensor (a sparse indexed attention's indexer).
+        Holds q_len x kv_len per batch row."""
         q_end, kv_end = self.q_start + q_len, self.kv_start + kv_len
         if self.dense is not None:
             return self.dense[:, :, self.q_start : q_end, self.kv_start : kv_end]
-        if self.plain_causal and q_end == kv_end:
-            return None
         return sdpa_mask(
             batch_size=self.batch_size,
             q_length=q_len,

@@ -15,11 +15,13 @@ from transformers import PreTrainedModel
 
 from ..layers.layer_args import CACHE_KWARGS, names_called, parameter_names
 
-# Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values) and
-# the recurrent and convolution mixers of transformers' linear-attention cache interface (their states at the chunk
-# boundary); "mlp" / "moe" layers mix no tokens. Whether a model's layers really do so is what the probe checks.
+# Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values; for a
+# sparse indexed attention also the indexer keys of every position), the recurrent and convolution mixers of
+# transformers' linear-attention cache interface (their states at the chunk boundary); "mlp" / "moe" layers mix no
+# tokens. Whether a model's layers really do so is what the probe checks.
 _SUPPORTED_LAYER_TYPES = {
     "full_attention",
+    "indexed_attention",
     "sliding_attention",
     "chunked_attention",
     "linear_attention",
@@ -30,10 +32,7 @@ _SUPPORTED_LAYER_TYPES = {
     "mlp",
     "moe",
 }
-_REFUSED_LAYER_TYPES = {
-    "indexed_attention": "its sparse indexed attention chooses each query's keys by a top-k over an indexer's scores "
-    "of every earlier position, from an indexer key cache that the chunk cache does not serve",
-}
+_REFUSED_LAYER_TYPES: dict[str, str] = {}
 # What a decoder's modules do that no chunk can reproduce from what it receives, told by a name their code calls (a
 # cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
 # the support table (tests/causal_lm_support.json) lists
@@ -50,11 +49,17 @@ _REFUSED_CALLS = {
     "_prepare_patch_cross_attention_mask": "its byte-to-patch cross-attention runs between the decoder layers on the "
     "whole sequence, with a dense patch mask it builds itself, under the attention implementation it shares with "
     "the streamed layers",
+    "indexer_position_ids": "its sparse indexed attention takes the rotary embeddings of every cached position from "
+    "the layer's position_embeddings argument and reads its chunk's own as the last ones, where a streamed chunk is "
+    "given its own positions' only (the model keeps that position history in its cache)",
 }
 # Decoder-layer arguments that mark a layer StreamBP cannot stream, and the reason
 _REFUSED_LAYER_ARGUMENTS = {
     "prev_router_hidden_states": "its decoder layers return their router's hidden states beside their output, for "
     "the next layer's router: a second per-token stream through the layers, where a streamed layer returns one tensor",
+    "prev_topk_indices": "its decoder layers return their sparse indexed attention's top-k key indices beside their "
+    "output, for the next layer, whose 'shared' indexer attends to the keys the previous layer chose: a second "
+    "per-token stream through the layers, where a streamed layer returns one tensor",
 }
 _WITHOUT_STREAMBP = (
     "train it with plain autograd and Hugging Face gradient checkpointing (gradient_checkpointing=True) instead"

@@ -12,6 +12,11 @@ gradient straight into the layer's key/value gradient sums instead.
 The prefix keys/values are a layer's *carry* for softmax attention: what a chunk takes from earlier positions. In
 backward a chunk receives its carry as leaves that require grad, and their gradient (``dK``, ``dV`` of the prefix
 positions) is what it hands back to the earlier chunks.
+
+A sparse indexed attention (DeepSeek Sparse Attention's indexer, which chooses each query's keys by a top-k over its
+scores of the keys) also caches *indexer keys* through ``update_indexer()``: the store keeps them for every position,
+(batch, T, index_head_dim) per slot, and serves a chunk all of them from the prefix start to T (see
+:meth:`ChunkCache.update_indexer`). The indexer's output is integer indices, so they carry no gradient.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ def _zero_output(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
 
 
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values
-StateKey = tuple[str, int, int]  # ("conv" or "recurrent", cache slot (layer_idx), state index)
+StateKey = tuple[str, int, int]  # ("conv", "recurrent" or "indexer", cache slot (layer_idx), state index)
+INDEXER = "indexer"  # the kind of a layout entry that holds a slot's indexer keys of every position
 States = dict[StateKey, torch.Tensor]
 
 
@@ -74,15 +80,21 @@ class CarryStore:
     ``kv``: keys/values of all positions for each attention cache slot, (batch, kv_heads, T, head_dim) each,
     allocated when a slot is first written. ``states``: for each recurrent or convolution state of the layer
     (linear attention, Mamba, short convolution), the state entering each chunk but the first (chunk index -> state,
-    e.g. (batch, heads, d_k, d_v) or the convolution's last ``kernel`` inputs).
+    e.g. (batch, heads, d_k, d_v) or the convolution's last ``kernel`` inputs). ``indexer``: a sparse indexed
+    attention's indexer keys of all positions per slot, (batch, T, index_head_dim), zeros where not yet written.
     """
 
     def __init__(
-        self, seq_len: int, kv: KV | None = None, states: dict[StateKey, dict[int, torch.Tensor]] | None = None
+        self,
+        seq_len: int,
+        kv: KV | None = None,
+        states: dict[StateKey, dict[int, torch.Tensor]] | None = None,
+        indexer: dict[int, torch.Tensor] | None = None,
     ):
         self.seq_len = seq_len
         self.kv: KV = kv or {}
         self.states = states or {}
+        self.indexer: dict[int, torch.Tensor] = indexer or {}
 
     def incoming(self, n: int) -> States:
         """The states entering chunk ``n`` (none for the first)."""
@@ -95,7 +107,10 @@ class CarryStore:
             self.states.setdefault(key, {})[n + 1] = t.detach().clone()
 
     def layout(self) -> list[tuple[StateKey, int]]:
-        return [(key, n) for key in sorted(self.states) for n in sorted(self.states[key])]
+        """The order of the store's tensors after the keys/values in :meth:`flat`: (state key, chunk) of each state
+        entering a chunk, then ``(("indexer", slot, 0), 0)`` for each slot's indexer keys."""
+        states = [(key, n) for key in sorted(self.states) for n in sorted(self.states[key])]
+        return states + [((INDEXER, i, 0), 0) for i in sorted(self.indexer)]
 
     def range(self, start: int, end: int) -> KV:
         return {i: (k[:, :, start:end], v[:, :, start:end]) for i, (k, v) in self.kv.items()}
@@ -107,10 +122,20 @@ class CarryStore:
             self.kv[i] = (key.new_empty(full), value.new_empty(value.shape[:2] + (self.seq_len,) + value.shape[3:]))
         return self.kv[i]
 
+    def index_keys(self, i: int, keys: torch.Tensor) -> torch.Tensor:
+        """Slot ``i``'s indexer keys of every position, (batch, T, index_head_dim), allocated as zeros like ``keys``
+        (the chunk's, (batch, chunk, index_head_dim)) on first use. Zeros, not uninitialised memory: a chunk's indexer
+        scores the positions not yet written too, and masks them, which a NaN there would survive under an additive
+        mask."""
+        if i not in self.indexer:
+            self.indexer[i] = keys.new_zeros(keys.shape[:1] + (self.seq_len,) + keys.shape[2:])
+        return self.indexer[i]
+
     def flat(self) -> tuple[torch.Tensor, ...]:
-        """The store's tensors: keys, values per slot, then the states in :meth:`layout` order."""
+        """The store's tensors: keys, values per slot, then the states and indexer keys in :meth:`layout` order."""
         kv = tuple(t for i in sorted(self.kv) for t in self.kv[i])
-        return kv + tuple(self.states[key][n] for key, n in self.layout())
+        rest = (self.indexer[key[1]] if key[0] == INDEXER else self.states[key][n] for key, n in self.layout())
+        return kv + tuple(rest)
 
     @classmethod
     def from_flat(
@@ -118,9 +143,13 @@ class CarryStore:
     ) -> CarryStore:
         kv = {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)}
         states: dict[StateKey, dict[int, torch.Tensor]] = {}
+        indexer: dict[int, torch.Tensor] = {}
         for (key, n), t in zip(layout, flat[2 * len(slots) :], strict=True):
-            states.setdefault(key, {})[n] = t
-        return cls(seq_len, kv, states)
+            if key[0] == INDEXER:
+                indexer[key[1]] = t
+            else:
+                states.setdefault(key, {})[n] = t
+        return cls(seq_len, kv, states, indexer)
 
 
 class _Extend(torch.autograd.Function):
@@ -148,9 +177,21 @@ class ChunkCache(Cache):
     gives, per slot, gradient-carrying leaves over the store's prefix, joined to the chunk by :class:`_Extend`;
     ``prefix_sums`` the gradient sums of those prefix positions, recorded with the joined tensors as
     :class:`PrefixGrad` pairs in ``prefix_grads`` for the attention. With ``stop`` it raises
-    :class:`StopAfterCacheUpdate` after the write, so the layer runs only as far as its key/value projections. Queries
-    answer as a cache holding the ``start`` earlier tokens would: ``get_seq_length()`` (and so ``get_query_offset()``)
-    is ``start``, ``get_mask_sizes()`` the prefix plus chunk.
+    :class:`StopAfterCacheUpdate` after the write, so the layer runs only as far as its key/value projections; with
+    ``stop`` and ``indexed`` (a layer whose indexer also caches keys) only once the chunk's indexer keys are written
+    too, and ``update()`` then returns the chunk's own keys/values, since nothing reads the prefix before the stop (an
+    MLA layer would otherwise expand the whole prefix's latents). Queries answer as a cache holding the ``start``
+    earlier tokens would: ``get_seq_length()`` (and so ``get_query_offset()``) is ``start``, ``get_mask_sizes()`` the
+    prefix plus chunk.
+
+    Indexer keys (``update_indexer``, DeepSeek Sparse Attention): the chunk's are written into the store and the
+    store's view of positions ``[start - prefix_len, T)`` is returned, the prefix's, the chunk's and the later
+    positions' (zeros in the forward, not yet written). So a chunk's indexer scores each query against as many keys,
+    at the same places, as the full-sequence forward does, and its top-k sees the same row: the later positions are
+    masked (the layer's mask block reaches to T as well, see :func:`~streambp_trl.layers.hook.stream_checkpoint`),
+    and ``torch.topk`` breaks ties among equal scores by the row's length and contents, so a (prefix + chunk)-long
+    row could choose other keys than the T-long one where scores tie at the k-th place (exact zeros, from the
+    indexer's ReLU, are such ties). As ``transformers``' static indexed cache returns its whole buffer.
 
     Recurrent and convolution states (transformers' linear-attention cache interface, which Gated DeltaNet, Mamba,
     Mamba2 and short-convolution layers call): ``get_conv_state`` / ``get_recurrent_state`` give the state entering
@@ -170,9 +211,12 @@ class ChunkCache(Cache):
         stop: bool = False,
         prefix_sums: KV | None = None,
         incoming: States | None = None,
+        indexed: bool = False,
     ):
         super().__init__(layers=[])
         self.store, self.start, self.prefix_len, self.prefix, self.stop = store, start, prefix_len, prefix, stop
+        self.indexed = indexed
+        self.indexer_written = False
         self.prefix_sums = prefix_sums
         self.prefix_grads: list = []  # (keys, values) PrefixGrad pairs, read by the attention through the chunk mask
         self.chunk: KV = {}
@@ -241,9 +285,22 @@ class ChunkCache(Cache):
         with torch.no_grad():
             full[0][:, :, s:e] = key_states
             full[1][:, :, s:e] = value_states
-        if self.stop:
+        if self.stop and (not self.indexed or self.indexer_written):
             raise StopAfterCacheUpdate
+        if self.stop:  # the indexer keys are still to come, and nothing reads the prefix before them
+            return key_states, value_states
         return full[0][:, :, p:e], full[1][:, :, p:e]
+
+    def update_indexer(self, key_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        """Write the chunk's indexer keys (batch, chunk, index_head_dim) into the store and return its indexer keys
+        of positions [start - prefix_len, T) (a view; no gradient: the indexer's output is integer indices)."""
+        full = self.store.index_keys(layer_idx, key_states)
+        with torch.no_grad():
+            full[:, self.start : self.start + key_states.shape[1]] = key_states
+        self.indexer_written = True
+        if self.stop and self.chunk:
+            raise StopAfterCacheUpdate
+        return full[:, self.start - self.prefix_len :]
 
 
 class LayerCarry:

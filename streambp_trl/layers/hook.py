@@ -28,7 +28,7 @@ from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
-from .layer_args import CACHE_KWARGS, cache_argument, carries_state, parameter_names, per_token
+from .layer_args import CACHE_KWARGS, cache_argument, caches_indexer_keys, carries_state, parameter_names, per_token
 from .segments import Segment
 from .stream_layer import LayerCall, StreamLayerFunction, StreamSettings
 
@@ -43,7 +43,9 @@ class LayerPlan:
     Mamba) gets chunks of at least two tokens: on one token such a mixer takes its decoding path, which updates the
     state it is given in place, and a state that later chunks differentiate through cannot be changed in place.
     ``nested``: the checkpointed layers inside the layer (Zamba's hybrid layer holds a Mamba decoder layer), which run
-    as they are inside each of its chunks (:func:`_nested_run_plain`)."""
+    as they are inside each of its chunks (:func:`_nested_run_plain`). ``indexed``: the layer holds a sparse indexed
+    attention (a module that caches indexer keys through ``update_indexer``), whose own code reads the mask as a
+    tensor: it gets its chunk's mask block as one (:func:`_dense_mask_run`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -51,6 +53,7 @@ class LayerPlan:
     cache_name: str
     min_chunk: int = 1
     nested: tuple[nn.Module, ...] = ()
+    indexed: bool = False
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings) -> LayerPlan:
@@ -60,7 +63,8 @@ class LayerPlan:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
         recurrent = any(carries_state(type(m)) for m in layer.modules())
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
-        return cls(settings, stream_configs(layer), names, cache_name, 2 if recurrent else 1, nested)
+        indexed = any(caches_indexer_keys(type(m)) for m in layer.modules())
+        return cls(settings, stream_configs(layer), names, cache_name, 2 if recurrent else 1, nested, indexed)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -117,9 +121,10 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
     sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
     settings = plan.settings
+    func = functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func
     call = LayerCall(
         layer,
-        functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func,
+        functools.partial(_dense_mask_run, func) if plan.indexed else func,
         kwargs,
         sliced,
         settings,
@@ -157,6 +162,21 @@ def _nested_run_plain(func, nested: tuple[nn.Module, ...], layer: nn.Module, *ar
     plain = {m: functools.partial(own_forward(type(m)), m) for m in nested}
     with forwards_replaced(plain):
         return func(layer, *args, **kwargs)
+
+
+def _dense_mask_run(func, layer: nn.Module, x: torch.Tensor, **kwargs):
+    """``func`` (a layer's forward) on chunk ``x`` with each :class:`StreamMask` argument as its dense block: queries
+    [s, e), keys from the chunk's first key position p to the sequence's end T, (batch, 1, e - s, T - p). A sparse
+    indexed attention's own code reads the mask as a tensor: its indexer scores each query against the indexer keys
+    the chunk cache serves, positions [p, T) (:meth:`~.carry.ChunkCache.update_indexer`), and masks those scores with
+    it, so each row it takes the top-k of is the full-sequence forward's row; the attention then attends to the keys
+    [p, e) (the later positions are masked, :func:`~streambp_trl.attention.kernels.stream_attention`). Holds one
+    chunk x (T - p) block, never a T x T one."""
+    cache = cache_argument(kwargs)
+    for name, mask in list(kwargs.items()):
+        if isinstance(mask, StreamMask):
+            kwargs[name] = mask.materialise(x.shape[1], cache.store.seq_len - mask.kv_start, x.device)
+    return func(layer, x, **kwargs)
 
 
 def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:

@@ -40,6 +40,13 @@ def carries_state(cls: type) -> bool:
 
 
 @functools.cache
+def caches_indexer_keys(cls: type) -> bool:
+    """Whether ``cls`` is a sparse indexed attention's indexer: a transformers module whose code caches its keys
+    through the cache's ``update_indexer`` (DeepSeek Sparse Attention)."""
+    return "update_indexer" in names_called(cls)
+
+
+@functools.cache
 def names_called(cls: type) -> frozenset[str]:
     """The global and attribute names the code of transformers module class ``cls`` reads (any method of the class or
     of its transformers bases): the cache methods it calls, the module functions it runs."""

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from ..attention import StreamMask, streaming
-from .carry import CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
+from .carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from .guards import Versions, check_backward, saved_tensors_hooked, sole_holder
 from .layer_args import slice_arg
 from .offload import CheckpointOffload
@@ -212,18 +212,22 @@ class LayerCall:
     def collect_kv(self, x: torch.Tensor) -> CarryStore:
         """Keys/values of every position, each chunk replaying its recorded random state.
 
-        One cache slot: each chunk runs only up to its cache update, its query projection skipped. Several slots (a
-        later one depends on an earlier one's attention), or recurrent/convolution states (each chunk's depend on the
-        whole previous chunk): a no-grad chunked forward.
+        One cache slot: each chunk runs only up to its cache update, its query projection skipped; with an indexer
+        (sparse indexed attention) on to its indexer-key update, which the layer makes before any attention (the
+        indexer keys are recomputed, like the keys/values, rather than kept: each chunk's come from its own input
+        alone, a projection and a norm). Several slots (a later one depends on an earlier one's attention), or
+        recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad chunked forward.
         """
-        if len(self.slots) != 1 or self.state_layout:
+        states = [key for key, _ in self.state_layout if key[0] != INDEXER]
+        indexed = len(states) < len(self.state_layout)
+        if len(self.slots) != 1 or states:
             return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
         kv = CarryStore(self.seq_len)
         with torch.no_grad(), queries_skipped(self.layer):
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
-                try:
-                    self.run(x[:, s:e], s, e, ChunkCache(kv, s, stop=True))  # stops before attention
+                try:  # stops before attention
+                    self.run(x[:, s:e], s, e, ChunkCache(kv, s, stop=True, indexed=indexed))
                 except StopAfterCacheUpdate:
                     pass
                 else:
