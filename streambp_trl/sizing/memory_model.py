@@ -15,10 +15,11 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
     (``chunk x`` :func:`_chunk_token_bytes`, beside one weight's fresh gradient) and its attention backward (with
     grouped heads, one group's key/value gradients over the whole prefix and flash's expanded workspace; with as many
     key/value heads as query heads, all heads' key/value gradients ``2 kv db N``);
-  - in a hybrid (Gated DeltaNet layers beside full attention, :class:`ModelShape`), the keys/values above are a
-    full-attention layer's only; a Gated DeltaNet layer's backward holds instead the carry of every chunk boundary
-    (:func:`_carry_state_bytes`) beside dY and either its chunked forward's full-length output or one chunk's
-    backward (:func:`_linear_chunk_token_bytes`);
+  - in a hybrid (Gated DeltaNet, Mamba2 or short-convolution layers beside full attention, :class:`ModelShape`),
+    the keys/values above are a full-attention layer's only; a state-carrying layer's backward holds instead the
+    carry of every chunk boundary (:class:`.mixers.RecurrentKind`) beside dY and either its chunked forward's
+    full-length output or one chunk's backward (with attention beside its Mamba2 mixer, Falcon-H1, its keys/values
+    too); a layer with no token mixer (Nemotron-H's MLP blocks) only dY and one chunk's MLP backward;
   - the LM head's backward (:func:`head_backward_bytes`) in its two-node form, which the engine takes wherever the
     fused form's (V, H) accumulator would not fit: the weight node (runs first in backward) with the last hidden
     state, dW ``V H db`` and one float32 vocabulary tile of dW, then the hidden-state node with the last hidden
@@ -39,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
+from .mixers import boundaries, linear_chunk_token_bytes, recurrent_kinds
 from .model_shape import ModelShape
 from .units import UNITS, GiB, gib, parse_budget, parse_size
 
@@ -71,9 +73,6 @@ _EAGER_TILE_ELEMENTS = 2**25  # its whole-vocabulary tiles in the eager form (st
 HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 _LORA_RANK = 16
-# a Gated DeltaNet layer's chunk backward, bytes per chunk token: per float32 value-head width, per hidden unit, per
-# intermediate unit (least squares over the simulator's runs in benchmarks/sim_qwen3_5.json)
-_GDN_PER_VALUE_WIDTH, _GDN_PER_HIDDEN, _GDN_PER_INTERMEDIATE = 23.3, 56.2, 13.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,29 +157,6 @@ def _saved_inputs(layers: int, keep_every: int, offload: bool, among: Collection
     return worst
 
 
-def _linear_chunk_token_bytes(shape: ModelShape) -> int:
-    """Activations of one chunk token at the peak of a Gated DeltaNet layer's chunk backward (its MLP's backward
-    beside the mixer's saved tensors: the float32 queries, keys repeated to the value heads, values, their beta-,
-    decay- and l2-scaled forms, the 64-token sub-chunk products and the recurrent states the sequential scan saves),
-    as the simulator measures them for transformers' torch kernels (the fla CUDA kernels hold fewer): bytes per
-    float32 value-head width, per hidden and per intermediate unit, fitted in ``benchmarks/sim_qwen3_5.md``."""
-    value_widths = shape.linear_v_heads * shape.linear_v_dim * 4
-    return int(
-        _GDN_PER_VALUE_WIDTH * value_widths
-        + _GDN_PER_HIDDEN * shape.hidden
-        + _GDN_PER_INTERMEDIATE * shape.intermediate
-    )
-
-
-def _carry_state_bytes(shape: ModelShape, n: int, chunk_rows: int, db: int) -> int:
-    """What a Gated DeltaNet layer's backward holds for every chunk boundary (the ``CarryStore`` of
-    :mod:`streambp_trl.layers.carry`, filled by its no-grad chunked forward): the float32 recurrent state entering
-    each chunk, and a copy of the convolution's last ``kernel`` inputs (kernel x conv_dim). ``n // chunk_rows - 1``
-    boundaries (``rows`` sequences share each boundary's tensors, batched)."""
-    boundaries = max(-(-n // chunk_rows) - 1, 0)
-    return boundaries * (shape.recurrent_state * 4 + shape.linear_kernel * shape.conv_dim * db)
-
-
 def estimate_activation_bytes(
     shape: ModelShape,
     n: int,
@@ -198,10 +174,9 @@ def estimate_activation_bytes(
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
     layer's trainable parameters (all of them by default); ``head_form``: the logit kernel's gradient form
     (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short). The worst of a
-    softmax-attention layer's backward, a Gated DeltaNet layer's (hybrids) and the LM head's."""
+    softmax-attention layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's."""
     h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
     group = shape.heads // shape.kv_heads
-    linear = frozenset(shape.linear_layers)
 
     def common(among: Collection[int] | None) -> int:
         return (_saved_inputs(shape.layers, keep_every, offload, among) * h * db + _per_token_bytes(shape, db)) * n
@@ -210,27 +185,32 @@ def estimate_activation_bytes(
     fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
     mlp = chunk_rows * _chunk_token_bytes(shape, db) + fresh_grad
     peaks = []
-    if shape.full_layers:
+    if shape.full_layers > len(shape.mamba_attention_layers):
         # a softmax-attention layer's backward: dY, the keys/values and their gradient sums, the layer's parameter
         # gradient sums, and either one chunk's MLP backward (beside one weight's fresh gradient, added to its sum at
         # once) or its attention backward, whose key/value gradients span the prefix (the whole sequence at the last
         # chunk): one head group's dK/dV and flash's expanded workspace, the prefix part added into the sums group by
         # group (grouped heads), or all heads' dK/dV at once (as many key/value heads as query heads)
         grads = shape.layer_params if layer_trained_params is None else layer_trained_params
-        layer = common(set(range(shape.layers)) - linear if linear else None) + (h + 4 * kv) * db * n + grads * db
+        attention_only = set(shape.attention_layers) - set(shape.mamba_attention_layers)
+        layer = common(attention_only) + (h + 4 * kv) * db * n + grads * db
         attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
         attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
         peaks.append(layer + max(mlp, attention))
-    if linear:
-        # a Gated DeltaNet layer's backward: dY, the parameter gradient sums and the carry states of every chunk
-        # boundary, and either the no-grad chunked forward that collects those states (its full-length output beside
-        # them) or one chunk's backward (its MLP's and its Gated DeltaNet's activations, the float32 recurrent state's
-        # gradient and that of the chunk's joined convolution input, (chunk + kernel) x conv_dim)
-        grads = shape.linear_layer_params if layer_trained_params is None else layer_trained_params
-        layer = common(linear) + h * db * n + grads * db + _carry_state_bytes(shape, n, chunk_rows, db)
-        boundary_grads = shape.recurrent_state * 4 + (chunk_rows + shape.linear_kernel) * shape.conv_dim * db
-        backward = chunk_rows * _linear_chunk_token_bytes(shape) + fresh_grad + boundary_grads
+    for kind in recurrent_kinds(shape, db):
+        # a state-carrying layer's backward (Gated DeltaNet, Mamba2, short convolution, :mod:`.mixers`): dY, the
+        # parameter gradient sums and the carry of every chunk boundary (with attention beside it: its keys/values
+        # and their gradient sums too), and either the no-grad chunked forward that collects those carries (its
+        # full-length output beside them) or one chunk's backward (its activations and its incoming carry's gradient)
+        grads = kind.params if layer_trained_params is None else layer_trained_params
+        layer = common(kind.layers) + h * db * n + grads * db + boundaries(n, chunk_rows) * kind.carry(db)
+        layer += 4 * kv * db * n if kind.with_attention else 0
+        backward = chunk_rows * kind.token_bytes + fresh_grad + kind.carry_grad(chunk_rows, db)
         peaks.append(layer + max(h * db * n, backward))
+    if shape.mlp_layers:
+        # a layer with no token mixer (Nemotron-H's MLP / MoE blocks): dY, its gradient sums, one chunk's MLP backward
+        grads = shape.mlp_params + h if layer_trained_params is None else layer_trained_params
+        peaks.append(common(shape.mlp_layers) + h * db * n + grads * db + mlp)
     head = common(None) + h * db * n
     head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained, form=head_form)
     return max(*peaks, head)
@@ -280,7 +260,7 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
     gradients (``hf-gc``). Coefficients per intermediate / hidden / vocabulary unit as the simulator measures them
     on Qwen3-4B and -8B (``benchmarks/sim_qwen3_bf16.jsonl``), at lengths where these terms dominate. A hybrid's
     recomputed layer is the larger of a softmax-attention layer and a Gated DeltaNet layer, whose mixer holds
-    :func:`_linear_chunk_token_bytes` per token in place of the attention's query-sized tensors."""
+    :func:`.mixers.linear_chunk_token_bytes` per token in place of the attention's query-sized tensors."""
     saved = shape.layers * shape.hidden * setup.dtype_bytes * n
     if setup.mode == "hf-gc":
         return saved + int((11.2 * shape.vocab + 38.7 * shape.hidden) * n)
@@ -288,7 +268,7 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
     mlp_and_norms = 13.5 * shape.intermediate + 24.5 * shape.hidden
     recomputed = int(mlp_and_norms + 16 * q if shape.full_layers else 0)
     if shape.linear_layers:
-        recomputed = max(recomputed, _linear_chunk_token_bytes(shape))
+        recomputed = max(recomputed, linear_chunk_token_bytes(shape))
     return saved + (recomputed + _per_token_bytes(shape, setup.dtype_bytes)) * n
 
 

@@ -1,5 +1,6 @@
 """The shape of a decoder-only model as the memory model (:mod:`.memory_model`) sees it: widths, layer counts by
-kind (softmax attention, Gated DeltaNet), vocabulary, parameter count; from a config, a loaded model or a name."""
+kind (softmax attention, Gated / Kimi DeltaNet, Mamba2, short convolution, no token mixer), vocabulary, parameter
+count; from a config, a loaded model or a name."""
 
 from __future__ import annotations
 
@@ -18,7 +19,17 @@ class ModelShape:
     ``linear_v_heads`` value heads of ``linear_v_dim``, after a depthwise causal convolution of ``linear_kernel`` taps
     over the ``conv_dim`` = 2 key widths + the value width of the projected inputs. They hold no keys/values: their
     carry is a recurrent state (``linear_v_heads`` x ``linear_k_dim`` x ``linear_v_dim``) and the convolution's last
-    inputs. The other fields describe the softmax-attention layers; ``linear_layers`` empty: every layer is one.
+    inputs. Kimi Linear and Bailing hybrid layers (Kimi Delta Attention: ``linear_num_heads`` of ``linear_head_dim``)
+    are counted as such with as many key as value heads.
+
+    Mamba2 layers (``mamba_layers``: Falcon-H1, Bamba, Granite 4 hybrid, Nemotron-H, Zamba2) have ``mamba_heads`` SSM
+    heads of ``mamba_head_dim`` channels, ``mamba_groups`` groups of B/C of ``mamba_state`` entries, a convolution of
+    ``mamba_kernel`` taps over ``mamba_conv_dim`` channels and an SSD scan in blocks of ``mamba_chunk`` tokens; their
+    carry is the SSM state (heads x head_dim x d_state) and the convolution's last inputs. Those of
+    ``mamba_attention_layers`` also run softmax attention (Falcon-H1: every layer, in parallel; Zamba2: its shared
+    attention block). Short-convolution layers (``conv_layers``: LFM2) convolve ``hidden`` channels over
+    ``conv_kernel`` taps (carry: the last inputs). ``mlp_layers`` (Nemotron-H's MLP / MoE blocks) mix no tokens: no
+    carry. The other fields describe the softmax-attention layers: every layer not of another kind is one.
     """
 
     layers: int
@@ -37,16 +48,76 @@ class ModelShape:
     linear_v_dim: int = 0
     linear_kernel: int = 0
     rotary_dim: int = 0  # rotated channels of a head (0: all of head_dim; Qwen3.5 rotates a quarter)
+    mamba_layers: tuple[int, ...] = ()
+    mamba_attention_layers: tuple[int, ...] = ()
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
+    mamba_kernel: int = 0
+    mamba_chunk: int = 0
+    conv_layers: tuple[int, ...] = ()
+    conv_kernel: int = 0
+    mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not self.params:
-            decoder = self.full_layers * self.layer_params + len(self.linear_layers) * self.linear_layer_params
+            attention_only = self.full_layers - len(self.mamba_attention_layers)
+            decoder = (
+                attention_only * self.layer_params
+                + len(self.linear_layers) * self.linear_layer_params
+                + len(self.mamba_layers) * self.mamba_layer_params
+                + len(self.mamba_attention_layers) * (self.layer_params - self.mlp_params)
+                + len(self.conv_layers) * self.conv_layer_params
+                + len(self.mlp_layers) * (self.mlp_params + self.hidden)
+            )
             object.__setattr__(self, "params", decoder + self.embedding_params)
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with softmax attention (keys/values): those of no other kind, and the Mamba2 layers
+        that run attention too."""
+        other = {*self.linear_layers, *self.mamba_layers, *self.conv_layers, *self.mlp_layers}
+        return tuple(sorted({i for i in range(self.layers) if i not in other} | set(self.mamba_attention_layers)))
 
     @property
     def full_layers(self) -> int:
         """Softmax-attention layers (with keys/values)."""
-        return self.layers - len(self.linear_layers)
+        return len(self.attention_layers)
+
+    @property
+    def mlp_params(self) -> int:
+        """Parameters of a SwiGLU MLP."""
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def mamba_inner(self) -> int:
+        """Channels of a Mamba2 layer's SSM input x (and its gate z): heads x head_dim."""
+        return self.mamba_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of a Mamba2 layer's convolution: x, B and C."""
+        return self.mamba_inner + 2 * self.mamba_groups * self.mamba_state
+
+    @property
+    def mamba_ssm_state(self) -> int:
+        """Elements of a Mamba2 layer's SSM state per sequence: heads x head_dim x d_state."""
+        return self.mamba_inner * self.mamba_state
+
+    @property
+    def mamba_layer_params(self) -> int:
+        """Parameters of one Mamba2 layer: the input projection (z, x, B, C, dt), the convolution, the per-head A,
+        D and dt bias, the gated norm, the output projection, SwiGLU MLP and the two norms."""
+        projection = self.hidden * (self.mamba_inner + self.mamba_conv_dim + self.mamba_heads)
+        mixer = projection + self.mamba_conv_dim * (self.mamba_kernel + 1) + 3 * self.mamba_heads + self.mamba_inner
+        return mixer + self.mamba_inner * self.hidden + self.mlp_params + 2 * self.hidden
+
+    @property
+    def conv_layer_params(self) -> int:
+        """Parameters of one short-convolution layer (LFM2): the input projection (B, C, x), the depthwise
+        convolution, the output projection, SwiGLU MLP and the two norms."""
+        return 4 * self.hidden * self.hidden + self.conv_kernel * self.hidden + self.mlp_params + 2 * self.hidden
 
     @property
     def conv_dim(self) -> int:
@@ -66,15 +137,13 @@ class ModelShape:
         value = self.linear_v_heads * self.linear_v_dim
         projections = self.hidden * (self.conv_dim + 2 * value + 2 * self.linear_v_heads)
         mixer = projections + self.conv_dim * self.linear_kernel + 2 * self.linear_v_heads + self.linear_v_dim
-        return mixer + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return mixer + self.mlp_params + 2 * self.hidden
 
     @property
     def layer_params(self) -> int:
         """Parameters of one softmax-attention decoder layer: attention projections, SwiGLU MLP, norms."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return (
-            self.hidden * (2 * q + 2 * kv) + 3 * self.hidden * self.intermediate + 2 * self.hidden + 2 * self.head_dim
-        )
+        return self.hidden * (2 * q + 2 * kv) + self.mlp_params + 2 * self.hidden + 2 * self.head_dim
 
     @property
     def embedding_params(self) -> int:
@@ -89,26 +158,17 @@ class ModelShape:
         """From a transformers config (its text config for a multimodal one)."""
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kinds = getattr(config, "layer_types", None) or ()
-        linear = tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
-        hybrid = (
-            dict(
-                linear_layers=linear,
-                linear_k_heads=config.linear_num_key_heads,
-                linear_v_heads=config.linear_num_value_heads,
-                linear_k_dim=config.linear_key_head_dim,
-                linear_v_dim=config.linear_value_head_dim,
-                linear_kernel=config.linear_conv_kernel_dim,
-            )
-            if linear
-            else {}
+        head_dim = (
+            getattr(config, "qk_head_dim", None)  # multi-head latent attention: its keys' width
+            or getattr(config, "attention_head_dim", None)
+            or getattr(config, "head_dim", None)
+            or config.hidden_size // heads
         )
         rope = getattr(config, "rope_parameters", None)
         rope = rope if isinstance(rope, dict) else {}
         partial = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
         return cls(
-            layers=config.num_hidden_layers,
+            layers=len(getattr(config, "layer_types", None) or ()) or config.num_hidden_layers,
             hidden=config.hidden_size,
             intermediate=config.intermediate_size,
             heads=heads,
@@ -117,7 +177,7 @@ class ModelShape:
             vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             rotary_dim=int(head_dim * partial) if partial < 1 else 0,
-            **hybrid,
+            **layer_kinds(config),
         )
 
     @classmethod
@@ -145,3 +205,54 @@ class ModelShape:
                 return cls.from_model(AutoModelForCausalLM.from_config(config))
 
         return cls.from_config(AutoConfig.from_pretrained(name))
+
+
+def _first(config, *names: str) -> int:
+    """The first of ``names`` that ``config`` sets to a number (0 if none does)."""
+    return next((v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)), 0)
+
+
+def layer_kinds(config) -> dict:
+    """The :class:`ModelShape` fields of a config's layers other than softmax attention, from its per-layer kinds
+    (``layer_types`` / ``layers_block_type``; transformers spells Mamba layers ``linear_attention`` too): Gated
+    DeltaNet (``linear_num_key_heads``) or Kimi Delta Attention (``linear_num_heads``) layers, Mamba2 layers
+    (``hybrid``: Zamba2's, with attention), short-convolution layers (``conv``), MLP / MoE-only layers. A config with
+    Mamba2 sizes and no such list (Falcon-H1) runs Mamba2 and attention in every layer."""
+    kinds = list(getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None) or ())
+    mamba_sizes = _first(config, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+    if not kinds and mamba_sizes:
+        kinds = ["hybrid"] * config.num_hidden_layers
+    delta = hasattr(config, "linear_num_key_heads") or hasattr(config, "linear_num_heads")
+    mamba_kinds = ("mamba", "hybrid") if delta else ("mamba", "hybrid", "linear_attention")
+    linear = tuple(i for i, k in enumerate(kinds) if k == "linear_attention" and delta)
+    mamba = tuple(i for i, k in enumerate(kinds) if k in mamba_kinds)
+    fields: dict = dict(
+        linear_layers=linear,
+        mamba_layers=mamba,
+        mamba_attention_layers=tuple(i for i in mamba if kinds[i] == "hybrid"),
+        conv_layers=tuple(i for i, k in enumerate(kinds) if k == "conv"),
+        mlp_layers=tuple(i for i, k in enumerate(kinds) if k in ("mlp", "moe")),
+    )
+    if linear:
+        heads = _first(config, "linear_num_heads")
+        fields.update(
+            linear_k_heads=_first(config, "linear_num_key_heads") or heads,
+            linear_v_heads=_first(config, "linear_num_value_heads") or heads,
+            linear_k_dim=_first(config, "linear_key_head_dim", "linear_head_dim"),
+            linear_v_dim=_first(config, "linear_value_head_dim", "linear_head_dim"),
+            linear_kernel=_first(config, "linear_conv_kernel_dim"),
+        )
+    if mamba:
+        heads = mamba_sizes
+        fields.update(
+            mamba_heads=heads,
+            mamba_head_dim=_first(config, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
+            or _first(config, "mamba_d_ssm") // heads,
+            mamba_groups=_first(config, "mamba_n_groups", "n_groups", "mamba_ngroups") or 1,
+            mamba_state=_first(config, "mamba_d_state", "ssm_state_size"),
+            mamba_kernel=_first(config, "mamba_d_conv", "conv_kernel"),
+            mamba_chunk=_first(config, "mamba_chunk_size", "chunk_size"),
+        )
+    if fields["conv_layers"]:
+        fields["conv_kernel"] = _first(config, "conv_L_cache")
+    return {k: v for k, v in fields.items() if v}

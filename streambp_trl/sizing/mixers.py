@@ -1,0 +1,136 @@
+"""The memory terms of the decoder layers that carry a state instead of keys/values (Gated / Kimi DeltaNet, Mamba2,
+short convolution), and of the layers with no token mixer, for :func:`.memory_model.estimate_activation_bytes`.
+
+Each such layer's backward holds the carry of every chunk boundary (what its no-grad chunked forward stored: the
+state entering each chunk, :class:`streambp_trl.layers.carry.ChunkCache`), and during one chunk's backward that
+chunk's activations (:attr:`RecurrentKind.token_bytes` per chunk token) and the gradient of the carry it received.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .model_shape import ModelShape
+
+# a Gated DeltaNet layer's chunk backward, bytes per chunk token: per float32 value-head width, per hidden unit, per
+# intermediate unit (least squares over the simulator's runs in benchmarks/sim_qwen3_5.json)
+_GDN_PER_VALUE_WIDTH, _GDN_PER_HIDDEN, _GDN_PER_INTERMEDIATE = 23.3, 56.2, 13.3
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentKind:
+    """One kind of state-carrying layer of a shape: its layer indices, the elements of its float32 state per
+    sequence, its convolution's channels and kernel, one chunk token's activations at its backward's peak, one
+    layer's parameters, and whether these layers also hold softmax attention's keys/values (Falcon-H1, Zamba2's
+    hybrid layers)."""
+
+    layers: tuple[int, ...]
+    state: int
+    conv_channels: int
+    kernel: int
+    token_bytes: int
+    params: int
+    with_attention: bool = False
+
+    def carry(self, db: int) -> int:
+        """One chunk boundary's carry per sequence: the float32 state entering the chunk and a copy of the
+        convolution's last ``kernel`` inputs."""
+        return self.state * 4 + self.kernel * self.conv_channels * db
+
+    def carry_grad(self, chunk_rows: int, db: int) -> int:
+        """The gradient of a chunk's incoming carry: the float32 state's and that of the joined convolution input,
+        (chunk + kernel) x channels."""
+        return self.state * 4 + (chunk_rows + self.kernel) * self.conv_channels * db
+
+
+def linear_chunk_token_bytes(shape: ModelShape) -> int:
+    """Activations of one chunk token at the peak of a Gated DeltaNet layer's chunk backward (its MLP's backward
+    beside the mixer's saved tensors: the float32 queries, keys repeated to the value heads, values, their beta-,
+    decay- and l2-scaled forms, the 64-token sub-chunk products and the recurrent states the sequential scan saves),
+    as the simulator measures them for transformers' torch kernels (the fla CUDA kernels hold fewer): bytes per
+    float32 value-head width, per hidden and per intermediate unit, fitted in ``benchmarks/sim_qwen3_5.md``."""
+    value_widths = shape.linear_v_heads * shape.linear_v_dim * 4
+    return int(
+        _GDN_PER_VALUE_WIDTH * value_widths
+        + _GDN_PER_HIDDEN * shape.hidden
+        + _GDN_PER_INTERMEDIATE * shape.intermediate
+    )
+
+
+def _mlp_token_bytes(shape: ModelShape, db: int) -> int:
+    """A SwiGLU MLP's backward per token: its saved and recomputed intermediate-sized products and their gradients,
+    hidden-sized inputs / gradients and two float32 norm copies."""
+    return 8 * shape.intermediate * db + 6 * shape.hidden * db + 8 * shape.hidden
+
+
+def mamba_chunk_token_bytes(shape: ModelShape, db: int) -> int:
+    """Activations of one chunk token at the peak of a Mamba2 layer's chunk backward in transformers' torch path
+    (the SSD scan in blocks of ``mamba_chunk`` tokens), counted from its code: the projected z/x/B/C/dt and the
+    convolution's input and output (``db``); in float32, B and C repeated to the heads, x scaled by dt, the decay
+    segments (heads x block), and the largest broadcast product the scan forms and its gradient rebuilds (C·B per
+    block pair, heads x block x d_state; the block-diagonal output, inner x block; the block states, inner x d_state),
+    twice; beside its MLP's backward."""
+    inner, heads, block = shape.mamba_inner, shape.mamba_heads, max(shape.mamba_chunk, 1)
+    projected = 2 * inner + 2 * shape.mamba_groups * shape.mamba_state + heads
+    broadcast = max(heads * block * shape.mamba_state, inner * block, inner * shape.mamba_state)
+    scan = 4 * (2 * broadcast + 4 * heads * shape.mamba_state + 4 * inner + 4 * heads * block)
+    return (2 * projected + 2 * shape.mamba_conv_dim) * db + scan + _mlp_token_bytes(shape, db)
+
+
+def conv_chunk_token_bytes(shape: ModelShape, db: int) -> int:
+    """Activations of one chunk token at the peak of a short-convolution layer's chunk backward (LFM2): the projected
+    B, C, x, the gated input B·x, the convolution's output, the gated output and their gradients (``db``, hidden
+    width each), beside its MLP's backward."""
+    return 8 * shape.hidden * db + _mlp_token_bytes(shape, db)
+
+
+def recurrent_kinds(shape: ModelShape, db: int) -> list[RecurrentKind]:
+    """The shape's state-carrying layer kinds (a Mamba2 layer with attention beside it is a kind of its own)."""
+    kinds = []
+    if shape.linear_layers:
+        kinds.append(
+            RecurrentKind(
+                shape.linear_layers,
+                shape.recurrent_state,
+                shape.conv_dim,
+                shape.linear_kernel,
+                linear_chunk_token_bytes(shape),
+                shape.linear_layer_params,
+            )
+        )
+    attention = set(shape.mamba_attention_layers)
+    for layers, with_attention in (
+        (tuple(i for i in shape.mamba_layers if i not in attention), False),
+        (shape.mamba_attention_layers, True),
+    ):
+        if layers:
+            params = shape.mamba_layer_params + (shape.layer_params - shape.mlp_params if with_attention else 0)
+            kinds.append(
+                RecurrentKind(
+                    layers,
+                    shape.mamba_ssm_state,
+                    shape.mamba_conv_dim,
+                    shape.mamba_kernel,
+                    mamba_chunk_token_bytes(shape, db),
+                    params,
+                    with_attention,
+                )
+            )
+    if shape.conv_layers:
+        kinds.append(
+            RecurrentKind(
+                shape.conv_layers,
+                0,
+                shape.hidden,
+                shape.conv_kernel,
+                conv_chunk_token_bytes(shape, db),
+                shape.conv_layer_params,
+            )
+        )
+    return kinds
+
+
+def boundaries(n: int, chunk_rows: int) -> int:
+    """Chunk boundaries of ``n`` tokens in chunks of ``chunk_rows`` (``rows`` sequences share each boundary's
+    tensors, batched)."""
+    return max(-(-n // chunk_rows) - 1, 0)
