@@ -17,13 +17,13 @@ import copy
 import pytest
 import torch
 from helpers import ShapeRecorder
-from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask, stream_attention
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import plain_loss, relative_errors
-from streambp_trl.layers import carry, hook
+from streambp_trl.layers import carry, hook, stream_layer
 from streambp_trl.layers.layer_args import cache_argument
 
 EXACT = 1e-10
@@ -193,14 +193,61 @@ def test_tensor_masks_other_than_a_chunk_block_are_refused():
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=0, atol=1e-14)
 
 
-@pytest.mark.parametrize(
-    "model_type, reason",
-    [
-        ("glm_moe_dsa", "top-k key indices beside their output"),
-        ("hy_v4", "top-k key indices beside their output"),
-        ("qwen4_exp_text", "rotary embeddings of every cached position"),
-    ],
-)
+def _shared_model(seed: int = 0) -> GlmMoeDsaForCausalLM:
+    """A 3-layer float64 GLM-MoE-DSA whose second layer's indexer is "shared": it attends to the keys the first
+    layer's indexer chose, which that layer returns beside its hidden states (dense MLPs: no float32 router)."""
+    torch.manual_seed(seed)
+    config = GlmMoeDsaConfig(
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        index_n_heads=4,
+        index_head_dim=8,
+        index_topk=TOPK,
+        indexer_types=["full", "shared", "full"],
+        mlp_layer_types=["dense"] * 3,
+        pad_token_id=0,
+        initializer_range=0.2,
+        attn_implementation="sdpa",
+    )
+    return GlmMoeDsaForCausalLM(config).to(torch.float64)
+
+
+@pytest.mark.parametrize("chunk", [4, 7])
+def test_shared_indexer_reuses_the_returned_indices_exactly(chunk):
+    """A layer returns its top-k indices beside its hidden states; the streamed layer assembles its chunks' into the
+    full-length tensor the next ("shared") layer slices per chunk."""
+    model = _shared_model()
+    assert model.model.layers[1].self_attn.indexer is None
+    loss_err, grad_err = _errors(model, chunk)
+    assert loss_err <= EXACT and grad_err <= EXACT, (loss_err, grad_err)
+
+
+def test_fails_when_the_shared_layer_gets_other_indices(monkeypatch):
+    """The comparison can fail: handing the shared layer the first key position for every choice instead of the
+    indices the previous layer returned changes the loss and the gradients."""
+    real = stream_layer.LayerCall.as_returned
+
+    def zeroed(self, y):
+        out = real(self, y)
+        return (out[0], *(torch.zeros_like(t) for t in out[1:])) if isinstance(out, tuple) else out
+
+    loss_err, grad_err = _errors(
+        _shared_model(), 7, mutate=lambda: monkeypatch.setattr(stream_layer.LayerCall, "as_returned", zeroed)
+    )
+    assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
+
+
+@pytest.mark.parametrize("model_type, reason", [("qwen4_exp_text", "rotary embeddings of every cached position")])
 def test_refused_indexed_families(model_type, reason):
     with pytest.raises(ValueError, match=f"StreamBP cannot train .* exactly: .*{reason}"):
         enable_streambp(tiny_causal_lm(model_type), stream_chunk_size=5)

@@ -96,8 +96,11 @@ def _selected(block: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     counted from the block's first key): what the model's own eager and SDPA code attends to, ``mask & selected``
     (bool) or the mask with its dtype's lowest value at the others (additive). Holds a (batch, q_len, width) bool
     selection."""
-    selected = indices.new_zeros(*indices.shape[:-1], block.shape[-1], dtype=torch.bool)
-    selected = selected.scatter_(-1, indices.long(), True).unsqueeze(1)
+    width = block.shape[-1]
+    # an index past the block is a later position than the chunk's keys (a shared indexer reuses the previous
+    # layer's top-k, chosen over the whole row): causally masked in the full forward, so it lands in a dropped column
+    selected = indices.new_zeros(*indices.shape[:-1], width + 1, dtype=torch.bool)
+    selected = selected.scatter_(-1, indices.long().clamp(max=width), True)[..., :width].unsqueeze(1)
     if block.dtype == torch.bool:
         return block & selected
     return block.masked_fill(~selected, torch.finfo(block.dtype).min)

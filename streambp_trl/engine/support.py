@@ -57,9 +57,6 @@ _REFUSED_CALLS = {
 _REFUSED_LAYER_ARGUMENTS = {
     "prev_router_hidden_states": "its decoder layers return their router's hidden states beside their output, for "
     "the next layer's router: a second per-token stream through the layers, where a streamed layer returns one tensor",
-    "prev_topk_indices": "its decoder layers return their sparse indexed attention's top-k key indices beside their "
-    "output, for the next layer, whose 'shared' indexer attends to the keys the previous layer chose: a second "
-    "per-token stream through the layers, where a streamed layer returns one tensor",
 }
 _WITHOUT_STREAMBP = (
     "train it with plain autograd and Hugging Face gradient checkpointing (gradient_checkpointing=True) instead"

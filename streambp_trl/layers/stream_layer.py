@@ -117,6 +117,7 @@ class LayerCall:
     chunk_size: int = 0  # tokens per chunk of this call
     min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
     output_nones: int | None = None  # the layer returns (hidden states, None, ...): how many Nones
+    extras: list[torch.Tensor] = dataclasses.field(default_factory=list)  # integer outputs, until returned
     rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
     state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
@@ -143,7 +144,11 @@ class LayerCall:
         return {name: value for name, value in self.kwargs.items() if isinstance(value, StreamMask)}
 
     def as_returned(self, y: torch.Tensor) -> torch.Tensor | tuple:
-        """``y`` in the form the layer's own forward returns its output: the tensor, or ``(y, None, ...)``."""
+        """``y`` in the form the layer's own forward returns its output: the tensor, ``(y, None, ...)``, or ``(y,
+        *extras)`` (the full-length integer outputs the forward assembled, :meth:`run`)."""
+        if self.extras:  # handed over, not kept: the call lives until its backward, which never reads them
+            extras, self.extras = self.extras, []
+            return (y, *extras)
         return y if self.output_nones is None else (y, *[None] * self.output_nones)
 
     def chunks(self) -> list[tuple[int, int]]:
@@ -160,9 +165,15 @@ class LayerCall:
         starts = [max(0, s - mask.local_size + 1) if mask.local_size else 0 for mask in self.masks.values()]
         return min(starts, default=0)
 
-    def run(self, x: torch.Tensor, s: int, e: int, cache: ChunkCache, leaves: dict | None = None) -> torch.Tensor:
+    def run(
+        self, x: torch.Tensor, s: int, e: int, cache: ChunkCache, leaves: dict | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
-        ``leaves`` replaces the chunk's slices of the gradient-carrying arguments."""
+        ``leaves`` replaces the chunk's slices of the gradient-carrying arguments. Returns the chunk's hidden states
+        and the per-token integer tensors the layer returns beside them, (batch, e - s, ...) each: a sparse indexed
+        attention's top-k key indices, which the next layer's shared indexer reuses. Integer outputs carry no
+        gradient, so the hidden states are the only output the backward chains; any other second output is
+        refused."""
         kwargs = dict(self.kwargs)
         for name, mask in self.masks.items():
             kwargs[name] = mask.at(s, s - cache.prefix_len, cache.prefix_grads)
@@ -172,14 +183,20 @@ class LayerCall:
         kwargs[self.cache_name] = cache
         with torch.autocast(**self.autocast), streaming(self.configs):
             out = self.func(self.layer, x, **kwargs)
+        extras: tuple[torch.Tensor, ...] = ()
         if isinstance(out, (tuple, list)) and out and all(o is None for o in out[1:]):
             self.output_nones = len(out) - 1  # (hidden states, None): attention weights that were not asked for
             out = out[0]
+        elif isinstance(out, (tuple, list)) and out and all(_per_token_integers(o, x) for o in out[1:]):
+            out, extras = out[0], tuple(out[1:])
         if not isinstance(out, torch.Tensor):
             raise TypeError(
-                f"StreamBP expects {type(self.layer).__name__} to return a tensor, got {type(out).__name__}."
+                f"StreamBP expects {type(self.layer).__name__} to return a tensor, or a tensor and per-token integer "
+                f"tensors, got {type(out).__name__}"
+                + (f" of {[type(o).__name__ for o in out]}" if isinstance(out, (tuple, list)) else "")
+                + "."
             )
-        return out
+        return out, extras
 
     def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, CarryStore]:
         """Prefill, first chunk to last, under no grad; returns the output and the keys/values (if ``keep_kv``).
@@ -198,14 +215,25 @@ class LayerCall:
                 cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i))
                 if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
                     with unread_outputs(self.layer) as self.unread:
-                        out = self.run(x[:, s:e], s, e, cache)
+                        out, extras = self.run(x[:, s:e], s, e, cache)
                 else:
-                    out = self.run(x[:, s:e], s, e, cache)
+                    out, extras = self.run(x[:, s:e], s, e, cache)
                 if e < self.seq_len:
                     kv.record(i, cache.outgoing)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
+                    if rng != "replay":  # a replay's integer outputs are the forward's again
+                        self.extras = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
                 y[:, s:e] = out
+                if extras and p > 0:
+                    raise ValueError(
+                        f"StreamBP cannot stream {type(self.layer).__name__}: it returns per-token indices beside its "
+                        "output while its chunks attend to a window of keys, whose positions such indices would be "
+                        "counted from."
+                    )
+                if rng != "replay":
+                    for full, t in zip(self.extras, extras, strict=True):
+                        full[:, s:e] = t
         self.slots, self.state_layout = sorted(kv.kv), kv.layout()
         return y, kv
 
@@ -290,7 +318,7 @@ class LayerCall:
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
             with torch.enable_grad(), outputs_skipped(self.unread):
-                yc = self.run(xc, s, e, cache, leaves)
+                yc = self.run(xc, s, e, cache, leaves)[0]
             carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
             outputs, grad_outputs = [yc, *carried], [dy[:, s:e], *carried_grads]
             # keys/values computed only from frozen weights and a gradient-free input carry no gradient
@@ -406,6 +434,17 @@ class StreamLayerFunction(torch.autograd.Function):
         )
         it = iter(dextra)
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
+
+
+def _per_token_integers(t: object, x: torch.Tensor) -> bool:
+    """Whether ``t`` is an integer tensor of one value set per position of the chunk ``x`` (batch, chunk, ...)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.dim() >= 2
+        and tuple(t.shape[:2]) == tuple(x.shape[:2])
+    )
 
 
 def _layer_name(layer: nn.Module) -> str:
