@@ -23,7 +23,7 @@ from models import batch, tiny_model
 from torch import nn
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import stream_layer
+from streambp_trl.layers import layer_call
 
 LAYERS = 4
 TOL = 1e-10
@@ -102,13 +102,13 @@ def _loss(model: nn.Module, streamed: bool, data: tuple) -> torch.Tensor:
 def replayed(monkeypatch):
     """How many layer forwards segments replayed to rebuild their layers' inputs."""
     count = [0]
-    forward_chunks = stream_layer.LayerCall.forward_chunks
+    forward_chunks = layer_call.LayerCall.forward_chunks
 
     def counted(self, x, keep_kv, rng):
         count[0] += rng == "replay"
         return forward_chunks(self, x, keep_kv, rng)
 
-    monkeypatch.setattr(stream_layer.LayerCall, "forward_chunks", counted)
+    monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted)
     return count
 
 

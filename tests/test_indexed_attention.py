@@ -23,7 +23,7 @@ from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask, stream_attention
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import plain_loss, relative_errors
-from streambp_trl.layers import carry, hook, stream_layer
+from streambp_trl.layers import carry, hook, layer_call
 from streambp_trl.layers.layer_args import cache_argument
 
 EXACT = 1e-10
@@ -235,14 +235,14 @@ def test_shared_indexer_reuses_the_returned_indices_exactly(chunk):
 def test_fails_when_the_shared_layer_gets_other_indices(monkeypatch):
     """The comparison can fail: handing the shared layer the first key position for every choice instead of the
     indices the previous layer returned changes the loss and the gradients."""
-    real = stream_layer.LayerCall.as_returned
+    real = layer_call.LayerCall.as_returned
 
     def zeroed(self, y):
         out = real(self, y)
         return (out[0], *(torch.zeros_like(t) for t in out[1:])) if isinstance(out, tuple) else out
 
     loss_err, grad_err = _errors(
-        _shared_model(), 7, mutate=lambda: monkeypatch.setattr(stream_layer.LayerCall, "as_returned", zeroed)
+        _shared_model(), 7, mutate=lambda: monkeypatch.setattr(layer_call.LayerCall, "as_returned", zeroed)
     )
     assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
 

@@ -9,7 +9,7 @@ from helpers import CopyingOffload, loss_and_grads, max_rel_grad_error, referenc
 from models import batch, tiny_model
 
 from streambp_trl import StreamSFTConfig, enable_streambp
-from streambp_trl.layers import segments, sharding, stream_layer
+from streambp_trl.layers import layer_call, segments, sharding
 
 LAYERS = 5
 
@@ -19,7 +19,7 @@ def counts(monkeypatch):
     """First inputs kept by segments, and layer forwards replayed to rebuild the others."""
     seen = {"kept": 0, "replayed": 0}
     keep_first_input = segments.Segment.keep_first_input
-    forward_chunks = stream_layer.LayerCall.forward_chunks
+    forward_chunks = layer_call.LayerCall.forward_chunks
 
     def counted_keep(self, kept):
         seen["kept"] += 1
@@ -30,7 +30,7 @@ def counts(monkeypatch):
         return forward_chunks(self, x, keep_kv, rng)
 
     monkeypatch.setattr(segments.Segment, "keep_first_input", counted_keep)
-    monkeypatch.setattr(stream_layer.LayerCall, "forward_chunks", counted_forward)
+    monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted_forward)
     return seen
 
 

@@ -11,7 +11,7 @@ from models import FLOAT64_TOLERANCE, batch, tiny_model
 from torch import nn
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import stream_layer
+from streambp_trl.layers import layer_call
 from streambp_trl.layers.unread import outputs_skipped, unread_outputs
 
 
@@ -118,6 +118,6 @@ def test_skipping_a_product_whose_value_is_read_is_caught(monkeypatch):
     def every_down_proj(layer):
         yield [layer.mlp.down_proj]
 
-    monkeypatch.setattr(stream_layer, "unread_outputs", every_down_proj)
+    monkeypatch.setattr(layer_call, "unread_outputs", every_down_proj)
     with pytest.raises(AssertionError, match="relative gradient error"):
         assert_matches_plain(reference, streamed, *batch(padding="left"))

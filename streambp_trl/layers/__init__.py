@@ -3,6 +3,7 @@
 * :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`, bound to its :class:`LayerPlan`), which runs
   the layer call through
 * :mod:`.stream_layer`: the autograd Function, chunk by chunk;
+* :mod:`.layer_call`: one layer call's chunk loops (forward, key/value collection, each chunk's backward);
 * :mod:`.decoder_call`: the state of one streamed decoder call, which the hooks read (:class:`DecoderCall`);
 * :mod:`.carry`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
   keys/values of one layer;
@@ -18,8 +19,8 @@
 
 from .decoder_call import DecoderCall, decoder_call
 from .hook import LayerPlan, stream_checkpoint
+from .layer_call import KV_MODES, StreamSettings
 from .offload import CheckpointOffload
-from .stream_layer import KV_MODES, StreamSettings
 
 __all__ = [
     "KV_MODES",

@@ -29,8 +29,9 @@ from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
 from .layer_args import CACHE_KWARGS, cache_argument, caches_indexer_keys, carries_state, parameter_names, per_token
+from .layer_call import LayerCall, StreamSettings
 from .segments import Segment
-from .stream_layer import LayerCall, StreamLayerFunction, StreamSettings
+from .stream_layer import StreamLayerFunction
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,344 @@
+"""One decoder-layer call able to run any chunk of the sequence: its forward chunk by chunk, the key/value collection
+pass and each chunk's backward recompute (the math and memory they implement: :mod:`.stream_layer`, whose autograd
+Function drives them).
+
+:class:`StreamSettings` says how the decoder layers are streamed; :class:`LayerCall` holds one call's layer, bound
+arguments and per-call state (chunk size, each chunk's random state, the cache slots and carried states, the linear
+maps its recompute skips); :func:`_absorb` folds each parameter's gradient into its sum as a chunk's backward produces
+it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..attention import StreamMask, streaming
+from .carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
+from .guards import Versions
+from .layer_args import slice_arg
+from .offload import CheckpointOffload
+from .rebuild import EmbeddingSource
+from .rng import RngState, rng_fork
+from .segments import Segment
+from .unread import outputs_skipped, unread_outputs
+
+KV_MODES = ("recompute", "capture")
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamSettings:
+    """How the decoder layers are streamed.
+
+    ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward), or ``None`` for
+    ``"auto"``: the decoder chooses it for each call (:class:`~.decoder_call.DecoderCall`).
+    ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
+    ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
+    ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
+    on the device (see :mod:`streambp_trl.layers.offload`).
+    ``keep_every``: only the first of every ``keep_every`` consecutive layers keeps its input; the others rebuild
+    theirs in backward (see :mod:`streambp_trl.layers.segments`).
+    """
+
+    chunk_size: int | None  # None: "auto", chosen per decoder call (see streambp_trl.sizing.auto)
+    kv_mode: str = "recompute"
+    offload: CheckpointOffload | None = None
+    keep_every: int = 1
+
+
+@dataclasses.dataclass
+class LayerCall:
+    """One decoder-layer call, able to run any chunk of the sequence.
+
+    ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument).
+    ``rng`` holds each chunk's random state from the forward (when it is recorded), so every recompute of a chunk
+    draws the same random numbers (dropout masks, sampled routing, jitter) as the forward did.
+    """
+
+    layer: nn.Module
+    func: object  # the layer's undecorated forward
+    kwargs: dict
+    per_token: dict
+    settings: StreamSettings
+    seq_len: int
+    autocast: dict
+    configs: tuple
+    cache_name: str
+    grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
+    embedding_source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
+    segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
+    position: int = 0  # its place in the segment (0: the one keeping its input)
+    chunk_size: int = 0  # tokens per chunk of this call
+    min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
+    output_nones: int | None = None  # the layer returns (hidden states, None, ...): how many Nones
+    extras: list[torch.Tensor] = dataclasses.field(default_factory=list)  # integer outputs, until returned
+    rng: list[RngState] = dataclasses.field(default_factory=list)
+    slots: list[int] = dataclasses.field(default_factory=list)
+    state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
+    unread: list[nn.Module] = dataclasses.field(default_factory=list)  # linear maps the backward recompute skips
+    versions: Versions | None = None  # what the backward reads again, as the forward left it
+
+    def record_versions(self, kept: torch.Tensor | None) -> None:
+        """Record the versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
+        named = [(f"the parameter `{n}`", p) for n, p in self.layer.named_parameters()]
+        for name, value in self.kwargs.items():
+            if isinstance(value, StreamMask):
+                value = (value.padding, value.dense)
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    named.append((f"the argument `{name}`", t))
+        if kept is not None:
+            named.append(("the kept input (hidden states)", kept))
+        self.versions = Versions.record(layer_name(self.layer), named)
+
+    @property
+    def masks(self) -> dict[str, StreamMask]:
+        """The arguments that carry a :class:`StreamMask`: ``attention_mask``, or the one a hybrid layer hands its
+        attention beside its mixer's (batch, T) padding mask (Zamba's ``causal_mask``)."""
+        return {name: value for name, value in self.kwargs.items() if isinstance(value, StreamMask)}
+
+    def as_returned(self, y: torch.Tensor) -> torch.Tensor | tuple:
+        """``y`` in the form the layer's own forward returns its output: the tensor, ``(y, None, ...)``, or ``(y,
+        *extras)`` (the full-length integer outputs the forward assembled, :meth:`run`)."""
+        if self.extras:  # handed over, not kept: the call lives until its backward, which never reads them
+            extras, self.extras = self.extras, []
+            return (y, *extras)
+        return y if self.output_nones is None else (y, *[None] * self.output_nones)
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """The chunks [s, e) of the sequence, ``chunk_size`` tokens each but the last; none shorter than
+        ``min_chunk`` (a short last chunk joins the one before)."""
+        c = max(self.chunk_size, self.min_chunk)
+        bounds = [(s, min(s + c, self.seq_len)) for s in range(0, self.seq_len, c)]
+        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < self.min_chunk:
+            bounds[-2:] = [(bounds[-2][0], self.seq_len)]
+        return bounds
+
+    def prefix_start(self, s: int) -> int:
+        """First key position any query of a chunk starting at ``s`` can attend to."""
+        starts = [max(0, s - mask.local_size + 1) if mask.local_size else 0 for mask in self.masks.values()]
+        return min(starts, default=0)
+
+    def run(
+        self, x: torch.Tensor, s: int, e: int, cache: ChunkCache, leaves: dict | None = None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
+        ``leaves`` replaces the chunk's slices of the gradient-carrying arguments. Returns the chunk's hidden states
+        and the per-token integer tensors the layer returns beside them, (batch, e - s, ...) each: a sparse indexed
+        attention's top-k key indices, which the next layer's shared indexer reuses. Integer outputs carry no
+        gradient, so the hidden states are the only output the backward chains; any other second output is
+        refused."""
+        kwargs = dict(self.kwargs)
+        for name, mask in self.masks.items():
+            kwargs[name] = mask.at(s, s - cache.prefix_len, cache.prefix_grads)
+        for name, dims in self.per_token.items():
+            kwargs[name] = slice_arg(kwargs[name], dims, s, e)
+        kwargs.update(leaves or {})
+        kwargs[self.cache_name] = cache
+        with torch.autocast(**self.autocast), streaming(self.configs):
+            out = self.func(self.layer, x, **kwargs)
+        extras: tuple[torch.Tensor, ...] = ()
+        if isinstance(out, (tuple, list)) and out and all(o is None for o in out[1:]):
+            self.output_nones = len(out) - 1  # (hidden states, None): attention weights that were not asked for
+            out = out[0]
+        elif isinstance(out, (tuple, list)) and out and all(_per_token_integers(o, x) for o in out[1:]):
+            out, extras = out[0], tuple(out[1:])
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"StreamBP expects {type(self.layer).__name__} to return a tensor, or a tensor and per-token integer "
+                f"tensors, got {type(out).__name__}"
+                + (f" of {[type(o).__name__ for o in out]}" if isinstance(out, (tuple, list)) else "")
+                + "."
+            )
+        return out, extras
+
+    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, CarryStore]:
+        """Prefill, first chunk to last, under no grad; returns the output and the keys/values (if ``keep_kv``).
+
+        ``rng``: ``"record"`` each chunk's random state, ``"replay"`` the recorded ones, or ``"none"``.
+        """
+        y = None
+        kv = CarryStore(self.seq_len)
+        with torch.no_grad():
+            for i, (s, e) in enumerate(self.chunks()):
+                if rng == "record":
+                    self.rng.append(RngState(x))
+                elif rng == "replay":
+                    self.rng[i].restore()
+                p = self.prefix_start(s)
+                cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i))
+                if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
+                    with unread_outputs(self.layer) as self.unread:
+                        out, extras = self.run(x[:, s:e], s, e, cache)
+                else:
+                    out, extras = self.run(x[:, s:e], s, e, cache)
+                if e < self.seq_len:
+                    kv.record(i, cache.outgoing)
+                if y is None:
+                    y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
+                    if rng != "replay":  # a replay's integer outputs are the forward's again
+                        self.extras = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
+                y[:, s:e] = out
+                if extras and p > 0:
+                    raise ValueError(
+                        f"StreamBP cannot stream {type(self.layer).__name__}: it returns per-token indices beside its "
+                        "output while its chunks attend to a window of keys, whose positions such indices would be "
+                        "counted from."
+                    )
+                if rng != "replay":
+                    for full, t in zip(self.extras, extras, strict=True):
+                        full[:, s:e] = t
+        self.slots, self.state_layout = sorted(kv.kv), kv.layout()
+        return y, kv
+
+    def collect_kv(self, x: torch.Tensor) -> CarryStore:
+        """Keys/values of every position, each chunk replaying its recorded random state.
+
+        One cache slot: each chunk runs only up to its cache update, its query projection skipped; with an indexer
+        (sparse indexed attention) on to its indexer-key update, which the layer makes before any attention (the
+        indexer keys are recomputed, like the keys/values, rather than kept: each chunk's come from its own input
+        alone, a projection and a norm). Several slots (a later one depends on an earlier one's attention), or
+        recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad chunked forward.
+        """
+        states = [key for key, _ in self.state_layout if key[0] != INDEXER]
+        indexed = len(states) < len(self.state_layout)
+        if len(self.slots) != 1 or states:
+            return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
+        kv = CarryStore(self.seq_len)
+        with torch.no_grad(), queries_skipped(self.layer):
+            for i, (s, e) in enumerate(self.chunks()):
+                self.rng[i].restore()
+                try:  # stops before attention
+                    self.run(x[:, s:e], s, e, ChunkCache(kv, s, stop=True, indexed=indexed))
+                except StopAfterCacheUpdate:
+                    pass
+                else:
+                    raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
+        return kv
+
+    def backward_chunks(
+        self,
+        x: torch.Tensor,
+        dy: torch.Tensor,
+        kv: CarryStore | None,
+        params: list[nn.Parameter],
+        need_dx: bool,
+        need_extra: tuple[bool, ...],
+        dx_over_x: bool,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """``dx_over_x``: nothing but this backward holds ``x``'s memory, so dx may take its place."""
+        with rng_fork(x):
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x)
+
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x):
+        carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
+        # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
+        # gradient can take its place when nothing else holds x
+        dx = (x if dx_over_x else torch.empty_like(x)) if need_dx else None
+        extra = [
+            (n, self.kwargs[n], self.per_token[n])
+            for n, need in zip(self.grad_inputs, need_extra, strict=True)
+            if need
+        ]
+        dextra = [torch.zeros_like(t) for _, t, _ in extra]
+        dparams: list[torch.Tensor | None] = [None] * len(params)
+        # the parameters' own tensor hooks are set aside meanwhile: they run once, on the sums this Function returns
+        users = [dict(p._backward_hooks) if p._backward_hooks else {} for p in params]
+        for p, own in zip(params, users, strict=True):
+            if own:
+                p._backward_hooks.clear()
+        zeros: dict = {}  # one storage-less zero per (dtype, device), shared by every chunk's placeholders
+        hooks = [p.register_hook(functools.partial(_absorb, dparams, zeros, j)) for j, p in enumerate(params)]
+        try:
+            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for p, own in zip(params, users, strict=True):
+                p._backward_hooks.update(own)
+        return (
+            dx,
+            dextra,
+            [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)],
+        )
+
+    def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params) -> None:
+        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
+        through the parameters' hooks, the parameter gradient sums)."""
+        need_dx = dx is not None
+        for n, (s, e) in reversed(list(enumerate(self.chunks()))):
+            cache = carry.chunk_cache(n, s, self.prefix_start(s))
+            xc = x[:, s:e].detach().requires_grad_(need_dx)
+            leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
+            self.rng[n].restore()
+            with torch.enable_grad(), outputs_skipped(self.unread):
+                yc = self.run(xc, s, e, cache, leaves)[0]
+            carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
+            outputs, grad_outputs = [yc, *carried], [dy[:, s:e], *carried_grads]
+            # keys/values computed only from frozen weights and a gradient-free input carry no gradient
+            keep = [j for j, out in enumerate(outputs) if out.requires_grad]
+            outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
+            incoming = carry.incoming(cache)
+            inputs = ([xc] if need_dx else []) + list(leaves.values()) + incoming
+            grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
+            it: Iterator = iter(grads)
+            if need_dx:
+                dx[:, s:e] = next(it)
+            for (_, _, dim), acc in zip(extra, dextra, strict=True):
+                g = next(it)
+                if g is not None:
+                    acc.narrow(dim, s, e - s).copy_(g)
+            carry.absorb(
+                cache, n, [next(it) for _ in incoming]
+            )  # (unless the attention added them itself: PrefixGrad)
+            # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`)
+            # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
+            # graph go before the next chunk's backward allocates its own
+            g = None
+            del grads, it, g, outputs, grad_outputs, yc, cache, carried, carried_grads, incoming, inputs, leaves, xc
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _absorb(sums: list[torch.Tensor | None], zeros: dict, j: int, grad: torch.Tensor) -> torch.Tensor:
+    """Parameter ``j``'s hook during a chunk's backward: its gradient is added to ``sums[j]`` (or becomes it) at once,
+    and autograd keeps a storage-less zero in its place (an expanded scalar from ``zeros``, made once per backward).
+    So a chunk's backward holds one parameter's fresh gradient at a time beside the sums, not a whole layer's set of
+    them until ``autograd.grad`` returns.
+
+    A bfloat16/float16 vector (a norm's scale, a bias, a per-head parameter such as a decay's ``dt_bias``) sums in
+    float32: each of its elements sums over every position, chunk sums can be far larger than the total, and the
+    plain backward rounds that total to the low precision once. The layer's backward rounds the float32 sum once too
+    (:meth:`LayerCall.backward_chunks`); a layer's vectors are a few KiB. Matrices sum in their own dtype."""
+    if sums[j] is not None:
+        sums[j].add_(grad)
+    elif grad.dtype in LOW_PRECISION and grad.dim() <= 1:
+        sums[j] = grad.float()
+    else:  # autograd's own buffer becomes the sum, unless elements share memory (an expanded scalar's gradient)
+        overlapping = any(stride == 0 and size > 1 for stride, size in zip(grad.stride(), grad.shape, strict=True))
+        sums[j] = grad.clone() if overlapping else grad
+    key = (grad.dtype, grad.device)
+    if key not in zeros:
+        zeros[key] = grad.new_zeros(())
+    return zeros[key].expand(grad.shape)
+
+
+def _per_token_integers(t: object, x: torch.Tensor) -> bool:
+    """Whether ``t`` is an integer tensor of one value set per position of the chunk ``x`` (batch, chunk, ...)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and not t.is_floating_point()
+        and not t.is_complex()
+        and t.dim() >= 2
+        and tuple(t.shape[:2]) == tuple(x.shape[:2])
+    )
+
+
+def layer_name(layer: nn.Module) -> str:
+    index = getattr(layer, "layer_idx", getattr(getattr(layer, "self_attn", None), "layer_idx", None))
+    return f"decoder layer {index} ({type(layer).__name__})" if index is not None else type(layer).__name__
