@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainerCallback
 
 from streambp_trl.engine import is_streaming
-from streambp_trl.layers.offload import CheckpointOffload
+from streambp_trl.layers.kept.offload import CheckpointOffload
 from streambp_trl.trainers.stream_config import StreamArguments
 
 HERE = Path(__file__).resolve().parent

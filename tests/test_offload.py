@@ -8,7 +8,7 @@ from helpers import CopyingOffload, loss_and_grads
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers.offload import CheckpointOffload
+from streambp_trl.layers.kept.offload import CheckpointOffload
 
 
 @pytest.mark.parametrize("kv_mode", ["recompute", "capture"])

@@ -8,7 +8,7 @@ from helpers import max_rel_grad_error, reference_loss, saved_hidden_sized
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import rebuild
+from streambp_trl.layers.kept import rebuild
 
 TOL = 1e-10
 

@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from ..attention import stream_configs
 from ..layers import LayerPlan, StreamSettings, stream_checkpoint
-from ..layers.offload import CheckpointOffload
+from ..layers.kept import CheckpointOffload
 from ..layers.sharding import check_segmentable
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks

@@ -50,13 +50,13 @@ class StreamOptions:
             a frozen reference model need to reach the training length; otherwise eval mode is the model's own.
         verify: run the probe (two forward passes of 11 tokens) before enabling.
         offload_checkpoints: keep each layer's saved input (and kept keys/values) in pinned host memory between
-            forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.offload`); a no-op on
-            CPU.
+            forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.kept.offload`); a
+            no-op on CPU.
         memory_budget: device bytes (or a size such as ``"78GiB"``, kept as bytes) the step may use, for ``"auto"``
             chunk sizes; ``None``: the free memory of the CUDA device when a call starts.
         keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
             other layers rebuild theirs in backward by one more chunked forward (see
-            :mod:`streambp_trl.layers.segments`). Not with ZeRO-3 or FSDP.
+            :mod:`streambp_trl.layers.kept.segments`). Not with ZeRO-3 or FSDP.
         token_mean_loss: the loss of ``fused_lm_head=True`` calls weights every scored token alike (SFT's negative
             log-likelihood): the logit kernel may form the LM head's gradient in the forward, computing each logit
             once (:mod:`streambp_trl.logits.eager`); checked in backward, which recomputes otherwise. Calls without

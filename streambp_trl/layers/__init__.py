@@ -8,9 +8,8 @@
 * :mod:`.carry`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
   keys/values of one layer;
 * :mod:`.layer_args`: a layer call's arguments, split per chunk;
-* :mod:`.offload`: the saved inputs in pinned host memory between forward and backward;
-* :mod:`.rebuild`: the first layer's input rebuilt from the token ids instead of kept;
-* :mod:`.segments`: with ``keep_every`` k, the inputs of k - 1 of every k layers rebuilt from the first's;
+* :mod:`.kept`: what a layer keeps between forward and backward, and how the rest is rebuilt (checkpoint offload, the
+  first layer's input from the token ids, ``keep_every`` segments);
 * :mod:`.rng`: each chunk's random state, replayed by every recompute;
 * :mod:`.unread`: the linear maps whose output no gradient reads, which the chunk recompute skips;
 * :mod:`.guards`: what a backward checks first (versions, a second backward, ``create_graph``);
@@ -19,8 +18,8 @@
 
 from .decoder_call import DecoderCall, decoder_call
 from .hook import LayerPlan, stream_checkpoint
+from .kept import CheckpointOffload
 from .layer_call import KV_MODES, StreamSettings
-from .offload import CheckpointOffload
 
 __all__ = [
     "KV_MODES",

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .rebuild import EmbeddingOutputs
-from .segments import Segment
+from .kept import EmbeddingOutputs, Segment
 
 
 @dataclasses.dataclass

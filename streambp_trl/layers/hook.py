@@ -4,8 +4,8 @@
 layer's ``_gradient_checkpointing_func`` (the hook transformers' ``GradientCheckpointingLayer`` calls in training mode
 with ``partial(layer.forward, **kwargs)`` and the hidden states). It binds the call's arguments, takes the chunk of
 the decoder call in progress (:func:`~.decoder_call.active_call`), decides what the layer keeps for its backward
-(its input; or nothing, when the input is rebuilt from the token ids or by its segment; see :mod:`.rebuild` and
-:mod:`.segments`) and runs the layer through :class:`~streambp_trl.layers.stream_layer.StreamLayerFunction`.
+(its input; or nothing, when the input is rebuilt from the token ids or by its segment; see :mod:`.kept.rebuild` and
+:mod:`.kept.segments`) and runs the layer through :class:`~streambp_trl.layers.stream_layer.StreamLayerFunction`.
 
 Module hooks run outside this hook (transformers checkpoints ``forward``, not ``__call__``): a layer's pre-hooks see
 its input before, its forward hooks its input and output after. So the input a layer gets may be held by the
@@ -28,9 +28,9 @@ from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
+from .kept import Segment
 from .layer_args import CACHE_KWARGS, cache_argument, caches_indexer_keys, carries_state, parameter_names, per_token
 from .layer_call import LayerCall, StreamSettings
-from .segments import Segment
 from .stream_layer import StreamLayerFunction
 
 
@@ -187,7 +187,7 @@ def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:
 
     Otherwise the input is the caller's, or may be a hook's, and rebuilding it would cost a recompute without freeing
     its memory, so the layer keeps it. (Correctness does not rest on this: a rebuilt input is checked to be what the
-    layer used, see :mod:`.rebuild` and :mod:`.segments`.)
+    layer used, see :mod:`.kept.rebuild` and :mod:`.kept.segments`.)
     """
     if not decoder.inputs_rebuildable or nn.modules.module._global_forward_hooks:
         return False

@@ -20,11 +20,9 @@ from torch import nn
 from ..attention import StreamMask, streaming
 from .carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from .guards import Versions
+from .kept import CheckpointOffload, EmbeddingSource, Segment
 from .layer_args import slice_arg
-from .offload import CheckpointOffload
-from .rebuild import EmbeddingSource
 from .rng import RngState, rng_fork
-from .segments import Segment
 from .unread import outputs_skipped, unread_outputs
 
 KV_MODES = ("recompute", "capture")
@@ -39,9 +37,9 @@ class StreamSettings:
     ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
     ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
-    on the device (see :mod:`streambp_trl.layers.offload`).
+    on the device (see :mod:`streambp_trl.layers.kept.offload`).
     ``keep_every``: only the first of every ``keep_every`` consecutive layers keeps its input; the others rebuild
-    theirs in backward (see :mod:`streambp_trl.layers.segments`).
+    theirs in backward (see :mod:`streambp_trl.layers.kept.segments`).
     """
 
     chunk_size: int | None  # None: "auto", chosen per decoder call (see streambp_trl.sizing.auto)

@@ -42,8 +42,8 @@ dK_acc, dV_acc (batch, T, kv_dim each, per slot), the parameter gradient sums an
 chunk's activations and one (chunk x prefix) attention block (with grouped heads, one group's key/value gradients
 over the prefix: the attention adds them into dK_acc, dV_acc itself; see :class:`~streambp_trl.attention.PrefixGrad`).
 The first layer's input, when it is the input embedding's output, is not kept but rebuilt from the token ids
-(:mod:`streambp_trl.layers.rebuild`). With ``offload`` the saved inputs wait in host memory
-(:mod:`streambp_trl.layers.offload`), and the device holds the current and the next layer's.
+(:mod:`streambp_trl.layers.kept.rebuild`). With ``offload`` the saved inputs wait in host memory
+(:mod:`streambp_trl.layers.kept.offload`), and the device holds the current and the next layer's.
 
 What the backward reads again besides its saved tensors (the layer's parameters, trainable or frozen, its tensor
 arguments) must be as the forward left it, and a layer's backward runs once per forward and is not differentiable:

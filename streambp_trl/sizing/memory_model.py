@@ -87,7 +87,7 @@ class StepSetup:
     chunk: int | None = None
     logits_chunk: int | None = None
     optimizer_bytes_per_param: int = 0  # e.g. 8 for AdamW's two float32 moments of every trainable parameter
-    keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.segments)
+    keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.kept.segments)
     head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
 
     def __post_init__(self):
@@ -142,7 +142,7 @@ def _per_token_bytes(shape: ModelShape, db: int) -> int:
 
 def _saved_inputs(layers: int, keep_every: int, offload: bool, among: Collection[int] | None = None) -> int:
     """Layer inputs on the device during the backward's worst layer (of ``among``: those layer indices only; all by
-    default). The first layer's is rebuilt from the token ids (:mod:`streambp_trl.layers.rebuild`). Segments of
+    default). The first layer's is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Segments of
     ``keep_every`` layers keep their first input and rebuild the others while the segment's backward runs
     (``keep_every=1``: every layer keeps its own): segment i's backward holds its inputs and the kept first inputs of
     segments 1..i-1, or, with offload, its inputs and the prefetched first input of segment i-1 (none for segment 0,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .rng import rng_fork
+from ..rng import rng_fork
 
 
 class Segment:

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .sharding import partitioned, sharded_module
+from ..sharding import partitioned, sharded_module
 
 
 @dataclasses.dataclass(frozen=True)
