@@ -14,6 +14,7 @@ applies, a ``RuntimeError`` says why.
 
 * :mod:`.masks`: :class:`StreamMask` (the mask described, and its blocks) and the bottom-right causal bias;
 * :mod:`.kernels`: :func:`stream_attention` on the CPU and on CUDA, attention sinks;
+* :mod:`.cpu_causal`: a plainly causal chunk on the CPU as its prefix and its diagonal block, merged;
 * :mod:`.grouped`: grouped-query heads one group at a time, and :class:`PrefixGrad`;
 * :mod:`.softcap`: attention with logit softcapping, tiled over the keys;
 * :mod:`.interface`: the registration with transformers and the :func:`streaming` switch.

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from .cpu_causal import CausalChunkAttention
 from .grouped import PrefixGrad, PrefixPair, _GroupedHeads
 from .masks import LowerRight, StreamMask
 from .softcap import softcap_attention
@@ -140,15 +141,18 @@ def _cpu_attention(
     dropout: float,
     prefix: PrefixPair | None = None,
 ) -> torch.Tensor:
-    """:func:`stream_attention` on the CPU: SDPA with the mask block, or bottom-right causal (:class:`LowerRight`)
-    for a plainly causal chunk; attention sinks as one extra key. ``prefix`` is not used: on the CPU the prefix's
-    key/value gradient goes back through the join, by autograd."""
+    """:func:`stream_attention` on the CPU: SDPA with the mask block; a plainly causal chunk as its prefix and its
+    diagonal block, two unmasked flash calls merged (:class:`.cpu_causal.CausalChunkAttention`), or with dropout
+    bottom-right causal (:class:`LowerRight`); attention sinks as one extra key. ``prefix`` is not used: on the CPU the
+    prefix's key/value gradient goes back through the join, by autograd."""
     if sinks is not None:
         return _attention_with_sinks(query, key, value, block, sinks, scaling, dropout)
     if block is not None:
         return sdpa_attention_forward(
             module, query, key, value, block, scaling=scaling, dropout=dropout, is_causal=False
         )[0]
+    if not dropout:
+        return CausalChunkAttention.apply(query, key, value, scaling).transpose(1, 2).contiguous()
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(
         query,
