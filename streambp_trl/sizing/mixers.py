@@ -15,6 +15,9 @@ from .model_shape import ModelShape
 # a Gated DeltaNet layer's chunk backward, bytes per chunk token: per float32 value-head width, per hidden unit, per
 # intermediate unit (least squares over the simulator's runs in benchmarks/sim_qwen3_5.json)
 _GDN_PER_VALUE_WIDTH, _GDN_PER_HIDDEN, _GDN_PER_INTERMEDIATE = 23.3, 56.2, 13.3
+# a Mamba2 layer's chunk backward, bytes per chunk token: per head x d_state unit, per inner unit, per hidden unit
+# (differences of the simulator's runs in benchmarks/sim_hybrid_kinds.md)
+_MAMBA_PER_HEAD_STATE, _MAMBA_PER_INNER, _MAMBA_PER_HIDDEN = 32.0, 84.0, 13.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,17 +67,18 @@ def _mlp_token_bytes(shape: ModelShape, db: int) -> int:
 
 
 def mamba_chunk_token_bytes(shape: ModelShape, db: int) -> int:
-    """Activations of one chunk token at the peak of a Mamba2 layer's chunk backward in transformers' torch path
-    (the SSD scan in blocks of ``mamba_chunk`` tokens), counted from its code: the projected z/x/B/C/dt and the
-    convolution's input and output (``db``); in float32, B and C repeated to the heads, x scaled by dt, the decay
-    segments (heads x block), and the largest broadcast product the scan forms and its gradient rebuilds (C·B per
-    block pair, heads x block x d_state; the block-diagonal output, inner x block; the block states, inner x d_state),
-    twice; beside its MLP's backward."""
-    inner, heads, block = shape.mamba_inner, shape.mamba_heads, max(shape.mamba_chunk, 1)
-    projected = 2 * inner + 2 * shape.mamba_groups * shape.mamba_state + heads
-    broadcast = max(heads * block * shape.mamba_state, inner * block, inner * shape.mamba_state)
-    scan = 4 * (2 * broadcast + 4 * heads * shape.mamba_state + 4 * inner + 4 * heads * block)
-    return (2 * projected + 2 * shape.mamba_conv_dim) * db + scan + _mlp_token_bytes(shape, db)
+    """Activations of one chunk token at the peak of a Mamba2 layer's chunk backward in transformers' torch path (the
+    SSD scan in blocks of ``mamba_chunk`` tokens): bytes per head x d_state unit (the float32 states and B/C repeated
+    to the heads), per inner unit (heads x head_dim: the projected, convolved, gated and dt-scaled inputs) and per
+    hidden unit, fitted to simulated steps of a Nemotron-H-shaped layer that vary d_state, the heads and the SSD block
+    (``benchmarks/sim_hybrid_kinds.md``; the block moved it by 2%); beside its MLP's backward when the layer holds
+    one (every hybrid but those with MLP-only layers of their own, Nemotron-H)."""
+    mixer = (
+        _MAMBA_PER_HEAD_STATE * shape.mamba_heads * shape.mamba_state
+        + _MAMBA_PER_INNER * shape.mamba_inner
+        + _MAMBA_PER_HIDDEN * shape.hidden
+    )
+    return int(mixer) + (0 if shape.mlp_layers else _mlp_token_bytes(shape, db))
 
 
 def conv_chunk_token_bytes(shape: ModelShape, db: int) -> int:
