@@ -29,32 +29,32 @@ from streambp_trl.layers.layer_args import cache_argument
 EXACT = 1e-10
 T, TOPK, PAD = 29, 6, 6  # left padding of the second row
 _REAL_UPDATE_INDEXER = carry.ChunkCache.update_indexer
+# the tiny DeepSeek Sparse Attention shape both models below share (float64, dense MLPs: no float32 router; weights
+# large enough that the indexer's scores spread)
+_TINY_DSA = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    index_n_heads=4,
+    index_head_dim=8,
+    pad_token_id=0,
+    initializer_range=0.2,
+    attn_implementation="sdpa",
+)
 
 
 def _model(index_topk: int = TOPK, seed: int = 0) -> DeepseekV32ForCausalLM:
     """A 2-layer DeepSeek-V3.2 in float64, dense MLPs (no float32 router), weights large enough that the indexer's
     scores spread."""
     torch.manual_seed(seed)
-    config = DeepseekV32Config(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        index_n_heads=4,
-        index_head_dim=8,
-        index_topk=index_topk,
-        mlp_layer_types=["dense", "dense"],
-        pad_token_id=0,
-        initializer_range=0.2,
-        attn_implementation="sdpa",
-    )
+    config = DeepseekV32Config(**_TINY_DSA, num_hidden_layers=2, index_topk=index_topk, mlp_layer_types=["dense"] * 2)
     return DeepseekV32ForCausalLM(config).to(torch.float64)
 
 
@@ -198,26 +198,12 @@ def _shared_model(seed: int = 0) -> GlmMoeDsaForCausalLM:
     layer's indexer chose, which that layer returns beside its hidden states (dense MLPs: no float32 router)."""
     torch.manual_seed(seed)
     config = GlmMoeDsaConfig(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
+        **_TINY_DSA,
         moe_intermediate_size=16,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        index_n_heads=4,
-        index_head_dim=8,
         index_topk=TOPK,
         indexer_types=["full", "shared", "full"],
         mlp_layer_types=["dense"] * 3,
-        pad_token_id=0,
-        initializer_range=0.2,
-        attn_implementation="sdpa",
     )
     return GlmMoeDsaForCausalLM(config).to(torch.float64)
 

@@ -39,7 +39,6 @@ def carries_state(cls: type) -> bool:
     return bool(names_called(cls) & _STATE_METHODS)
 
 
-@functools.cache
 def caches_indexer_keys(cls: type) -> bool:
     """Whether ``cls`` is a sparse indexed attention's indexer: a transformers module whose code caches its keys
     through the cache's ``update_indexer`` (DeepSeek Sparse Attention)."""
