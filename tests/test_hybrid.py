@@ -1,6 +1,7 @@
-"""Recurrent and convolution mixers streamed exactly: Gated DeltaNet, Mamba2 and short-convolution layers, and
-Zamba2's hybrid layers (a Mamba2 decoder layer inside each, beside a shared attention block); the mixers that no
-chunk can continue are refused by name when the engine is enabled.
+"""Recurrent and convolution mixers streamed exactly: Gated DeltaNet, Mamba2, Mamba v1 (its scan continued from the
+chunk's state, :mod:`streambp_trl.layers.scan_carry`) and short-convolution layers, and Zamba's and Zamba2's hybrid
+layers (a Mamba decoder layer inside each, beside a shared attention block); the mixers that no chunk can continue
+are refused by name when the engine is enabled.
 
 A chunk of such a layer takes from the earlier positions only the states at its start (the recurrent state and the
 convolution's last inputs), which it receives through transformers' cache interface; in backward the chunks run last
@@ -34,6 +35,7 @@ from streambp_trl.layers import carry
 ONE_LAYER = {
     "gated_deltanet": ("qwen3_5_text", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
     "mamba2": ("mamba2", {"num_hidden_layers": 1}),
+    "mamba": ("mamba", {"num_hidden_layers": 1}),
     "short_conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"]}),
 }
 HYBRIDS = [
@@ -45,6 +47,10 @@ HYBRIDS = [
     "granitemoehybrid",
     "kimi_linear",
     "zamba2",
+    "mamba",
+    "falcon_mamba",
+    "jamba",
+    "zamba",
 ]
 # Zamba2 with its attention block shared by two of three hybrid layers (num_mem_blocks=2), per-layer adapters on the
 # shared block and rotary embeddings: the layout of the released checkpoints
@@ -60,10 +66,6 @@ ZAMBA2_SHARED = {
 REFUSED = {
     "minimax": "lightning attention continues from a cached state only in its token-by-token decoding loop.*"
     "MiniMaxLightningAttention calls get_linear_cache.*gradient_checkpointing=True",
-    "mamba": "Mamba v1 mixers read a cached state only for one-token decoding.*MambaMixer calls mamba_selective_scan",
-    "falcon_mamba": "Mamba v1 mixers .*FalconMambaMixer calls mamba_selective_scan",
-    "jamba": "Mamba v1 mixers .*JambaMambaMixer calls mamba_selective_scan",
-    "zamba": "Mamba v1 mixers .*ZambaMambaMixer calls mamba_selective_scan",
     "zaya": "return their router's hidden states beside their output.*"
     "ZayaDecoderLayer takes prev_router_hidden_states",
     "blt": "byte-to-patch cross-attention runs between the decoder layers.*BltModel calls "

@@ -40,9 +40,6 @@ _REFUSED_CALLS = {
     "get_linear_cache": "its lightning attention continues from a cached state only in its token-by-token decoding "
     "loop, whose backward keeps a heads x head_dim x head_dim state for every token of a chunk: a per-position state "
     "history, not one state per chunk boundary",
-    "mamba_selective_scan": "its Mamba v1 mixers read a cached state only for one-token decoding, which updates it "
-    "in place, and start the selective scan of any longer call from a zero state, so a chunk cannot start from the "
-    "previous chunk's state",
     "prepare_dynamic_mask": "its dynamic mask attention reads the attention mask as a tensor and hands the attention "
     "a dense per-head bias built from it and from every key's values, where StreamBP's attention takes the mask as "
     "transformers describes it",

@@ -1,0 +1,115 @@
+"""Mamba v1's selective scan continued from the state a chunk receives.
+
+transformers' Mamba v1 mixers (Mamba, FalconMamba, Jamba, Zamba) run the selective scan of any call longer than one
+token from a zero state; a cached state is read only by the one-token decoding path, which updates it in place. The
+scan is linear in its state, so a chunk's scan from its incoming state ``h_0`` is the zero-started scan plus a term
+in ``h_0`` alone. Per channel ``d`` and state entry ``n``, with the step ``Δ_t = softplus(dt_t + bias)`` (as the
+mixer asks), ``h_t = exp(Δ_t A) ⊙ h_{t-1} + Δ_t B_t x_t`` gives
+
+    h_t = h⁰_t + P_t ⊙ h_0,   P_t = exp(A · Σ_{τ ≤ t} Δ_τ),
+    y_t = (C_t · h_t + D x_t) ⊙ silu(z_t) = y⁰_t + (C_t · (P_t ⊙ h_0)) ⊙ silu(z_t),
+
+where ``h⁰`` and ``y⁰`` are the scan from zero. :func:`scans_continued` rebinds a modeling module's
+``mamba_selective_scan`` for one chunk call to :func:`_continued`, which runs the model's own scan (its kernel where
+one is installed) for ``y⁰`` and the last ``h⁰`` and adds both terms, so the mixer returns the chunk's true output and
+records its true outgoing state through the cache. The chunk cache keeps the incoming state from the mixer (which
+would take its decoding path on a one-token chunk) and hands it to the scan instead (``ChunkCache.scan_starts``).
+Autograd reaches ``h_0`` through the added terms: its gradient is the carry gradient the chunk hands back.
+
+Memory: ``P`` is (batch x channels x chunk x state) in float32 (float64 for a float64 scan), kept by autograd for
+the backward, as the model's torch scan keeps its discretised ``A``; the step sums ``Σ Δ`` are taken in float64,
+so their rounding over a long chunk stays below the float32 of ``P``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..patching import temporarily
+from .layer_args import names_called
+
+SCAN = "mamba_selective_scan"  # the modeling modules' selective scan, which starts from a zero state
+
+
+def scan_modules(layer: nn.Module) -> tuple[ModuleType, ...]:
+    """The modeling modules whose :data:`SCAN` the modules of ``layer`` call (none for a layer without a Mamba v1
+    mixer)."""
+    found = {_module_of(type(m)) for m in layer.modules() if SCAN in names_called(type(m))}
+    return tuple(sorted((m for m in found if m is not None), key=lambda m: m.__name__))
+
+
+def _module_of(cls: type) -> ModuleType | None:
+    module = sys.modules.get(inspect.unwrap(cls.forward).__module__)
+    return module if callable(getattr(module, SCAN, None)) else None
+
+
+@contextlib.contextmanager
+def scans_continued(modules: tuple[ModuleType, ...], starts: list[list]) -> Iterator[None]:
+    """Within the block, each module's :data:`SCAN` continues from the state the last entry of ``starts`` holds
+    (``[state, calls]``, appended by the chunk cache each time a mixer asks for its recurrent state; ``None`` for the
+    first chunk). A state with a head dimension, (batch, heads, channels, state) (Zamba's mixer scans head by head),
+    gives its ``calls``-th head to each successive scan."""
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            continued = functools.partial(_continued, getattr(module, SCAN), starts)
+            stack.enter_context(temporarily([module], SCAN, continued))
+        yield
+
+
+def _continued(
+    scan: Callable,
+    starts: list[list],
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,  # noqa: N803 (the model's names)
+    B: torch.Tensor,  # noqa: N803
+    C: torch.Tensor,  # noqa: N803
+    D: torch.Tensor | None = None,  # noqa: N803
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    return_last_state: bool = False,
+    **kwargs,
+):
+    """The model's ``scan`` on (batch, channels, L) inputs, continued from the state ``starts`` gives (see the module
+    docstring): ``y⁰ + (C · (P ⊙ h_0)) ⊙ silu(z)``, and with ``return_last_state`` also ``h⁰_L + P_L ⊙ h_0``."""
+    y, last = scan(
+        hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+        return_last_state=True, **kwargs,
+    )  # fmt: skip
+    h0 = _start(starts)
+    if h0 is not None:
+        dtype = torch.promote_types(A.dtype, torch.float32)
+        if delta_bias is not None:
+            dt = dt + delta_bias.to(dt.dtype)[..., None]
+        if delta_softplus:
+            dt = F.softplus(dt)
+        steps = dt.to(torch.float64).cumsum(-1).to(dtype)  # (batch, channels, L): Σ Δ
+        decay = torch.exp(A.to(dtype)[None, :, None, :] * steps[..., None])  # P, (batch, channels, L, state)
+        h0 = h0.to(dtype)
+        extra = torch.einsum("bdln,bdn,bnl->bdl", decay, h0, C.to(dtype))
+        if z is not None:
+            extra = extra * F.silu(z.to(dtype))
+        y = y + extra.to(y.dtype)
+        last = last + (decay[:, :, -1] * h0).to(last.dtype)
+    return (y, last) if return_last_state else y
+
+
+def _start(starts: list[list]) -> torch.Tensor | None:
+    if not starts:
+        return None
+    entry = starts[-1]
+    state, calls = entry
+    entry[1] = calls + 1
+    if state is not None and state.dim() == 4:
+        state = state[:, calls]
+    return state
