@@ -175,7 +175,7 @@ TRAINERS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", TRAINERS)
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_5_moe_text", "nemotron_h", "mamba"])
 def test_trainers_on_hybrids_equal_trl(tmp_path, family, trainer):
     """One SGD step (lr 1) of TRL's trainer and ours on a tiny hybrid: the same update (relative error < 1e-5 per
     parameter) and metrics; GRPO generates through the model's own cache and samples the same completions.
