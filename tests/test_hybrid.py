@@ -1,7 +1,7 @@
-"""Recurrent and convolution mixers streamed exactly: Gated DeltaNet, Mamba2, Mamba v1 (its scan continued from the
-chunk's state, :mod:`streambp_trl.layers.scan_carry`) and short-convolution layers, and Zamba's and Zamba2's hybrid
-layers (a Mamba decoder layer inside each, beside a shared attention block); the mixers that no chunk can continue
-are refused by name when the engine is enabled.
+"""Recurrent and convolution mixers streamed exactly: Gated DeltaNet, Mamba2, Mamba v1 and MiniMax's lightning
+attention (both continued from the chunk's state, :mod:`streambp_trl.layers.continued`) and short-convolution layers,
+and Zamba's and Zamba2's hybrid layers (a Mamba decoder layer inside each, beside a shared attention block); the
+mixers that no chunk can continue are refused by name when the engine is enabled.
 
 A chunk of such a layer takes from the earlier positions only the states at its start (the recurrent state and the
 convolution's last inputs), which it receives through transformers' cache interface; in backward the chunks run last
@@ -36,6 +36,7 @@ ONE_LAYER = {
     "gated_deltanet": ("qwen3_5_text", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
     "mamba2": ("mamba2", {"num_hidden_layers": 1}),
     "mamba": ("mamba", {"num_hidden_layers": 1}),
+    "lightning": ("minimax", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
     "short_conv": ("lfm2", {"num_hidden_layers": 1, "layer_types": ["conv"]}),
 }
 HYBRIDS = [
@@ -51,6 +52,7 @@ HYBRIDS = [
     "falcon_mamba",
     "jamba",
     "zamba",
+    "minimax",
 ]
 # Zamba2 with its attention block shared by two of three hybrid layers (num_mem_blocks=2), per-layer adapters on the
 # shared block and rotary embeddings: the layout of the released checkpoints
@@ -64,8 +66,6 @@ ZAMBA2_SHARED = {
 }
 # families whose token mixing no chunk can continue from what the previous chunk left, and what the refusal says
 REFUSED = {
-    "minimax": "lightning attention continues from a cached state only in its token-by-token decoding loop.*"
-    "MiniMaxLightningAttention calls get_linear_cache.*gradient_checkpointing=True",
     "zaya": "return their router's hidden states beside their output.*"
     "ZayaDecoderLayer takes prev_router_hidden_states",
     "blt": "byte-to-patch cross-attention runs between the decoder layers.*BltModel calls "
@@ -73,6 +73,17 @@ REFUSED = {
     "doge": "dynamic mask attention reads the attention mask as a tensor.*DogeAttention calls prepare_dynamic_mask",
     "git": "does not go through transformers' AttentionInterface \\(GitSelfAttention adds the mask to its scores",
 }
+
+
+def _float64_model(family: str, **overrides):
+    """The zoo's tiny ``family`` model, built with float64 as the default dtype, so that buffers computed at
+    construction (the lightning attention's decays) are float64 too, not float32 values cast up."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return tiny_causal_lm(family, **overrides)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _error(reference, streamed, padding: str) -> float:
@@ -91,7 +102,7 @@ def _error(reference, streamed, padding: str) -> float:
 @pytest.mark.parametrize("mixer", ONE_LAYER)
 def test_one_mixer_layer_carries_its_state_exactly(mixer, chunk, padding):
     family, overrides = ONE_LAYER[mixer]
-    reference = tiny_causal_lm(family, **overrides)
+    reference = _float64_model(family, **overrides)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
     assert _error(reference, streamed, padding) < EXACT
 
@@ -100,7 +111,7 @@ def test_one_mixer_layer_carries_its_state_exactly(mixer, chunk, padding):
 def test_dropping_the_carry_gradient_is_caught(monkeypatch, mixer):
     """The same check, with the gradient of each chunk's incoming states thrown away: it must fail."""
     family, overrides = ONE_LAYER[mixer]
-    reference = tiny_causal_lm(family, **overrides)
+    reference = _float64_model(family, **overrides)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
     absorb = carry.LayerCarry.absorb
 
@@ -116,7 +127,7 @@ def test_dropping_the_carry_gradient_is_caught(monkeypatch, mixer):
 @pytest.mark.parametrize("kv_mode", ["recompute", "capture"])
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_hybrid_models_are_exact(family, kv_mode):
-    reference = tiny_causal_lm(family)
+    reference = _float64_model(family)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, kv_mode=kv_mode)
     assert _error(reference, streamed, "left") < EXACT
 

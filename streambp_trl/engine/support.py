@@ -37,9 +37,6 @@ _REFUSED_LAYER_TYPES: dict[str, str] = {}
 # cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
 # the support table (tests/causal_lm_support.json) lists
 _REFUSED_CALLS = {
-    "get_linear_cache": "its lightning attention continues from a cached state only in its token-by-token decoding "
-    "loop, whose backward keeps a heads x head_dim x head_dim state for every token of a chunk: a per-position state "
-    "history, not one state per chunk boundary",
     "prepare_dynamic_mask": "its dynamic mask attention reads the attention mask as a tensor and hands the attention "
     "a dense per-head bias built from it and from every key's values, where StreamBP's attention takes the mask as "
     "transformers describes it",

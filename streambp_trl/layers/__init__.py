@@ -7,6 +7,8 @@
 * :mod:`.decoder_call`: the state of one streamed decoder call, which the hooks read (:class:`DecoderCall`);
 * :mod:`.carry`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
   keys/values of one layer;
+* :mod:`.continued`: the mixers that start from a zero state (Mamba v1, lightning attention), continued from the
+  chunk's incoming state;
 * :mod:`.layer_args`: a layer call's arguments, split per chunk;
 * :mod:`.kept`: what a layer keeps between forward and backward, and how the rest is rebuilt (checkpoint offload, the
   first layer's input from the token ids, ``keep_every`` segments);

@@ -201,7 +201,7 @@ class ChunkCache(Cache):
     ``is_recording_past`` with ``True``, so a one-token chunk takes the model's multi-token path, which leaves the
     incoming state as it is, rather than the decoding kernel that updates it in place. With ``scan_starts`` set (a
     list: a layer with a Mamba v1 mixer, whose scan runs from zero) a recurrent state asked for is appended there as
-    ``[state, 0]`` for the continued scan (:mod:`.scan_carry`) and the mixer is answered ``None``.
+    ``[state, 0]`` for the continued scan (:mod:`.continued.mamba_scan`) and the mixer is answered ``None``.
     """
 
     def __init__(
@@ -224,17 +224,25 @@ class ChunkCache(Cache):
         self.chunk: KV = {}
         self.incoming: States = incoming or {}
         self.outgoing: States = {}
-        self.scan_starts: list[list] | None = None  # set for a layer whose scans continue (see .scan_carry)
+        self.scan_starts: list[list] | None = None  # set for a layer whose scans continue (see .continued)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.incoming.get(("conv", layer_idx, state_idx))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         state = self.incoming.get(("recurrent", layer_idx, state_idx))
-        if self.scan_starts is not None:  # a Mamba v1 mixer: its continued scan takes the state (.scan_carry)
+        if self.scan_starts is not None:  # a Mamba v1 mixer: its continued scan takes the state (.continued)
             self.scan_starts.append([state, 0])
             return None
         return state
+
+    def get_linear_cache(self, layer_idx: int) -> None:
+        """A lightning attention's state: ``None``, so it takes its block path from zero, which
+        :mod:`.continued.lightning` continues from the incoming state."""
+        return None
+
+    def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
+        self.outgoing[("recurrent", layer_idx, 0)] = state
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.start > 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from types import ModuleType
 
 import torch
 from torch import nn
@@ -28,11 +27,11 @@ from ..attention import StreamMask, stream_configs
 from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
+from .continued import Continued, continued
 from .decoder_call import DecoderCall, active_call
 from .kept import Segment
 from .layer_args import CACHE_KWARGS, cache_argument, caches_indexer_keys, carries_state, parameter_names, per_token
 from .layer_call import LayerCall, StreamSettings
-from .scan_carry import scan_modules, scans_continued
 from .stream_layer import StreamLayerFunction
 
 
@@ -48,9 +47,9 @@ class LayerPlan:
     ``nested``: the checkpointed layers inside the layer (Zamba's hybrid layer holds a Mamba decoder layer), which run
     as they are inside each of its chunks (:func:`_nested_run_plain`). ``indexed``: the layer holds a sparse indexed
     attention (a module that caches indexer keys through ``update_indexer``), whose own code reads the mask as a
-    tensor: it gets its chunk's mask block as one (:func:`_dense_mask_run`). ``scans``: the modeling modules whose
-    Mamba v1 selective scan the layer's mixers call, continued from each chunk's incoming state
-    (:func:`_continued_scans_run`)."""
+    tensor: it gets its chunk's mask block as one (:func:`_dense_mask_run`). ``continued``: the layer's mixers that
+    start from a zero state (Mamba v1, lightning attention), continued from each chunk's incoming state
+    (:func:`_continued_run`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -59,7 +58,7 @@ class LayerPlan:
     min_chunk: int = 1
     nested: tuple[nn.Module, ...] = ()
     indexed: bool = False
-    scans: tuple[ModuleType, ...] = ()
+    continued: Continued | None = None
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings) -> LayerPlan:
@@ -71,7 +70,7 @@ class LayerPlan:
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
         indexed = any(caches_indexer_keys(type(m)) for m in layer.modules())
         min_chunk = 2 if recurrent else 1
-        return cls(settings, stream_configs(layer), names, cache_name, min_chunk, nested, indexed, scan_modules(layer))
+        return cls(settings, stream_configs(layer), names, cache_name, min_chunk, nested, indexed, Continued.of(layer))
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -129,8 +128,8 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
     settings = plan.settings
     func = functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func
-    if plan.scans:
-        func = functools.partial(_continued_scans_run, func, plan.scans)
+    if plan.continued is not None:
+        func = functools.partial(_continued_run, func, plan.continued)
     call = LayerCall(
         layer,
         functools.partial(_dense_mask_run, func) if plan.indexed else func,
@@ -163,12 +162,10 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     return call.as_returned(y)
 
 
-def _continued_scans_run(func, modules: tuple[ModuleType, ...], layer: nn.Module, *args, **kwargs):
-    """``func`` (a layer's forward) with its Mamba v1 mixers' scans continued from the states its chunk cache
-    receives (:mod:`.scan_carry`)."""
-    cache = cache_argument(kwargs)
-    cache.scan_starts = []
-    with scans_continued(modules, cache.scan_starts):
+def _continued_run(func, parts: Continued, layer: nn.Module, *args, **kwargs):
+    """``func`` (a layer's forward) with its mixers that start from zero continued from the states its chunk cache
+    receives (:mod:`.continued`)."""
+    with continued(parts, cache_argument(kwargs)):
         return func(layer, *args, **kwargs)
 
 
