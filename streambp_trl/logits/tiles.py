@@ -34,9 +34,10 @@ class Transform:
         self.inv_t, self.softcap, self.scale = 1.0 / temperature, softcap, scale
 
     def forward_(self, y: torch.Tensor) -> torch.Tensor:
-        """z, computed in y's storage."""
+        """z, computed in y's storage (y itself when the transform is the identity: no pass over the tile)."""
         if self.softcap is None:
-            return y.mul_(self.scale * self.inv_t)
+            factor = self.scale * self.inv_t
+            return y if factor == 1.0 else y.mul_(factor)
         return y.mul_(self.scale / self.softcap).tanh_().mul_(self.softcap * self.inv_t)
 
     def with_tanh_(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,8 +48,10 @@ class Transform:
         return t * (self.softcap * self.inv_t), t
 
     def chain_(self, dz: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor:
-        """dL/dy from dL/dz, in dz's storage (t is consumed)."""
-        dz.mul_(self.inv_t * self.scale)
+        """dL/dy from dL/dz, in dz's storage (t is consumed); no pass for a factor of 1."""
+        factor = self.inv_t * self.scale
+        if factor != 1.0:
+            dz.mul_(factor)
         return dz if t is None else dz.mul_(t.square_().neg_().add_(1))
 
 
