@@ -1,5 +1,6 @@
 """The memory terms of the decoder layers that carry a state instead of keys/values (Gated / Kimi DeltaNet, Mamba2,
-short convolution), and of the layers with no token mixer, for :func:`.memory_model.estimate_activation_bytes`.
+Mamba v1, short convolution), and of the layers with no token mixer, for
+:func:`.memory_model.estimate_activation_bytes`.
 
 Each such layer's backward holds the carry of every chunk boundary (what its no-grad chunked forward stored: the
 state entering each chunk, :class:`streambp_trl.layers.carry.ChunkCache`), and during one chunk's backward that
@@ -18,6 +19,9 @@ _GDN_PER_VALUE_WIDTH, _GDN_PER_HIDDEN, _GDN_PER_INTERMEDIATE = 23.3, 56.2, 13.3
 # a Mamba2 layer's chunk backward, bytes per chunk token: per head x d_state unit, per inner unit, per hidden unit
 # (differences of the simulator's runs in benchmarks/sim_hybrid_kinds.md)
 _MAMBA_PER_HEAD_STATE, _MAMBA_PER_INNER, _MAMBA_PER_HIDDEN = 32.0, 84.0, 13.0
+# a Mamba v1 layer's chunk backward, bytes per chunk token: per inner x d_state unit (the difference of the simulator's
+# runs at two d_state), per inner unit (the least that leaves none of them under; benchmarks/sim_hybrid_kinds.md)
+_SSM_PER_INNER_STATE, _SSM_PER_INNER = 34.0, 64.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,19 @@ def mamba_chunk_token_bytes(shape: ModelShape, db: int) -> int:
     return int(mixer) + (0 if shape.mlp_layers else _mlp_token_bytes(shape, db))
 
 
+def ssm_chunk_token_bytes(shape: ModelShape, db: int, with_mlp: bool) -> int:
+    """Activations of one chunk token at the peak of a Mamba v1 layer's chunk backward in transformers' torch scan
+    (the one CUDA runs without mamba-ssm): bytes per inner x d_state unit (the float32 discretised A, B·Δ·x, the
+    states the sequential scan keeps for its backward, the incoming state's decay ``P`` of
+    :mod:`streambp_trl.layers.continued.mamba_scan`, and their gradients) and per inner unit (the projected,
+    convolved, gated and dt-scaled inputs, and a chunk-independent part of the peak that this term covers at the
+    smaller chunks), fitted to simulated steps of a Falcon-Mamba-7B-shaped layer that vary the chunk, d_state and
+    the inner width (``benchmarks/sim_hybrid_kinds.md``); beside an MLP's backward where the layer holds one
+    (``with_mlp``)."""
+    mixer = _SSM_PER_INNER_STATE * shape.ssm_state_elements + _SSM_PER_INNER * shape.ssm_inner
+    return int(mixer) + (_mlp_token_bytes(shape, db) if with_mlp else 0)
+
+
 def conv_chunk_token_bytes(shape: ModelShape, db: int) -> int:
     """Activations of one chunk token at the peak of a short-convolution layer's chunk backward (LFM2): the projected
     B, C, x, the gated input B·x, the convolution's output, the gated output and their gradients (``db``, hidden
@@ -89,7 +106,8 @@ def conv_chunk_token_bytes(shape: ModelShape, db: int) -> int:
 
 
 def recurrent_kinds(shape: ModelShape, db: int) -> list[RecurrentKind]:
-    """The shape's state-carrying layer kinds (a Mamba2 layer with attention beside it is a kind of its own)."""
+    """The shape's state-carrying layer kinds (a Mamba2 or Mamba v1 layer with attention beside it is a kind of its
+    own)."""
     kinds = []
     if shape.linear_layers:
         kinds.append(
@@ -117,6 +135,23 @@ def recurrent_kinds(shape: ModelShape, db: int) -> list[RecurrentKind]:
                     shape.mamba_kernel,
                     mamba_chunk_token_bytes(shape, db),
                     params,
+                    with_attention,
+                )
+            )
+    hybrid = set(shape.ssm_attention_layers)
+    for layers, with_attention in (
+        (tuple(i for i in shape.ssm_layers if i not in hybrid), False),
+        (shape.ssm_attention_layers, True),
+    ):
+        if layers:
+            kinds.append(
+                RecurrentKind(
+                    layers,
+                    shape.ssm_state_elements,
+                    shape.ssm_inner,
+                    shape.ssm_kernel,
+                    ssm_chunk_token_bytes(shape, db, with_mlp=shape.ssm_mlp or with_attention),
+                    shape.ssm_layer_params + (shape.layer_params if with_attention else 0),
                     with_attention,
                 )
             )
