@@ -229,3 +229,29 @@ def test_a_kept_convolution_tail_holds_only_its_own_bytes():
     kept = store.states[("conv", 0, 0)][1]
     assert kept.untyped_storage().nbytes() == kept.numel() * kept.element_size()
     assert torch.equal(kept, joined[..., -4:])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "nemotron_h", "jamba", "minimax"])
+def test_rows_packed_by_position_ids_stream_as_the_model_runs_them(family):
+    """Two documents packed in each row by position ids that restart (no attention mask, no flash-attention sequence
+    descriptors): the attention layers keep the documents apart (transformers' packed-sequence mask) while the
+    recurrent layers run across the boundary, as the model itself does; the streamed loss and gradient equal plain
+    autograd's, and the packing changes the loss (so the comparison sees it)."""
+    reference = _float64_model(family)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    ids = batch(padding="none")[0][:, :12]
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]]).expand(ids.shape[0], -1)
+
+    def loss(model, **kwargs):
+        logits = model(input_ids=ids, use_cache=False, **kwargs).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    with Float64Internals():
+        ref_loss = loss(reference, position_ids=positions)
+        ref_loss.backward()
+        streamed_loss = streamed(input_ids=ids, position_ids=positions, labels=ids).loss
+        streamed_loss.backward()
+        unpacked = loss(reference).item()
+    assert abs(streamed_loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
+    assert relative_errors(reference, streamed)[0] < EXACT
+    assert abs(unpacked - ref_loss.item()) > 1e-6
