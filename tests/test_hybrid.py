@@ -255,3 +255,22 @@ def test_rows_packed_by_position_ids_stream_as_the_model_runs_them(family):
     assert abs(streamed_loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
     assert relative_errors(reference, streamed)[0] < EXACT
     assert abs(unpacked - ref_loss.item()) > 1e-6
+
+
+def test_a_mamba_scan_whose_last_state_has_no_gradient_still_carries_it(monkeypatch):
+    """mamba-ssm's selective-scan kernel returns its last state without a gradient. With the model's scan made so
+    (its last state detached), the one-layer Mamba model still streams exactly: the continued scan recomputes the
+    chunk's zero-started last state itself under grad (:mod:`streambp_trl.layers.continued.mamba_scan`)."""
+    from transformers.models.mamba import modeling_mamba
+
+    scan = modeling_mamba.mamba_selective_scan
+
+    def kernel_like(*args, return_last_state=False, **kwargs):
+        out = scan(*args, return_last_state=return_last_state, **kwargs)
+        return (out[0], out[1].detach()) if return_last_state else out
+
+    monkeypatch.setattr(modeling_mamba, "mamba_selective_scan", kernel_like)
+    family, overrides = ONE_LAYER["mamba"]
+    reference = _float64_model(family, **overrides)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    assert _error(reference, streamed, "right") < EXACT

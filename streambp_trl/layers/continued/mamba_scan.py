@@ -16,9 +16,13 @@ records its true outgoing state through the cache. The chunk cache keeps the inc
 would take its decoding path on a one-token chunk) and hands it to the scan instead (``ChunkCache.scan_starts``).
 Autograd reaches ``h_0`` through the added terms: its gradient is the carry gradient the chunk hands back.
 
-Memory: ``P`` is (batch x channels x chunk x state) in float32 (float64 for a float64 scan), kept by autograd for
-the backward, as the model's torch scan keeps its discretised ``A``; the step sums ``Σ Δ`` are taken in float64,
-so their rounding over a long chunk stays below the float32 of ``P``.
+Under grad (a chunk's backward recompute) the zero-started last state is recomputed from the scan's inputs, since
+mamba-ssm's kernel gives its last state no gradient (see :func:`_continued`).
+
+Memory: ``P`` and, under grad, the decay to the chunk's end are (batch x channels x chunk x state) each, in float32
+(float64 for a float64 scan), kept by autograd for the backward, as the model's torch scan keeps its discretised
+``A``; the step sums ``Σ Δ`` are taken in float64, so their rounding over a long chunk stays below the float32 of
+``P``.
 """
 
 from __future__ import annotations
@@ -81,20 +85,32 @@ def _continued(
     **kwargs,
 ):
     """The model's ``scan`` on (batch, channels, L) inputs, continued from the state ``starts`` gives (see the module
-    docstring): ``y⁰ + (C · (P ⊙ h_0)) ⊙ silu(z)``, and with ``return_last_state`` also ``h⁰_L + P_L ⊙ h_0``."""
+    docstring): ``y⁰ + (C · (P ⊙ h_0)) ⊙ silu(z)``, and with ``return_last_state`` also ``h⁰_L + P_L ⊙ h_0``.
+
+    Under grad, ``h⁰_L`` is recomputed here as ``Σ_t exp(A · Σ_{τ > t} Δ_τ) ⊙ Δ_t B_t x_t`` rather than taken from
+    the scan: mamba-ssm's kernel returns its last state without a gradient, and the chunk's outgoing state must pass
+    the gradient the next chunk hands back to the chunk's inputs."""
     y, last = scan(
         hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
         return_last_state=True, **kwargs,
     )  # fmt: skip
     h0 = _start(starts)
+    last_with_grad = return_last_state and torch.is_grad_enabled()
+    if h0 is None and not last_with_grad:
+        return (y, last) if return_last_state else y
+    dtype = torch.promote_types(A.dtype, torch.float32)
+    if delta_bias is not None:
+        dt = dt + delta_bias.to(dt.dtype)[..., None]
+    if delta_softplus:
+        dt = F.softplus(dt)
+    steps = dt.to(torch.float64).cumsum(-1)  # (batch, channels, L): Σ_{τ ≤ t} Δ_τ
+    a = A.to(dtype)[None, :, None, :]
+    if last_with_grad:
+        to_end = torch.exp(a * (steps[..., -1:] - steps).to(dtype)[..., None])  # (batch, channels, L, state)
+        inputs = (dt * hidden_states).to(dtype)
+        last = torch.einsum("bdln,bdl,bnl->bdn", to_end, inputs, B.to(dtype)).to(last.dtype)
     if h0 is not None:
-        dtype = torch.promote_types(A.dtype, torch.float32)
-        if delta_bias is not None:
-            dt = dt + delta_bias.to(dt.dtype)[..., None]
-        if delta_softplus:
-            dt = F.softplus(dt)
-        steps = dt.to(torch.float64).cumsum(-1).to(dtype)  # (batch, channels, L): Σ Δ
-        decay = torch.exp(A.to(dtype)[None, :, None, :] * steps[..., None])  # P, (batch, channels, L, state)
+        decay = torch.exp(a * steps.to(dtype)[..., None])  # P, (batch, channels, L, state)
         h0 = h0.to(dtype)
         extra = torch.einsum("bdln,bdn,bnl->bdl", decay, h0, C.to(dtype))
         if z is not None:
