@@ -44,13 +44,15 @@ PATHS = {
     "sinks_padded": ("gpt_oss", "right"),
     "gated_deltanet": ("qwen3_5_text", "right"),  # per-head vectors (dt_bias, A_log) summed over every position
     "mamba2": ("nemotron_h", "left"),
+    "mamba_v1_continued_scan": ("jamba", "left"),
+    "lightning_continued": ("minimax", "left"),
 }
 FORMS = ("autocast_fp32", "bf16_weights")
 
 
 def _weights(family: str, form: str, **overrides) -> torch.nn.Module:
     dtype = torch.float32 if form == "autocast_fp32" else torch.bfloat16
-    if family in ("gpt_oss", "qwen3_5_text", "nemotron_h"):
+    if family in ("gpt_oss", "qwen3_5_text", "nemotron_h", "jamba", "minimax"):
         return tiny_causal_lm(family, dtype=dtype, **overrides)
     return tiny_model(family, dtype, **overrides)
 

@@ -274,3 +274,34 @@ def test_a_mamba_scan_whose_last_state_has_no_gradient_still_carries_it(monkeypa
     reference = _float64_model(family, **overrides)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
     assert _error(reference, streamed, "right") < EXACT
+
+
+def test_a_continued_scan_leaves_another_threads_model_alone():
+    """The continued Mamba scan is rebound in the modeling module for a chunk call: a plain Mamba model running in
+    another thread meanwhile gets the model's own scan (the same logits as alone)."""
+    import threading
+
+    streamed = enable_streambp(tiny_causal_lm("mamba", dtype=torch.float32), stream_chunk_size=5)
+    other = tiny_causal_lm("mamba", dtype=torch.float32, seed=3).eval()
+    ids, mask, labels = batch(padding="none")
+    with torch.no_grad():
+        expected = other(input_ids=ids, use_cache=False).logits
+    inside, release, calls = threading.Event(), threading.Event(), []
+
+    def hold_in_second_chunk(module, args):
+        calls.append(None)
+        if len(calls) == 2:  # the second chunk's forward, with the scan rebound
+            inside.set()
+            release.wait(30)
+
+    streamed.backbone.layers[0].mixer.in_proj.register_forward_pre_hook(hold_in_second_chunk)
+    step = threading.Thread(target=lambda: streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward())
+    step.start()
+    try:
+        assert inside.wait(30)
+        with torch.no_grad():
+            got = other(input_ids=ids, use_cache=False).logits
+    finally:
+        release.set()
+        step.join()
+    assert torch.equal(got, expected)

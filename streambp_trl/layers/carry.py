@@ -74,6 +74,11 @@ INDEXER = "indexer"  # the kind of a layout entry that holds a slot's indexer ke
 States = dict[StateKey, torch.Tensor]
 
 
+def recurrent_key(layer_idx: int, state_idx: int = 0) -> StateKey:
+    """The key of cache slot ``layer_idx``'s recurrent state (its ``state_idx``-th)."""
+    return ("recurrent", layer_idx, state_idx)
+
+
 class CarryStore:
     """What one layer call's chunks take from earlier positions, filled chunk by chunk.
 
@@ -230,7 +235,7 @@ class ChunkCache(Cache):
         return self.incoming.get(("conv", layer_idx, state_idx))
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        state = self.incoming.get(("recurrent", layer_idx, state_idx))
+        state = self.incoming.get(recurrent_key(layer_idx, state_idx))
         if self.scan_starts is not None:  # a Mamba v1 mixer: its continued scan takes the state (.continued)
             self.scan_starts.append([state, 0])
             return None
@@ -242,7 +247,11 @@ class ChunkCache(Cache):
         return None
 
     def set_linear_cache(self, layer_idx: int, state: torch.Tensor) -> None:
-        self.outgoing[("recurrent", layer_idx, 0)] = state
+        self.outgoing[recurrent_key(layer_idx)] = state
+
+    def outgoing_state(self, layer_idx: int) -> torch.Tensor:
+        """The recurrent state the chunk left in slot ``layer_idx``."""
+        return self.outgoing[recurrent_key(layer_idx)]
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
         return self.start > 0
@@ -269,7 +278,7 @@ class ChunkCache(Cache):
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **_
     ) -> torch.Tensor:
-        self.outgoing[("recurrent", layer_idx, state_idx)] = recurrent_states
+        self.outgoing[recurrent_key(layer_idx, state_idx)] = recurrent_states
         return recurrent_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -60,16 +60,21 @@ def lightning_continued(modules: tuple[nn.Module, ...], cache: ChunkCache) -> It
 
 
 def _take_mask(seen: dict, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Keep the module call's padding mask (batch, L), which the model applies to its projections."""
     seen["mask"] = kwargs.get("attention_mask")
 
 
 def _take_projection(seen: dict, module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+    """Keep the activated projection (batch, L, heads x 3 d): the queries, keys and values."""
     seen["qkv"] = out
 
 
-def _add_output_share(m: nn.Module, cache: ChunkCache, seen: dict, module: nn.Module, args: tuple):
-    """``o += e^{-s (t+1)} q_t S_0`` on the norm's input (batch, L, heads x d); records ``e^{-s L} S_0``."""
-    state = cache.incoming.get(("recurrent", m.layer_idx, 0))
+def _add_output_share(
+    m: nn.Module, cache: ChunkCache, seen: dict, module: nn.Module, args: tuple
+) -> tuple[torch.Tensor, ...] | None:
+    """``o += e^{-s (t+1)} q_t S_0`` on the norm's input (batch, L, heads x d), computed outside autocast in the
+    state's dtype (at least float32); keeps ``e^{-s L} S_0`` for the recorded state."""
+    state = cache.get_recurrent_state(m.layer_idx)
     if state is None:
         return None
     (out,) = args
@@ -78,17 +83,20 @@ def _add_output_share(m: nn.Module, cache: ChunkCache, seen: dict, module: nn.Mo
         qkv = (qkv * mask[:, :, None]).to(qkv.dtype)
     batch, length = out.shape[:2]
     heads, d = m.num_attention_heads, m.head_dim
-    queries = qkv.view(batch, length, heads, 3 * d)[..., :d].transpose(1, 2)  # (batch, heads, L, d)
-    slope = m.slope_rate.to(state.dtype)  # (heads, 1, 1)
-    steps = torch.arange(1, length + 1, device=out.device, dtype=state.dtype)
-    decay = torch.exp(-slope * steps[:, None])  # (heads, L, 1): e^{-s (t+1)}
-    share = torch.matmul(queries.to(state.dtype) * decay, state)  # (batch, heads, L, d)
-    seen["state_share"] = torch.exp(-slope * length) * state
+    dtype = torch.promote_types(state.dtype, torch.float32)
+    with torch.autocast(out.device.type, enabled=False):
+        queries = qkv.view(batch, length, heads, 3 * d)[..., :d].transpose(1, 2).to(dtype)  # (batch, heads, L, d)
+        slope = m.slope_rate.to(dtype)  # (heads, 1, 1)
+        steps = torch.arange(1, length + 1, device=out.device, dtype=dtype)
+        decay = torch.exp(-slope * steps[:, None])  # (heads, L, 1): e^{-s (t+1)}
+        share = torch.matmul(queries * decay, state.to(dtype))  # (batch, heads, L, d)
+        seen["state_share"] = torch.exp(-slope * length) * state.to(dtype)
     return (out + share.transpose(1, 2).reshape(batch, length, heads * d).to(out.dtype), *args[1:])
 
 
-def _add_state_share(m: nn.Module, cache: ChunkCache, seen: dict, module: nn.Module, args: tuple, out) -> None:
+def _add_state_share(m: nn.Module, cache: ChunkCache, seen: dict, module: nn.Module, args: tuple, out: object) -> None:
+    """Add ``e^{-s L} S_0`` to the state the module recorded through the cache."""
     share = seen.pop("state_share", None)
     if share is not None:
-        key = ("recurrent", m.layer_idx, 0)
-        cache.outgoing[key] = cache.outgoing[key] + share.to(cache.outgoing[key].dtype)
+        recorded = cache.outgoing_state(m.layer_idx)
+        cache.set_linear_cache(m.layer_idx, recorded + share.to(recorded.dtype))

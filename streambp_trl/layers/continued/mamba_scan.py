@@ -19,10 +19,10 @@ Autograd reaches ``h_0`` through the added terms: its gradient is the carry grad
 Under grad (a chunk's backward recompute) the zero-started last state is recomputed from the scan's inputs, since
 mamba-ssm's kernel gives its last state no gradient (see :func:`_continued`).
 
-Memory: ``P`` and, under grad, the decay to the chunk's end are (batch x channels x chunk x state) each, in float32
-(float64 for a float64 scan), kept by autograd for the backward, as the model's torch scan keeps its discretised
-``A``; the step sums ``Σ Δ`` are taken in float64, so their rounding over a long chunk stays below the float32 of
-``P``.
+Memory: ``P`` and its product with ``h_0``, (batch x channels x chunk x state) each in float32 (float64 for a
+float64 scan), kept by autograd for the backward, as the model's torch scan keeps its discretised ``A``; with
+mamba-ssm's kernel, under grad, also the decay to the chunk's end and its product with the inputs, two more such. The
+step sums ``Σ Δ`` are taken in float64, so their rounding over a long chunk stays below the float32 of ``P``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
 
@@ -61,10 +62,12 @@ def scans_continued(modules: tuple[ModuleType, ...], starts: list[list]) -> Iter
     """Within the block, each module's :data:`SCAN` continues from the state the last entry of ``starts`` holds
     (``[state, calls]``, appended by the chunk cache each time a mixer asks for its recurrent state; ``None`` for the
     first chunk). A state with a head dimension, (batch, heads, channels, state) (Zamba's mixer scans head by head),
-    gives its ``calls``-th head to each successive scan."""
+    gives its ``calls``-th head to each successive scan. The rebinding is the module's, so a call from another thread
+    (another model running meanwhile) gets the model's own scan."""
+    thread = threading.get_ident()
     with contextlib.ExitStack() as stack:
         for module in modules:
-            continued = functools.partial(_continued, getattr(module, SCAN), starts)
+            continued = functools.partial(_continued, getattr(module, SCAN), starts, thread)
             stack.enter_context(temporarily([module], SCAN, continued))
         yield
 
@@ -72,6 +75,7 @@ def scans_continued(modules: tuple[ModuleType, ...], starts: list[list]) -> Iter
 def _continued(
     scan: Callable,
     starts: list[list],
+    thread: int,
     hidden_states: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,  # noqa: N803 (the model's names)
@@ -83,21 +87,30 @@ def _continued(
     delta_softplus: bool = False,
     return_last_state: bool = False,
     **kwargs,
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The model's ``scan`` on (batch, channels, L) inputs, continued from the state ``starts`` gives (see the module
     docstring): ``y⁰ + (C · (P ⊙ h_0)) ⊙ silu(z)``, and with ``return_last_state`` also ``h⁰_L + P_L ⊙ h_0``.
 
-    Under grad, ``h⁰_L`` is recomputed here as ``Σ_t exp(A · Σ_{τ > t} Δ_τ) ⊙ Δ_t B_t x_t`` rather than taken from
-    the scan: mamba-ssm's kernel returns its last state without a gradient, and the chunk's outgoing state must pass
-    the gradient the next chunk hands back to the chunk's inputs."""
+    Where the scan's ``h⁰_L`` carries no gradient under grad (mamba-ssm's kernel returns its last state without
+    one; transformers' torch scan's has one), it is recomputed here as ``Σ_t exp(A · Σ_{τ > t} Δ_τ) ⊙ Δ_t B_t x_t``:
+    the chunk's outgoing state must pass the gradient the next chunk hands back to the chunk's inputs. The terms are
+    computed outside autocast, in float32 (float64 for a float64 scan)."""
     y, last = scan(
         hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
         return_last_state=True, **kwargs,
     )  # fmt: skip
-    h0 = _start(starts)
-    last_with_grad = return_last_state and torch.is_grad_enabled()
-    if h0 is None and not last_with_grad:
+    if threading.get_ident() != thread:  # another model's call, in another thread
         return (y, last) if return_last_state else y
+    h0 = _start(starts)
+    recompute_last = return_last_state and torch.is_grad_enabled() and not last.requires_grad
+    if h0 is None and not recompute_last:
+        return (y, last) if return_last_state else y
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return _with_start(y, last, h0, hidden_states, dt, A, B, C, z, delta_bias, delta_softplus, recompute_last)
+
+
+def _with_start(y, last, h0, hidden_states, dt, A, B, C, z, delta_bias, delta_softplus, recompute_last):  # noqa: N803
+    """The terms of :func:`_continued` added to ``y`` and ``last`` (``h0`` None: only the recomputed last state)."""
     dtype = torch.promote_types(A.dtype, torch.float32)
     if delta_bias is not None:
         dt = dt + delta_bias.to(dt.dtype)[..., None]
@@ -105,7 +118,7 @@ def _continued(
         dt = F.softplus(dt)
     steps = dt.to(torch.float64).cumsum(-1)  # (batch, channels, L): Σ_{τ ≤ t} Δ_τ
     a = A.to(dtype)[None, :, None, :]
-    if last_with_grad:
+    if recompute_last:
         to_end = torch.exp(a * (steps[..., -1:] - steps).to(dtype)[..., None])  # (batch, channels, L, state)
         inputs = (dt * hidden_states).to(dtype)
         last = torch.einsum("bdln,bdl,bnl->bdn", to_end, inputs, B.to(dtype)).to(last.dtype)
@@ -117,10 +130,11 @@ def _continued(
             extra = extra * F.silu(z.to(dtype))
         y = y + extra.to(y.dtype)
         last = last + (decay[:, :, -1] * h0).to(last.dtype)
-    return (y, last) if return_last_state else y
+    return y, last
 
 
 def _start(starts: list[list]) -> torch.Tensor | None:
+    """The state entering the next scan: the last mixer's (its ``calls``-th head for a per-head state), counted."""
     if not starts:
         return None
     entry = starts[-1]
