@@ -36,6 +36,15 @@ GiB = 2**30
 LORA_TARGETS = "all-linear"
 
 
+def attention_choice(config) -> dict:
+    """``attn_implementation="sdpa"`` where the model class supports it; nothing (its default) where it does not,
+    which transformers would refuse (FalconMamba, Mamba: no attention)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    return {"attn_implementation": "sdpa"} if getattr(model_cls, "_supports_sdpa", False) else {}
+
+
 def build(name: str, dtype: torch.dtype, fake: FakeTensorMode, lora: bool, overrides: dict | None = None):
     from transformers import AutoModelForCausalLM
 
@@ -48,7 +57,7 @@ def build(name: str, dtype: torch.dtype, fake: FakeTensorMode, lora: bool, overr
         setattr(config, key, value)
     config.max_position_embeddings = 1 << 20
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **attention_choice(config))
     if lora:
         from peft import LoraConfig, get_peft_model
 

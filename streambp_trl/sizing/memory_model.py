@@ -15,12 +15,12 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
     (``chunk x`` :func:`_chunk_token_bytes`, beside one weight's fresh gradient) and its attention backward (with
     grouped heads, one group's key/value gradients over the whole prefix and flash's expanded workspace; with as many
     key/value heads as query heads, all heads' key/value gradients ``2 kv db N``);
-  - in a hybrid (Gated DeltaNet, Mamba2, Mamba v1 or short-convolution layers beside full attention,
-    :class:`ModelShape`; or a pure Mamba), the keys/values above are a full-attention layer's only; a state-carrying
-    layer's backward holds instead the carry of every chunk boundary (:class:`.mixers.RecurrentKind`) beside dY and
-    either its chunked forward's full-length output or one chunk's backward (with attention beside its Mamba mixer,
-    Falcon-H1, Zamba, its keys/values too); a layer with no token mixer (Nemotron-H's MLP blocks) only dY and one
-    chunk's MLP backward;
+  - in a hybrid (Gated DeltaNet, lightning attention, Mamba2, Mamba v1 or short-convolution layers beside full
+    attention, :class:`ModelShape`; or a pure Mamba / Mamba2), the keys/values above are a full-attention layer's
+    only; a state-carrying layer's backward holds instead the carry of every chunk boundary
+    (:class:`.mixers.RecurrentKind`) beside dY and either its chunked forward's full-length output or one chunk's
+    backward (with attention beside its Mamba mixer, Falcon-H1, Zamba, its keys/values too); a layer with no token
+    mixer (Nemotron-H's MLP blocks) only dY and one chunk's MLP backward;
   - the LM head's backward (:func:`head_backward_bytes`) in its two-node form, which the engine takes wherever the
     fused form's (V, H) accumulator would not fit: the weight node (runs first in backward) with the last hidden
     state, dW ``V H db`` and one float32 vocabulary tile of dW, then the hidden-state node with the last hidden
@@ -42,7 +42,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
-from .mixers import boundaries, linear_chunk_token_bytes, recurrent_kinds, ssm_chunk_token_bytes
+from .mixers import (
+    boundaries,
+    lightning_chunk_token_bytes,
+    linear_chunk_token_bytes,
+    recurrent_kinds,
+    ssm_chunk_token_bytes,
+)
 from .model_shape import ModelShape
 from .units import UNITS, GiB, gib, parse_budget, parse_size
 
@@ -112,15 +118,18 @@ class StepSetup:
 
 def _lora_params(shape: ModelShape) -> int:
     """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer (a Gated DeltaNet layer's:
-    its four input projections and its output projection; a Mamba v1 layer's: in_proj, x_proj, dt_proj, out_proj)."""
+    its four input projections and its output projection; a lightning attention layer's: qkv_proj, output_gate,
+    out_proj; a Mamba v1 layer's: in_proj, x_proj, dt_proj, out_proj)."""
     q, kv, i = shape.heads * shape.head_dim, shape.kv_dim, shape.intermediate
     mlp = (shape.hidden + i) * 3
     full = (shape.hidden + q) * 2 + (shape.hidden + kv) * 2 + mlp
     value, v_heads = shape.linear_v_heads * shape.linear_v_dim, shape.linear_v_heads
     linear = 5 * shape.hidden + shape.conv_dim + 2 * value + 2 * v_heads + mlp
+    lightning = 3 * shape.hidden + 5 * q + mlp
     inner, rank = shape.ssm_inner, shape.ssm_dt_rank
     ssm = 2 * shape.hidden + 4 * inner + 2 * rank + 2 * shape.ssm_state + (mlp if shape.ssm_mlp else 0)
-    return (shape.full_layers * full + len(shape.linear_layers) * linear + len(shape.ssm_layers) * ssm) * _LORA_RANK
+    mixers = len(shape.linear_layers) * linear + len(shape.lightning_layers) * lightning + len(shape.ssm_layers) * ssm
+    return (shape.full_layers * full + mixers) * _LORA_RANK
 
 
 def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
@@ -201,10 +210,11 @@ def estimate_activation_bytes(
         attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
         peaks.append(layer + max(mlp, attention))
     for kind in recurrent_kinds(shape, db):
-        # a state-carrying layer's backward (Gated DeltaNet, Mamba2, Mamba v1, short convolution, :mod:`.mixers`): dY,
-        # the parameter gradient sums and the carry of every chunk boundary (with attention beside it: its keys/values
-        # and their gradient sums too), and either the no-grad chunked forward that collects those carries (its
-        # full-length output beside them) or one chunk's backward (its activations and its incoming carry's gradient)
+        # a state-carrying layer's backward (Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short convolution,
+        # :mod:`.mixers`): dY, the parameter gradient sums and the carry of every chunk boundary (with attention beside
+        # it: its keys/values and their gradient sums too), and either the no-grad chunked forward that collects those
+        # carries (its full-length output beside them) or one chunk's backward (its activations and its incoming
+        # carry's gradient)
         grads = kind.params if layer_trained_params is None else layer_trained_params
         layer = common(kind.layers) + h * db * n + grads * db + boundaries(n, chunk_rows) * kind.carry(db)
         layer += 4 * kv * db * n if kind.with_attention else 0
@@ -262,9 +272,10 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
     (``trl-default``: TRL's fused head keeps no logits), or the full-length logits, their float32 copies and
     gradients (``hf-gc``). Coefficients per intermediate / hidden / vocabulary unit as the simulator measures them
     on Qwen3-4B and -8B (``benchmarks/sim_qwen3_bf16.jsonl``), at lengths where these terms dominate. A hybrid's
-    recomputed layer is the larger of a softmax-attention layer and a Gated DeltaNet or Mamba v1 layer, whose mixer
-    holds :func:`.mixers.linear_chunk_token_bytes` / :func:`.mixers.ssm_chunk_token_bytes` per token in place of the
-    attention's query-sized tensors (not simulated in this mode)."""
+    recomputed layer is the larger of a softmax-attention layer and a Gated DeltaNet, lightning attention or Mamba v1
+    layer, whose mixer holds :func:`.mixers.linear_chunk_token_bytes` / :func:`.mixers.lightning_chunk_token_bytes` /
+    :func:`.mixers.ssm_chunk_token_bytes` per token in place of the attention's query-sized tensors (not simulated in
+    this mode)."""
     saved = shape.layers * shape.hidden * setup.dtype_bytes * n
     if setup.mode == "hf-gc":
         return saved + int((11.2 * shape.vocab + 38.7 * shape.hidden) * n)
@@ -273,6 +284,8 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
     recomputed = int(mlp_and_norms + 16 * q if shape.full_layers else 0)
     if shape.linear_layers:
         recomputed = max(recomputed, linear_chunk_token_bytes(shape))
+    if shape.lightning_layers:
+        recomputed = max(recomputed, lightning_chunk_token_bytes(shape, setup.dtype_bytes))
     if shape.ssm_layers:
         with_mlp = shape.ssm_mlp or bool(shape.ssm_attention_layers)
         recomputed = max(recomputed, ssm_chunk_token_bytes(shape, setup.dtype_bytes, with_mlp))

@@ -1,5 +1,5 @@
-"""The memory terms of the decoder layers that carry a state instead of keys/values (Gated / Kimi DeltaNet, Mamba2,
-Mamba v1, short convolution), and of the layers with no token mixer, for
+"""The memory terms of the decoder layers that carry a state instead of keys/values (Gated / Kimi DeltaNet, MiniMax's
+lightning attention, Mamba2, Mamba v1, short convolution), and of the layers with no token mixer, for
 :func:`.memory_model.estimate_activation_bytes`.
 
 Each such layer's backward holds the carry of every chunk boundary (what its no-grad chunked forward stored: the
@@ -19,6 +19,9 @@ _GDN_PER_VALUE_WIDTH, _GDN_PER_HIDDEN, _GDN_PER_INTERMEDIATE = 23.3, 56.2, 13.3
 # a Mamba2 layer's chunk backward, bytes per chunk token: per head x d_state unit, per inner unit, per hidden unit
 # (differences of the simulator's runs in benchmarks/sim_hybrid_kinds.md)
 _MAMBA_PER_HEAD_STATE, _MAMBA_PER_INNER, _MAMBA_PER_HIDDEN = 32.0, 84.0, 13.0
+# a lightning attention layer's chunk backward, bytes per chunk token: per query unit (heads x head_dim), per hidden
+# unit (least squares over the simulator's chunk differences in benchmarks/sim_hybrid_kinds.md)
+_LIGHTNING_PER_QUERY, _LIGHTNING_PER_HIDDEN = 33.0, 27.0
 # a Mamba v1 layer's chunk backward, bytes per chunk token: per inner x d_state unit (the difference of the simulator's
 # runs at two d_state), per inner unit (the least that leaves none of them under; benchmarks/sim_hybrid_kinds.md)
 _SSM_PER_INNER_STATE, _SSM_PER_INNER = 34.0, 64.0
@@ -26,8 +29,9 @@ _SSM_PER_INNER_STATE, _SSM_PER_INNER = 34.0, 64.0
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentKind:
-    """One kind of state-carrying layer of a shape: its layer indices, the elements of its float32 state per
-    sequence, its convolution's channels and kernel, one chunk token's activations at its backward's peak, one
+    """One kind of state-carrying layer of a shape: its layer indices, the elements of its state per sequence
+    (counted as float32: a lightning attention's is float32 or the model's dtype), its convolution's channels and
+    kernel (none for lightning attention), one chunk token's activations at its backward's peak, one
     layer's parameters, and whether these layers also hold softmax attention's keys/values (Falcon-H1, Zamba2's
     hybrid layers)."""
 
@@ -70,19 +74,35 @@ def _mlp_token_bytes(shape: ModelShape, db: int) -> int:
     return 8 * shape.intermediate * db + 6 * shape.hidden * db + 8 * shape.hidden
 
 
+def lightning_chunk_token_bytes(shape: ModelShape, db: int) -> int:
+    """Activations of one chunk token at the peak of a lightning attention layer's chunk backward (MiniMax: the block
+    path of transformers' torch code, continued from the incoming state by
+    :mod:`streambp_trl.layers.continued.lightning`): bytes per query unit (heads x head_dim: the activated joint
+    projection and its input, the decayed queries and keys, the heads' outputs and their float32 norm, the gate, the
+    incoming state's share in the state's dtype, and their gradients) and per hidden unit, least squares over
+    simulated steps of a MiniMax-Text-01-shaped layer that vary the chunk, the heads, head_dim, the hidden width and
+    the block (``benchmarks/sim_hybrid_kinds.md``); and, counted from the block path, each block's decayed query-key
+    products (heads x block per token) and the key-value state each block starts from (heads x head_dim x head_dim
+    per block), in the model's dtype. No MLP / MoE backward beside it: the simulated peak did not move with the MLP's
+    width."""
+    q = shape.heads * shape.head_dim
+    blocks = (shape.heads * shape.lightning_block + q * shape.head_dim // shape.lightning_block) * db
+    return int(_LIGHTNING_PER_QUERY * q + _LIGHTNING_PER_HIDDEN * shape.hidden) + blocks
+
+
 def mamba_chunk_token_bytes(shape: ModelShape, db: int) -> int:
     """Activations of one chunk token at the peak of a Mamba2 layer's chunk backward in transformers' torch path (the
     SSD scan in blocks of ``mamba_chunk`` tokens): bytes per head x d_state unit (the float32 states and B/C repeated
     to the heads), per inner unit (heads x head_dim: the projected, convolved, gated and dt-scaled inputs) and per
     hidden unit, fitted to simulated steps of a Nemotron-H-shaped layer that vary d_state, the heads and the SSD block
     (``benchmarks/sim_hybrid_kinds.md``; the block moved it by 2%); beside its MLP's backward when the layer holds
-    one (every hybrid but those with MLP-only layers of their own, Nemotron-H)."""
+    one (every hybrid but those with MLP-only layers of their own, Nemotron-H; a pure Mamba2 has no MLP)."""
     mixer = (
         _MAMBA_PER_HEAD_STATE * shape.mamba_heads * shape.mamba_state
         + _MAMBA_PER_INNER * shape.mamba_inner
         + _MAMBA_PER_HIDDEN * shape.hidden
     )
-    return int(mixer) + (0 if shape.mlp_layers else _mlp_token_bytes(shape, db))
+    return int(mixer) + (0 if shape.mlp_layers or not shape.intermediate else _mlp_token_bytes(shape, db))
 
 
 def ssm_chunk_token_bytes(shape: ModelShape, db: int, with_mlp: bool) -> int:
@@ -109,6 +129,17 @@ def recurrent_kinds(shape: ModelShape, db: int) -> list[RecurrentKind]:
     """The shape's state-carrying layer kinds (a Mamba2 or Mamba v1 layer with attention beside it is a kind of its
     own)."""
     kinds = []
+    if shape.lightning_layers:
+        kinds.append(
+            RecurrentKind(
+                shape.lightning_layers,
+                shape.lightning_state,
+                0,
+                0,
+                lightning_chunk_token_bytes(shape, db),
+                shape.lightning_layer_params,
+            )
+        )
     if shape.linear_layers:
         kinds.append(
             RecurrentKind(

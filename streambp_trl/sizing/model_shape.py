@@ -1,12 +1,14 @@
 """The shape of a decoder-only model as the memory model (:mod:`.memory_model`) sees it: widths, layer counts by
-kind (softmax attention, Gated / Kimi DeltaNet, Mamba2, Mamba v1, short convolution, no token mixer), vocabulary,
-parameter count; from a config, a loaded model or a name."""
+kind (softmax attention, Gated / Kimi DeltaNet, lightning attention, Mamba2, Mamba v1, short convolution, no token
+mixer), vocabulary, parameter count; from a config (:mod:`.layer_kinds` reads the layers' kinds), a loaded model or a
+name."""
 
 from __future__ import annotations
 
 import dataclasses
 import types
 
+from .layer_kinds import layer_kinds
 from .shapes import NAMED_MODELS, canonical_model_name
 
 
@@ -22,6 +24,10 @@ class ModelShape:
     inputs. Kimi Linear and Bailing hybrid layers (Kimi Delta Attention: ``linear_num_heads`` of ``linear_head_dim``)
     are counted as such with as many key as value heads.
 
+    MiniMax's lightning attention layers (``lightning_layers``) project to ``heads`` queries, keys and values of
+    ``head_dim`` (the attention's sizes) and run linear attention with a per-head decay in blocks of
+    ``lightning_block`` tokens, with no convolution; their carry is the key-value state (heads x head_dim x head_dim).
+
     Mamba2 layers (``mamba_layers``: Falcon-H1, Bamba, Granite 4 hybrid, Nemotron-H, Zamba2) have ``mamba_heads`` SSM
     heads of ``mamba_head_dim`` channels, ``mamba_groups`` groups of B/C of ``mamba_state`` entries, a convolution of
     ``mamba_kernel`` taps over ``mamba_conv_dim`` channels and an SSD scan in blocks of ``mamba_chunk`` tokens; their
@@ -35,7 +41,8 @@ class ModelShape:
     sizes); their carry is the float32 SSM state (inner x d_state) and the convolution's last inputs. Those of
     ``ssm_attention_layers`` also run attention and its MLP (Zamba's shared attention block); the others hold an MLP
     (or MoE) of their own only in a model with an MLP and no such layers (Jamba: :attr:`ssm_mlp`); a pure Mamba
-    (``intermediate`` 0, no attention heads) has none.
+    (``intermediate`` 0, no attention heads) has none. A pure Mamba2 (Mamba2Config) has Mamba2 layers only, with no
+    MLP (``intermediate`` 0) and no attention heads (``heads`` and ``head_dim`` 0).
 
     Short-convolution layers (``conv_layers``: LFM2) convolve ``hidden`` channels over ``conv_kernel`` taps (carry: the
     last inputs). ``mlp_layers`` (Nemotron-H's MLP / MoE blocks) mix no tokens: no carry. The other fields describe
@@ -58,6 +65,8 @@ class ModelShape:
     linear_v_dim: int = 0
     linear_kernel: int = 0
     rotary_dim: int = 0  # rotated channels of a head (0: all of head_dim; Qwen3.5 rotates a quarter)
+    lightning_layers: tuple[int, ...] = ()
+    lightning_block: int = 0
     mamba_layers: tuple[int, ...] = ()
     mamba_attention_layers: tuple[int, ...] = ()
     mamba_heads: int = 0
@@ -81,6 +90,7 @@ class ModelShape:
             decoder = (
                 len(self.plain_attention_layers) * self.layer_params
                 + len(self.linear_layers) * self.linear_layer_params
+                + len(self.lightning_layers) * self.lightning_layer_params
                 + len(self.mamba_layers) * self.mamba_layer_params
                 + len(self.mamba_attention_layers) * (self.layer_params - self.mlp_params)
                 + len(self.ssm_layers) * self.ssm_layer_params
@@ -100,7 +110,8 @@ class ModelShape:
     @property
     def plain_attention_layers(self) -> tuple[int, ...]:
         """Indices of the layers of no other kind: softmax attention and an MLP."""
-        other = {*self.linear_layers, *self.mamba_layers, *self.ssm_layers, *self.conv_layers, *self.mlp_layers}
+        other = {*self.linear_layers, *self.lightning_layers, *self.mamba_layers, *self.ssm_layers}
+        other |= {*self.conv_layers, *self.mlp_layers}
         return tuple(i for i in range(self.layers) if i not in other)
 
     @property
@@ -129,12 +140,37 @@ class ModelShape:
         return self.mamba_inner * self.mamba_state
 
     @property
-    def mamba_layer_params(self) -> int:
-        """Parameters of one Mamba2 layer: the input projection (z, x, B, C, dt), the convolution, the per-head A,
-        D and dt bias, the gated norm, the output projection, SwiGLU MLP and the two norms."""
+    def mamba_mixer_params(self) -> int:
+        """Parameters of one Mamba2 mixer: the input projection (z, x, B, C, dt), the convolution with its bias, the
+        per-head A, D and dt bias, the gated norm and the output projection."""
         projection = self.hidden * (self.mamba_inner + self.mamba_conv_dim + self.mamba_heads)
         mixer = projection + self.mamba_conv_dim * (self.mamba_kernel + 1) + 3 * self.mamba_heads + self.mamba_inner
-        return mixer + self.mamba_inner * self.hidden + self.mlp_params + 2 * self.hidden
+        return mixer + self.mamba_inner * self.hidden
+
+    @property
+    def mamba_layer_params(self) -> int:
+        """Parameters of one Mamba2 layer: its mixer, a SwiGLU MLP and the two norms (a pure Mamba2, ``intermediate``
+        0: the mixer and its norm)."""
+        return self.mamba_mixer_params + self.mlp_params + (2 if self.intermediate else 1) * self.hidden
+
+    @property
+    def lightning_state(self) -> int:
+        """Elements of a lightning attention layer's key-value state per sequence: heads x head_dim x head_dim."""
+        return self.heads * self.head_dim * self.head_dim
+
+    @property
+    def lightning_mixer_params(self) -> int:
+        """Parameters of one lightning attention module: the joint query/key/value projection (3 q x hidden, q =
+        heads x head_dim), the output gate (q x hidden), the output projection (hidden x q) and the norm of the heads'
+        outputs (q)."""
+        q = self.heads * self.head_dim
+        return 5 * q * self.hidden + q
+
+    @property
+    def lightning_layer_params(self) -> int:
+        """Parameters of one lightning attention layer: its mixer, a SwiGLU MLP (MiniMax's MoE counted as one) and the
+        two norms."""
+        return self.lightning_mixer_params + self.mlp_params + 2 * self.hidden
 
     @property
     def ssm_mlp(self) -> bool:
@@ -205,8 +241,9 @@ class ModelShape:
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """From a transformers config (its text config for a multimodal one). A pure state-space model (Mamba,
-        FalconMamba) has no attention heads: 0."""
+        FalconMamba, Mamba2) has no attention heads: 0, and no MLP (:func:`.layer_kinds.layer_kinds` says so)."""
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        kinds = layer_kinds(config)
         heads = getattr(config, "num_attention_heads", None) or 0
         head_dim = (
             getattr(config, "qk_head_dim", None)  # multi-head latent attention: its keys' width
@@ -220,7 +257,7 @@ class ModelShape:
         fields = dict(
             layers=len(getattr(config, "layer_types", None) or ()) or config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=config.intermediate_size,
+            intermediate=kinds["intermediate"] if "intermediate" in kinds else config.intermediate_size,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
@@ -228,7 +265,7 @@ class ModelShape:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             rotary_dim=int(head_dim * partial) if partial < 1 else 0,
         )
-        return cls(**{**fields, **layer_kinds(config)})
+        return cls(**{**fields, **kinds})
 
     @classmethod
     def from_model(cls, model) -> ModelShape:
@@ -255,82 +292,3 @@ class ModelShape:
                 return cls.from_model(AutoModelForCausalLM.from_config(config))
 
         return cls.from_config(AutoConfig.from_pretrained(name))
-
-
-def _first(config, *names: str) -> int:
-    """The first of ``names`` that ``config`` sets to a number (0 if none does)."""
-    return next((v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)), 0)
-
-
-# a Mamba v1 mixer's config: the rank of its step's projection, and none of a Mamba2 mixer's head sizes (Mamba2Config
-# keeps a time_step_rank it does not use; Zamba's n_mamba_heads split a Mamba v1 mixer, Zamba2's come with a head dim)
-_DT_RANK = ("mamba_dt_rank", "time_step_rank")
-_MAMBA2_SIZES = ("mamba_n_heads", "mamba_num_heads", "num_heads", "mamba_headdim", "mamba_d_head", "mamba_head_dim")
-
-
-def _mamba_v1_fields(config, layers: tuple[int, ...], hybrid: tuple[int, ...]) -> dict:
-    """The Mamba v1 fields of ``layers`` (``hybrid``: those with an attention block). The channels are
-    ``mamba_expand`` x hidden (Jamba, Zamba) or ``intermediate_size`` (Mamba, FalconMamba: a model with no MLP,
-    ``intermediate`` 0)."""
-    expand = _first(config, "mamba_expand")
-    fields = dict(
-        ssm_layers=layers,
-        ssm_attention_layers=hybrid,
-        ssm_inner=expand * config.hidden_size if expand else config.intermediate_size,
-        ssm_state=_first(config, "mamba_d_state", "state_size"),
-        ssm_kernel=_first(config, "mamba_d_conv", "conv_kernel"),
-        ssm_dt_rank=_first(config, *_DT_RANK),
-    )
-    return fields if expand else {**fields, "intermediate": 0}
-
-
-def layer_kinds(config) -> dict:
-    """The :class:`ModelShape` fields of a config's layers other than softmax attention, from its per-layer kinds
-    (``layer_types`` / ``layers_block_type``; transformers spells Mamba layers ``linear_attention`` too): Gated
-    DeltaNet (``linear_num_key_heads``) or Kimi Delta Attention (``linear_num_heads``) layers, Mamba2 layers
-    (``hybrid``: Zamba2's, with attention), Mamba v1 layers where the config has a step rank and no Mamba2 head sizes
-    (``hybrid``: Zamba's, with attention), short-convolution layers (``conv``), MLP / MoE-only layers. A config with
-    Mamba2 sizes and no such list (Falcon-H1) runs Mamba2 and attention in every layer; one with Mamba v1 sizes and no
-    such list, Mamba v1 alone."""
-    kinds = list(getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None) or ())
-    v1 = bool(_first(config, *_DT_RANK)) and not _first(config, *_MAMBA2_SIZES)
-    mamba_sizes = 0 if v1 else _first(config, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
-    if not kinds and (mamba_sizes or v1):
-        kinds = ["mamba" if v1 else "hybrid"] * config.num_hidden_layers
-    delta = hasattr(config, "linear_num_key_heads") or hasattr(config, "linear_num_heads")
-    mamba_kinds = ("mamba", "hybrid") if delta else ("mamba", "hybrid", "linear_attention")
-    linear = tuple(i for i, k in enumerate(kinds) if k == "linear_attention" and delta)
-    mamba = tuple(i for i, k in enumerate(kinds) if k in mamba_kinds)
-    hybrid = tuple(i for i in mamba if kinds[i] == "hybrid")
-    fields: dict = dict(
-        linear_layers=linear,
-        mamba_layers=() if v1 else mamba,
-        mamba_attention_layers=() if v1 else hybrid,
-        conv_layers=tuple(i for i, k in enumerate(kinds) if k == "conv"),
-        mlp_layers=tuple(i for i, k in enumerate(kinds) if k in ("mlp", "moe")),
-    )
-    if linear:
-        heads = _first(config, "linear_num_heads")
-        fields.update(
-            linear_k_heads=_first(config, "linear_num_key_heads") or heads,
-            linear_v_heads=_first(config, "linear_num_value_heads") or heads,
-            linear_k_dim=_first(config, "linear_key_head_dim", "linear_head_dim"),
-            linear_v_dim=_first(config, "linear_value_head_dim", "linear_head_dim"),
-            linear_kernel=_first(config, "linear_conv_kernel_dim"),
-        )
-    if mamba and v1:
-        fields.update(_mamba_v1_fields(config, mamba, hybrid))
-    elif mamba:
-        heads = mamba_sizes
-        fields.update(
-            mamba_heads=heads,
-            mamba_head_dim=_first(config, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
-            or _first(config, "mamba_d_ssm") // heads,
-            mamba_groups=_first(config, "mamba_n_groups", "n_groups", "mamba_ngroups") or 1,
-            mamba_state=_first(config, "mamba_d_state", "ssm_state_size"),
-            mamba_kernel=_first(config, "mamba_d_conv", "conv_kernel"),
-            mamba_chunk=_first(config, "mamba_chunk_size", "chunk_size"),
-        )
-    if fields["conv_layers"]:
-        fields["conv_kernel"] = _first(config, "conv_L_cache")
-    return {k: v for k, v in fields.items() if v or k == "intermediate"}
