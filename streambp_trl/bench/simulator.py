@@ -31,18 +31,23 @@ def record_mode(record: dict[str, Any]) -> Mode:
 
 def record_shape(record: dict[str, Any]) -> mm.ModelShape:
     """The simulator's model: its embedding and head are separate tensors even for Qwen3-4B (``to_empty`` unties
-    them), so they are counted untied."""
-    return dataclasses.replace(mm.ModelShape.from_name(record["model"]), tied=False, params=0)
+    them), so they are counted untied: the named shape's parameters and, where it ties them, one more vocabulary x
+    hidden matrix (a recount from the shape's formula would miss what only the model's own count holds, such as
+    the Qwen3.5 attention's output gate)."""
+    shape = mm.ModelShape.from_name(record["model"])
+    untied = shape.params + (shape.vocab * shape.hidden if shape.tied else 0)
+    return dataclasses.replace(shape, tied=False, params=untied)
 
 
 def record_setup(record: dict[str, Any]) -> mm.StepSetup:
     """The memory model's setup of a simulator record (the simulator's parameter gradients are allocated before the
-    step, ``--grads-ready``, as the memory model counts them)."""
-    mode = record_mode(record)
+    step, ``--grads-ready``, as the memory model counts them; ``lora``: rank-16 LoRA on every linear layer)."""
+    mode, lora = record_mode(record), bool(record.get("lora"))
     if not mode.streams:
-        return mm.StepSetup(mode=mode.memory_model_mode)
+        return mm.StepSetup(mode=mode.memory_model_mode, lora=lora)
     return mm.StepSetup(
         mode=mode.memory_model_mode,
+        lora=lora,
         chunk=record.get("chunk"),
         logits_chunk=record.get("logits_chunk"),
         keep_every=(record.get("stream_kwargs") or {}).get("keep_every", 1),

@@ -4,8 +4,13 @@ Everything is counted in buffers the step allocates, per token of the micro-batc
 chunk token, in the parameter dtype (``db`` bytes; float32 statistics where the engine keeps them), with the CUDA
 caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA context):
 
-* static: weights ``P db``, parameter gradients ``P_train db`` (allocated from the first step on), optimizer state.
-* stream (``enable_streambp``), the largest of three moments:
+* static: weights ``P db``, parameter gradients ``P_train db`` (allocated from the first step on), optimizer state;
+  with LoRA, the adapters and their gradients in float32 (PEFT's upcast of half-precision adapters).
+* stream (``enable_streambp``), the larger of the forward's peak and the backward's. The forward's
+  (:mod:`.forward`): the top layer of each kind running its first chunk, whose linear outputs (with LoRA, their
+  float32 adapter products) the engine's unread-output check keeps until the chunk ends, beside the inputs of every
+  layer below it and, for softmax attention, its full-length keys/values ``2 kv db N``. The backward's, the largest
+  of three moments:
 
   - a decoder layer's backward (the top layer's, when all saved inputs are still there): the saved inputs
     ``(L - 1) H db N`` (the first layer's is rebuilt from the token ids; with ``offload_checkpoints``: the layer's own
@@ -42,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
+from .forward import forward_peak_bytes
 from .mixers import (
     boundaries,
     lightning_chunk_token_bytes,
@@ -81,6 +87,7 @@ _EAGER_TILE_ELEMENTS = 2**25  # its whole-vocabulary tiles in the eager form (st
 HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 _LORA_RANK = 16
+_ADAPTER_BYTES = 4  # PEFT keeps LoRA adapters in float32 beside a half-precision base (autocast_adapter_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,10 +140,13 @@ def _lora_params(shape: ModelShape) -> int:
 
 
 def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
-    """Weights, parameter gradients and optimizer state."""
-    trainable = _lora_params(shape) if setup.lora else shape.params
-    weights = shape.params * setup.dtype_bytes + (trainable * setup.dtype_bytes if setup.lora else 0)
-    return weights + trainable * (setup.dtype_bytes + setup.optimizer_bytes_per_param)
+    """Weights, parameter gradients and optimizer state. LoRA: the base weights in the parameter dtype, the adapters
+    and their gradients in float32 at least (PEFT upcasts half-precision adapters)."""
+    weights = shape.params * setup.dtype_bytes
+    if setup.lora:
+        adapter_bytes = max(setup.dtype_bytes, _ADAPTER_BYTES)
+        return weights + _lora_params(shape) * (2 * adapter_bytes + setup.optimizer_bytes_per_param)
+    return weights + shape.params * (setup.dtype_bytes + setup.optimizer_bytes_per_param)
 
 
 def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
@@ -182,12 +192,15 @@ def estimate_activation_bytes(
     layer_trained_params: int | None = None,
     keep_every: int = 1,
     head_form: str = "two-node",
+    adapters: bool = False,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
     layer's trainable parameters (all of them by default); ``head_form``: the logit kernel's gradient form
-    (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short). The worst of a
-    softmax-attention layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's."""
+    (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``: float32
+    LoRA adapters on the layers' linear maps. The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
+    the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
+    layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's."""
     h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
 
     def common(among: Collection[int] | None) -> int:
@@ -226,7 +239,9 @@ def estimate_activation_bytes(
         peaks.append(common(shape.mlp_layers) + h * db * n + grads * db + mlp)
     head = common(None) + h * db * n
     head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained, form=head_form)
-    return max(*peaks, head)
+    forward = _per_token_bytes(shape, db) * n
+    forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, keep_every=keep_every, offload=offload)
+    return max(*peaks, head, forward)
 
 
 def head_backward_bytes(
@@ -293,7 +308,9 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
 
 
 def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
-    """Peak device bytes (``torch.cuda.max_memory_allocated``) of one step at ``seq_len`` tokens per sequence."""
+    """Peak device bytes (``torch.cuda.max_memory_allocated``) of one step at ``seq_len`` tokens per sequence:
+    :func:`static_bytes` plus the activations' peak, in stream modes the larger of the forward's and the backward's
+    (:func:`estimate_activation_bytes`)."""
     n = setup.rows * seq_len
     if setup.mode.startswith("stream"):
         chunk = setup.chunk or CHUNKS[0]  # None: the smallest, where "auto" ends up at the longest lengths
@@ -308,6 +325,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             layer_trained_params=_lora_params(shape) // shape.layers if setup.lora else None,
             keep_every=setup.keep_every,
             head_form=setup.head_form,
+            adapters=setup.lora,
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
