@@ -73,6 +73,29 @@ def test_auto_chunk_sizes_take_the_largest_that_fits():
     assert chunk == max(fits) and max(fits) < mm.CHUNKS[-1]  # the budget rules some chunks out
 
 
+def test_auto_counts_lora_adapters_in_the_forward(monkeypatch):
+    """With "auto", the memory model is asked for the forward's LoRA products (``adapters=True``) when some
+    parameters are trained beside frozen ones (an adapter), and not for full fine-tuning."""
+    seen = []
+    estimate = mm.estimate_activation_bytes
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["adapters"])
+        return estimate(*args, **kwargs)
+
+    monkeypatch.setattr(mm, "estimate_activation_bytes", recording)
+    ids = torch.randint(0, 100, (1, 2100))
+    for frozen in (False, True):
+        model = tiny_model("qwen3")
+        if frozen:  # the base frozen, one trained matrix per layer beside it, as an adapter would be
+            for name, p in model.named_parameters():
+                p.requires_grad_(name.endswith("q_proj.weight"))
+        seen.clear()
+        model = enable_streambp(model, stream_chunk_size="auto", memory_budget="64MiB")
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert seen and set(seen) == {frozen}
+
+
 def test_sizes_parse():
     assert mm.parse_size("78GiB") == 78 * 2**30 and mm.parse_size("80GB") == 80 * 10**9 and mm.parse_size(512) == 512
     with pytest.raises(ValueError, match="not a size"):

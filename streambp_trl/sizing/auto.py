@@ -87,6 +87,9 @@ class AutoChunks:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_trained = head is not None and any(p.requires_grad for p in head.parameters())
         db = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
+        # adapters (LoRA: some parameters trained beside frozen ones), whose float32 products the forward holds
+        trained = [p.requires_grad for p in model.parameters()]
+        adapters = any(trained) and not all(trained)
         n = rows * seq_len
 
         def fits(chunk: int) -> bool:
@@ -99,6 +102,7 @@ class AutoChunks:
                 offload=self.offload,
                 head_trained=head_trained,
                 keep_every=self.keep_every,
+                adapters=adapters,
             )
             return needed <= room
 
