@@ -139,4 +139,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # trackers finished and the process group destroyed before the interpreter exits: a gloo group left to the
+    # interpreter's teardown can abort a process ("terminate called without an active exception") after training
+    trainer.accelerator.end_training()
     return training_args.output_dir
