@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -162,7 +163,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     return call.as_returned(y)
 
 
-def _continued_run(func, parts: Continued, layer: nn.Module, *args, **kwargs):
+def _continued_run(func: Callable, parts: Continued, layer: nn.Module, *args, **kwargs) -> object:
     """``func`` (a layer's forward) with its mixers that start from zero continued from the states its chunk cache
     receives (:mod:`.continued`)."""
     with continued(parts, cache_argument(kwargs)):

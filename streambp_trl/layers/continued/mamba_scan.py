@@ -109,7 +109,20 @@ def _continued(
         return _with_start(y, last, h0, hidden_states, dt, A, B, C, z, delta_bias, delta_softplus, recompute_last)
 
 
-def _with_start(y, last, h0, hidden_states, dt, A, B, C, z, delta_bias, delta_softplus, recompute_last):  # noqa: N803
+def _with_start(
+    y: torch.Tensor,
+    last: torch.Tensor,
+    h0: torch.Tensor | None,
+    hidden_states: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,  # noqa: N803 (the model's names)
+    B: torch.Tensor,  # noqa: N803
+    C: torch.Tensor,  # noqa: N803
+    z: torch.Tensor | None,
+    delta_bias: torch.Tensor | None,
+    delta_softplus: bool,
+    recompute_last: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The terms of :func:`_continued` added to ``y`` and ``last`` (``h0`` None: only the recomputed last state)."""
     dtype = torch.promote_types(A.dtype, torch.float32)
     if delta_bias is not None:
