@@ -25,6 +25,7 @@ from trl import SFTConfig, SFTTrainer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import kernels
+from streambp_trl.attention.causal_chunk import CPU_FLASH
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals
 
@@ -141,20 +142,26 @@ def _cuda_path_on_cpu(module, query, key, value, block, sinks, scaling, dropout,
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4)], ids=["gqa", "mha"])
-def test_bf16_cuda_attention_path_is_as_exact_as_plain(monkeypatch, heads, kv_heads, form, chunk):
-    """Flash attention with grouped heads one group at a time, the prefix's key/value gradient added straight into
-    the layer's sums (through the autocast cast of the joined keys/values)."""
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_bf16_cuda_attention_path_is_as_exact_as_plain(monkeypatch, kernel, heads, kv_heads, form, chunk):
+    """Flash attention with grouped heads one group at a time, or the cuDNN form (prefix and diagonal block merged in
+    float32, the CPU's flash kernel in cuDNN's place); the prefix's key/value gradient added straight into the
+    layer's sums (through the autocast cast of the joined keys/values)."""
     prefixes = []
     apply = kernels._GroupedHeads.apply
 
-    def counted(query, key, value, attend, prefix):
+    def counted(query, key, value, attend, prefix, per_call=1):
         prefixes.append(prefix is not None)
-        return apply(query, key, value, attend, prefix)
+        return apply(query, key, value, attend, prefix, per_call)
 
     monkeypatch.setattr(kernels, "_cpu_attention", _cuda_path_on_cpu)
     monkeypatch.setattr(kernels._GroupedHeads, "apply", counted)
+    if kernel == "cudnn":
+        monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: True)
+        monkeypatch.setattr(kernels, "CUDNN", CPU_FLASH)
+        monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)
     _check("qwen3", "none", form, chunk, num_attention_heads=heads, num_key_value_heads=kv_heads)
-    assert any(prefixes) == (kv_heads < heads)
+    assert any(prefixes) == (kv_heads < heads or kernel == "cudnn")
 
 
 def _train_one_step(trainer_cls, config_cls, tmp_path) -> tuple[list[float], dict[str, torch.Tensor]]:

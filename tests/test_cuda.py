@@ -8,9 +8,10 @@ takes, checkpoint offload overlapping compute, and peak memory against the memor
   (``2**-7`` for bfloat16, ``1e-6`` for float32, relative). A missing prefix term or a dropped carry gradient is off
   by orders of magnitude more. The recurrent mixers' carry (Gated DeltaNet, Mamba2, short convolution) also runs in
   float64 on the GPU, where it must agree with plain autograd to ``1e-10``.
-* **Kernels.** The profiler's operator names show flash attention for unpadded bfloat16 chunks, the
-  memory-efficient kernel for float32 and masked chunks, and never SDPA's math kernel (a chunk x prefix score
-  tensor).
+* **Kernels.** The profiler's operator names show cuDNN attention (compute capability 9.0+; flash before) for
+  unpadded bfloat16 chunks, the memory-efficient kernel for float32 and masked chunks, and never SDPA's math kernel
+  (a chunk x prefix score tensor). cuDNN's form (prefix and diagonal merged) is as close to a float64 reference as
+  flash at Qwen3-8B's head shapes.
 * **Offload.** A profiler trace of a step with ``offload_checkpoints=True`` shows the device-to-host copies on a
   stream other than the compute stream, and most of their time overlapping compute kernels.
 * **Memory.** ``torch.cuda.max_memory_allocated`` of a Qwen3-4B / Qwen3-8B-shaped step (random weights, bfloat16,
@@ -34,8 +35,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from streambp_trl import enable_streambp
+from streambp_trl.attention import kernels
+from streambp_trl.attention.causal_chunk import cudnn_usable
 from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals
 from streambp_trl.sizing import memory_model as mm
@@ -98,10 +104,23 @@ def _errors(result, reference) -> dict[str, float]:
     return errors
 
 
+@pytest.fixture(params=["cudnn", "flash"])
+def causal_kernel(request, monkeypatch):
+    """Which kernel plainly causal bfloat16 chunks take: cuDNN's form (on compute capability 9.0+; every chunk
+    length here, not only multiples of ``CUDNN_ALIGN``), or flash (cuDNN's check answered no, as before Hopper)."""
+    if request.param == "cudnn":
+        monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)
+    else:
+        monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: False)
+    return request.param
+
+
 @pytest.mark.parametrize("padding", ["none", "right", "left"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_streamed_is_as_exact_as_plain_on_cuda(family, dtype, padding):
+def test_streamed_is_as_exact_as_plain_on_cuda(family, dtype, padding, causal_kernel):
+    if dtype == torch.float32 and causal_kernel == "flash":
+        pytest.skip("float32 takes the memory-efficient kernel either way")
     model = tiny_causal_lm(family, **FAMILIES[family])
     inputs = batch(2, SEQ_LEN, padding=padding)
     reference = _step(copy.deepcopy(model), inputs, "cpu", reference=True)
@@ -112,7 +131,7 @@ def test_streamed_is_as_exact_as_plain_on_cuda(family, dtype, padding):
     streamed = _errors(_step(streamed_model, inputs, "cuda"), reference)
     worst = max(streamed, key=lambda n: streamed[n] / (2 * plain[n] + SLACK[dtype]))
     _report(
-        test="exactness", family=family, dtype=str(dtype), padding=padding, worst=worst,
+        test="exactness", family=family, dtype=str(dtype), padding=padding, causal_kernel=causal_kernel, worst=worst,
         streamed_error=streamed[worst], plain_error=plain[worst],
         max_streamed_error=max(streamed.values()), max_plain_error=max(plain.values()),
     )  # fmt: skip
@@ -143,24 +162,96 @@ def _sdpa_ops(model, inputs) -> set[str]:
     return {n for n in names if "attention" in n and n.startswith("aten::_")}
 
 
+def _causal_kernel(dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel a plainly causal chunk takes: cuDNN's (prefix and diagonal merged) where its check passes, flash
+    otherwise (float16/bfloat16), memory-efficient in float32."""
+    if dtype == torch.float32:
+        return "efficient"
+    return "cudnn" if cudnn_usable(torch.device("cuda"), dtype, head_dim) else "flash"
+
+
 @pytest.mark.parametrize(
     ("dtype", "padding", "family", "kernel"),
     [
-        (torch.bfloat16, "none", "qwen3", "flash"),  # bottom-right causal chunks: flash
+        (torch.bfloat16, "none", "qwen3", "causal"),  # bottom-right causal chunks: cuDNN (Hopper) or flash
         (torch.bfloat16, "right", "qwen3", "efficient"),  # a mask block
         (torch.bfloat16, "none", "mistral", "efficient"),  # a sliding window
-        (torch.float32, "none", "qwen3", "efficient"),  # flash has no float32
+        (torch.float32, "none", "qwen3", "efficient"),  # flash and cuDNN have no float32
     ],
 )
-def test_attention_kernels(dtype, padding, family, kernel):
+def test_attention_kernels(dtype, padding, family, kernel, monkeypatch):
+    monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)  # the tiny model's chunks are no multiples of 256
+    if kernel == "causal":
+        kernel = _causal_kernel(dtype, FAMILIES[family]["head_dim"])
     model = enable_streambp(
         tiny_causal_lm(family, **FAMILIES[family]).to("cuda", dtype), stream_chunk_size=CHUNK, verify=False
     )
     ops = _sdpa_ops(model, batch(2, SEQ_LEN, padding=padding))
     _report(test="kernels", family=family, dtype=str(dtype), padding=padding, ops=sorted(ops))
     assert not any("math" in op for op in ops), ops
-    assert any(kernel in op for op in ops) and not any(("flash" if kernel != "flash" else "efficient") in op
-                                                       for op in ops), ops  # fmt: skip
+    others = {"flash", "efficient", "cudnn"} - {kernel}
+    assert any(kernel in op for op in ops) and not any(o in op for op in ops for o in others), ops
+
+
+def test_ragged_chunks_take_flash_aligned_ones_cudnn():
+    """A chunk or prefix length that is no multiple of ``CUDNN_ALIGN`` takes flash (cuDNN would build a new plan for
+    each such shape); aligned ones take cuDNN's form, on compute capability 9.0+."""
+    if not cudnn_usable(torch.device("cuda"), torch.bfloat16, 64):
+        pytest.skip("cuDNN's form is not taken on this GPU")
+    model = enable_streambp(
+        tiny_causal_lm("qwen3", **WIDE).to("cuda", torch.bfloat16), stream_chunk_size=256, verify=False
+    )
+    aligned = _sdpa_ops(model, batch(1, 1024, padding="none"))
+    ragged = _sdpa_ops(model, batch(1, 1000, padding="none"))  # chunks of 256, the last of 232 (prefix 768)
+    _report(test="cudnn_alignment", aligned=sorted(aligned), ragged=sorted(ragged))
+    assert any("cudnn" in op for op in aligned) and not any("flash" in op for op in aligned), aligned
+    assert any("cudnn" in op for op in ragged) and any("flash" in op for op in ragged), ragged
+
+
+def test_cudnn_attention_on_hopper():
+    """On compute capability 9.0+ the cuDNN form is taken (its check passes) and, at Qwen3-8B's head shapes
+    (32 query heads, 8 key/value heads of 128), its output and input gradients are as close to a float64 reference
+    as flash's bottom-right causal SDPA (PyTorch's own kernel for this mask), several key/value heads per call."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuDNN attention is chosen on compute capability 9.0+ only")
+    assert cudnn_usable(torch.device("cuda"), torch.bfloat16, 128)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    chunk, prefix = 512, 1536
+    q = torch.randn(1, 32, chunk, 128, device="cuda", generator=g)
+    k, v = (torch.randn(1, 8, prefix + chunk, 128, device="cuda", generator=g) for _ in range(2))
+    grad = torch.randn(1, 32, chunk, 128, device="cuda", generator=g)
+    mask = torch.ones(chunk, prefix + chunk, dtype=torch.bool, device="cuda").tril(prefix)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        return [t.double() for t in (out, *torch.autograd.grad(out, leaves, grad.to(dtype)))]
+
+    def plain(a, b, c):
+        return F.scaled_dot_product_attention(a, b.repeat_interleave(4, 1), c.repeat_interleave(4, 1), attn_mask=mask)
+
+    def flash_lower_right(a, b, c):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            bias = causal_lower_right(chunk, prefix + chunk)
+            return F.scaled_dot_product_attention(a, b, c, attn_mask=bias, enable_gqa=True)
+
+    def cudnn_form(a, b, c):
+        return kernels._fused_attention("cudnn", a, b, c, None, None, 0.0, None)
+
+    reference, flash, cudnn = (
+        run(plain, torch.float64),
+        run(flash_lower_right, torch.bfloat16),
+        run(cudnn_form, torch.bfloat16),
+    )
+    per_call = kernels.cudnn_kv_heads(8, 4)
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    errors = {n: (rel(c, r), rel(f, r)) for n, c, f, r in zip("oqkv", cudnn, flash, reference, strict=True)}
+    _report(test="cudnn_attention", per_call=per_call, errors=errors, device=torch.cuda.get_device_name())
+    for name, (err, flash_err) in errors.items():
+        assert err <= 2 * flash_err + SLACK[torch.bfloat16], (name, err, flash_err)
 
 
 def _intervals(events: list[dict]) -> list[tuple[float, float]]:

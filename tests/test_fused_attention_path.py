@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import interface, kernels
+from streambp_trl.attention.causal_chunk import CPU_FLASH
 
 TOL = 1e-10
 
@@ -29,30 +30,39 @@ def _cuda_path_on_cpu(module, query, key, value, attention_mask, scaling=None, d
     return kernels._cuda_attention(module, query, key, value, block, None, scaling, dropout, prefix), None
 
 
-@pytest.fixture
-def cuda_path(monkeypatch):
+@pytest.fixture(params=["flash", "cudnn"])
+def cuda_path(monkeypatch, request):
     """``route()`` sends the ``"streambp"`` attention through the CUDA path (after ``enable_streambp``, whose probe
-    batch is padded); the grouped calls are counted (all, and those with a prefix)."""
-    calls = {"grouped": 0, "prefix": 0}
+    batch is padded) with the flash kernel, or the cuDNN form (prefix and diagonal merged, several key/value heads
+    per call) with the CPU's flash kernel in cuDNN's place; the grouped calls are counted (all, those with a prefix,
+    and the key/value heads per call)."""
+    calls = {"grouped": 0, "prefix": 0, "per_call": set(), "kernel": request.param}
 
     def route():
         interface._register()
         monkeypatch.setitem(AttentionInterface._global_mapping, interface.IMPLEMENTATION, _cuda_path_on_cpu)
         monkeypatch.setattr(kernels, "_FLASH_DTYPES", (torch.float64,))  # CUDA's flash has no float64; the CPU's has
+        if request.param == "cudnn":
+            monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: True)
+            monkeypatch.setattr(kernels, "CUDNN", CPU_FLASH)
+            monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)
 
     calls["route"] = route
     apply = kernels._GroupedHeads.apply
 
-    def counted(query, key, value, attend, prefix):
+    def counted(query, key, value, attend, prefix, per_call=1):
         calls["grouped"] += 1
         calls["prefix"] += prefix is not None
-        return apply(query, key, value, attend, prefix)
+        calls["per_call"].add(per_call)
+        return apply(query, key, value, attend, prefix, per_call)
 
     monkeypatch.setattr(kernels._GroupedHeads, "apply", counted)
     return calls
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (8, 2), (4, 1), (4, 4)], ids=["gqa", "gqa4", "mqa", "mha"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads"), [(4, 2), (8, 2), (16, 4), (4, 1), (4, 4)], ids=["gqa", "gqa4", "gqa4x4", "mqa", "mha"]
+)
 @pytest.mark.parametrize("chunk", [3, 7, 23])
 def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
     reference = tiny_model("qwen3", num_attention_heads=heads, num_key_value_heads=kv_heads)
@@ -71,7 +81,12 @@ def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
     err, where = max_rel_grad_error(reference, streamed)
     assert err < TOL, f"relative gradient error {err:.3e} at {where}"
     several_chunks = chunk < ids.shape[1]
-    if kv_heads == heads:  # one SDPA call over all heads; the prefix gradient goes back through autograd
+    if cuda_path["kernel"] == "cudnn":  # a few key/value heads per call; the prefix's gradient into the sums
+        per_call = kernels.cudnn_kv_heads(kv_heads, heads // kv_heads)
+        assert (cuda_path["prefix"] > 0) == several_chunks
+        assert cuda_path["per_call"] == ({per_call} if several_chunks or per_call < kv_heads else set())
+        assert per_call == {(4, 2): 1, (8, 2): 2, (16, 4): 2, (4, 1): 1, (4, 4): 2}[heads, kv_heads]
+    elif kv_heads == heads:  # one SDPA call over all heads; the prefix gradient goes back through autograd
         assert cuda_path["grouped"] == 0
     else:  # every recompute of a chunk after the first hands its prefix's key/value gradient to the sums directly
         assert (cuda_path["prefix"] > 0) == several_chunks

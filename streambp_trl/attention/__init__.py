@@ -8,13 +8,14 @@ not a (T x T) tensor. The stream decoder calls each layer on one chunk of querie
 ``[q_start, q_start + q_len)`` against keys ``[kv_start, kv_start + kv_len)`` and hands the layer
 ``mask.at(q_start, kv_start)``; :func:`stream_attention` then builds at most the (q_len x kv_len) block with
 ``masking_utils.sdpa_mask``, or uses PyTorch's bottom-right-aligned causal kernel when the block is plainly
-causal (no padding, packing or window). On CUDA the kernel is chosen explicitly (flash, else memory-efficient) and
-SDPA's math kernel, which would hold a (chunk x prefix x heads) score tensor, is never used: where no fused kernel
-applies, a ``RuntimeError`` says why.
+causal (no padding, packing or window). On CUDA the kernel is chosen explicitly (cuDNN, flash, else
+memory-efficient) and SDPA's math kernel, which would hold a (chunk x prefix x heads) score tensor, is never used:
+where no fused kernel applies, a ``RuntimeError`` says why.
 
 * :mod:`.masks`: :class:`StreamMask` (the mask described, and its blocks) and the bottom-right causal bias;
 * :mod:`.kernels`: :func:`stream_attention` on the CPU and on CUDA, attention sinks;
-* :mod:`.cpu_causal`: a plainly causal chunk on the CPU as its prefix and its diagonal block, merged;
+* :mod:`.causal_chunk`: a plainly causal chunk as its prefix and its diagonal block, merged (the CPU's flash kernel,
+  cuDNN's on CUDA);
 * :mod:`.grouped`: grouped-query heads one group at a time, and :class:`PrefixGrad`;
 * :mod:`.softcap`: attention with logit softcapping, tiled over the keys;
 * :mod:`.interface`: the registration with transformers and the :func:`streaming` switch.

@@ -41,7 +41,8 @@ PrefixPair = tuple[PrefixGrad, PrefixGrad]
 
 
 class _GroupedHeads(torch.autograd.Function):
-    """Attention of query heads ``[g * G, (g + 1) * G)`` against key/value head ``g``, one group ``g`` at a time.
+    """Attention of query heads ``[g * m * G, (g + 1) * m * G)`` against key/value heads ``[g * m, (g + 1) * m)``
+    (``m = per_call``, 1 by default), one group ``g`` at a time.
 
     Forward runs ``attend`` per group and keeps each group's own autograd graph (the kernel's saved tensors: views
     of q, k, v, its output and log-sum-exp, what one call over all heads keeps); backward runs the groups' backwards
@@ -57,12 +58,13 @@ class _GroupedHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, attend, prefix):
+    def forward(ctx, query, key, value, attend, prefix, per_call=1):
         keys, values = (key, value) if prefix is None else (prefix[0].full.detach(), prefix[1].full.detach())
-        kv_heads = keys.shape[1]
-        group = query.shape[1] // kv_heads
+        m = per_call
+        group = query.shape[1] // keys.shape[1] * m
         groups = [
-            (query[:, g * group : (g + 1) * group], keys[:, g : g + 1], values[:, g : g + 1]) for g in range(kv_heads)
+            (query[:, g * group : (g + 1) * group], keys[:, g * m : (g + 1) * m], values[:, g * m : (g + 1) * m])
+            for g in range(keys.shape[1] // m)
         ]
         need = ctx.needs_input_grad[:3]
         if prefix is not None and any(need):  # the prefix positions' gradient is wanted whatever the chunk's need
@@ -72,7 +74,7 @@ class _GroupedHeads(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [[t.detach().requires_grad_(n) for t, n in zip(ts, need, strict=True)] for ts in groups]
             outs = [attend(*ts) for ts in leaves]
-        ctx.graphs, ctx.need, ctx.prefix = list(zip(leaves, outs, strict=True)), need, prefix
+        ctx.graphs, ctx.need, ctx.prefix, ctx.per_call = list(zip(leaves, outs, strict=True)), need, prefix, m
         ctx.shapes = [(t.shape, t.dtype) for t in (query, key, value)]
         return torch.cat([o.detach() for o in outs], dim=1)
 
@@ -93,7 +95,8 @@ class _GroupedHeads(torch.autograd.Function):
             inputs = [t for t, n in zip(leaves, ctx.need, strict=True) if n]
             parts = iter(torch.autograd.grad(out, inputs, grad[:, g * group : (g + 1) * group]))
             del leaves, out, inputs
-            for full, acc, split, width, n in zip(grads, sums, splits, (group, 1, 1), ctx.need, strict=True):
+            widths = (group, ctx.per_call, ctx.per_call)
+            for full, acc, split, width, n in zip(grads, sums, splits, widths, ctx.need, strict=True):
                 part = next(parts) if n else None
                 heads = slice(g * width, (g + 1) * width)
                 if acc is not None:
@@ -101,4 +104,4 @@ class _GroupedHeads(torch.autograd.Function):
                 if full is not None:
                     full[:, heads].copy_(part[:, :, split:])
             del parts, part
-        return (*grads, None, None)
+        return (*grads, None, None, None)
