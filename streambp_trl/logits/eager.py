@@ -26,7 +26,10 @@ import torch
 from .nodes import HiddenGradient, LogitNode, first_order
 from .tiles import LogitCall, addmm_acc, rowdot
 
-EAGER_TILE_ELEMENTS = 2**25  # elements of one (rows x vocabulary) tile: 128 MiB in float32
+# elements of one (rows x vocabulary) tile: 512 MiB in float32. Each tile adds its rows' part of dW into the (V, H)
+# float32 basis, a pass over that accumulator: at 2**25 (220 rows of Qwen3's vocabulary) the eager forward of a 16k
+# step took 0.25 s on an H200, at 2**27 (883 rows) 0.14 s (benchmarks/gpu_nvidia_h200_profile.md)
+EAGER_TILE_ELEMENTS = 2**27
 
 
 def _tile_statistics(call: LogitCall, z: torch.Tensor, i: int, j: int) -> tuple:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
+from ..logits.eager import EAGER_TILE_ELEMENTS
 from .forward import forward_peak_bytes
 from .mixers import (
     boundaries,
@@ -83,7 +84,6 @@ __all__ = [
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
 _VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
-_EAGER_TILE_ELEMENTS = 2**25  # its whole-vocabulary tiles in the eager form (streambp_trl.logits.eager)
 HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 _LORA_RANK = 16
@@ -263,7 +263,8 @@ def head_backward_bytes(
     * ``fused``: dh and dW together, with a float32 (V, H) accumulator beside dW when ``db`` < 4 (half precision);
     * ``eager`` (the gradient in the forward): the bases dh and dW in the accumulation dtype (float32 at least), then
       their casts to the parameter dtype beside them (half precision), and the forward's whole-vocabulary tiles
-      (:data:`streambp_trl.logits.eager.EAGER_TILE_ELEMENTS` elements, three such at 4 bytes).
+      (rows x V, at most :data:`streambp_trl.logits.eager.EAGER_TILE_ELEMENTS` elements and ``logits_chunk`` rows;
+      three such at 4 bytes).
 
     An untrained head (LoRA) takes dh alone (``eager``: in the accumulation dtype), whatever the form.
     """
@@ -274,7 +275,8 @@ def head_backward_bytes(
     if form == "eager":
         cast = db < acc
         weight = v * h * (acc + (db if cast else 0)) if head_trained else 0
-        return h * n * (acc + (db if cast else 0)) + weight + 3 * 4 * _EAGER_TILE_ELEMENTS
+        eager_rows = max(1, min(logits_chunk, EAGER_TILE_ELEMENTS // v))
+        return h * n * (acc + (db if cast else 0)) + weight + 3 * 4 * eager_rows * v
     if not head_trained:
         return h * db * n + tile
     if form == "fused":
