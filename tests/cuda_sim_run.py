@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from transformers.masking_utils import causal_mask_function  # noqa: E402
 
 from streambp_trl import enable_streambp  # noqa: E402
-from streambp_trl.attention import kernels, masks  # noqa: E402
+from streambp_trl.attention import causal_chunk, kernels, masks  # noqa: E402
 
 _SMALL = dict(
     vocab_size=128,
@@ -67,6 +67,11 @@ CASES = {
     "sliding-layers-bf16": ("qwen2-sliding", "bfloat16", {}, 1, 0, None),
     "head-dim-512-bf16": ("qwen3", "bfloat16", {"head_dim": 512}, 1, 0, None),
     "float64": ("qwen3", "float64", {}, 1, 0, None),
+    # cuDNN's form (its check and compute capability 9.0+ assumed; the simulator has no cuDNN): chunks of 64 after
+    # prefixes that are multiples of 64, the last chunk (32) padded to 64
+    "cudnn-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, "cudnn"),
+    "cudnn-mha-bf16": ("qwen3", "bfloat16", {"num_key_value_heads": 8}, 1, 0, "cudnn"),
+    "cudnn-padded-bf16": ("qwen3", "bfloat16", {}, 2, 37, "cudnn"),  # a mask block: memory-efficient
     # deliberately broken engines: the simulation must catch them
     "bug-cpu-mask": ("mistral", "bfloat16", {}, 1, 0, "cpu_mask"),
     "bug-math-attention": ("qwen3", "float32", {}, 1, 0, "math_attention"),
@@ -123,9 +128,41 @@ def _math_attention(module, query, key, value, block, sinks, scaling, dropout, p
     return out.transpose(1, 2).contiguous()
 
 
+CUDNN_CALLS = {"forward": 0, "backward": 0, "padded": 0}
+
+
+def _counted(kind: str, fn):
+    def counted(*args, **kwargs):
+        CUDNN_CALLS[kind] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def _force_cudnn() -> list[tuple]:
+    """cuDNN's form taken as on an sm90 GPU (its check assumed passed; its ops run on their meta functions), chunk
+    lengths padded to multiples of 64; its kernel calls counted. Returns what to restore."""
+    saved = [(kernels, name, getattr(kernels, name)) for name in ("cudnn_usable", "CUDNN_ALIGN", "CUDNN")]
+    chunk_attention = kernels.CausalChunkAttention.apply
+
+    def counted_chunk(query, key, value, scale, kernel, align):
+        CUDNN_CALLS["padded"] += query.shape[2] % align != 0
+        return chunk_attention(query, key, value, scale, kernel, align)
+
+    saved.append((kernels.CausalChunkAttention, "apply", chunk_attention))
+    kernels.cudnn_usable = lambda device, dtype, head_dim: True
+    kernels.CUDNN_ALIGN = 64
+    kernels.CUDNN = causal_chunk.LseKernel(
+        "cudnn", _counted("forward", causal_chunk.CUDNN.forward), _counted("backward", causal_chunk.CUDNN.backward)
+    )
+    kernels.CausalChunkAttention.apply = counted_chunk
+    return saved
+
+
 PATCHES = {
     "cpu_mask": (kernels, "_additive_mask", _cpu_additive_mask),
     "math_attention": (kernels, "_cuda_attention", _math_attention),
+    "cudnn": _force_cudnn,
 }
 
 
@@ -147,11 +184,14 @@ def run_case(name: str) -> dict:
     fake = FakeTensorMode()
     model = build(family, getattr(torch, dtype), overrides, fake)
     enable_streambp(model, stream_chunk_size=CHUNK, verify=False)
-    saved = None
-    if patch:
+    saved = []
+    if patch == "cudnn":
+        saved = _force_cudnn()
+    elif patch:
         owner, attr, replacement = PATCHES[patch]
-        saved = (owner, attr, getattr(owner, attr))
+        saved = [(owner, attr, getattr(owner, attr))]
         setattr(owner, attr, replacement)
+    CUDNN_CALLS.update(forward=0, backward=0, padded=0)
     sdpa, result = sim.CudaSdpa(), {"case": name}
     try:
         with fake:
@@ -166,15 +206,20 @@ def run_case(name: str) -> dict:
     except Exception as e:  # reported, not raised: the test decides what was expected
         result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
     finally:
-        if saved:
-            setattr(*saved)
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
     result["sdpa"] = sdpa.counts
+    result["cudnn"] = dict(CUDNN_CALLS)
     return result
 
 
-def attention_layer(prefix: int = 32768, chunk: int = 4096, heads: int = 32, kv_heads: int = 8, d: int = 128) -> dict:
+def attention_layer(
+    prefix: int = 32768, chunk: int = 4096, cudnn: int = 0, heads: int = 32, kv_heads: int = 8, d: int = 128
+) -> dict:
     """Peak bytes above its inputs of one chunk's attention forward + backward on fake CUDA (Qwen3-8B's heads,
-    bf16), with the keys/values as (prefix leaf, chunk) concatenated as the stream layer's recompute has them."""
+    bf16), with the keys/values as (prefix leaf, chunk) concatenated as the stream layer's recompute has them;
+    ``cudnn`` 1: through cuDNN's form (:func:`_force_cudnn`)."""
+    saved = _force_cudnn() if cudnn else []
     fake, tracker, sdpa = FakeTensorMode(), sim.LiveBytes(), sim.CudaSdpa()
     sim.real_causal_bias()
     module = torch.nn.Module()
@@ -194,6 +239,8 @@ def attention_layer(prefix: int = 32768, chunk: int = 4096, heads: int = 32, kv_
         out, _ = kernels.stream_attention(module, q, k, v, mask, scaling=d**-0.5)
         del k, v
         torch.autograd.grad(out, (q, kp, vp, kc, vc), dy)
+    for owner, attr, value in reversed(saved):
+        setattr(owner, attr, value)
     mib = 2**20
     return {
         "prefix": prefix,
@@ -201,6 +248,7 @@ def attention_layer(prefix: int = 32768, chunk: int = 4096, heads: int = 32, kv_
         "peak_above_inputs_mib": (tracker.peak["cuda"] - base) / mib,
         "at_peak": tracker.at_peak.get("cuda"),
         "sdpa": sdpa.counts,
+        "cudnn": dict(CUDNN_CALLS),
     }
 
 

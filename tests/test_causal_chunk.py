@@ -6,13 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from streambp_trl.attention.causal_chunk import CausalChunkAttention
+from streambp_trl.attention.causal_chunk import CPU_FLASH, CausalChunkAttention
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 12])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("scale", [None, 0.3])
-def test_matches_bottom_right_causal_sdpa(prefix, kv_heads, scale):
+@pytest.mark.parametrize("align", [1, 4, 16])
+def test_matches_bottom_right_causal_sdpa(prefix, kv_heads, scale, align):
+    """``align`` 4 and 16 pad the 7 queries (and the diagonal block's keys/values) to 8 and 16."""
     torch.manual_seed(0)
     chunk = 7
     q = torch.randn(2, 4, chunk, 16, dtype=torch.float64, requires_grad=True)
@@ -22,7 +24,7 @@ def test_matches_bottom_right_causal_sdpa(prefix, kv_heads, scale):
     reference = F.scaled_dot_product_attention(
         q, k, v, attn_mask=causal_lower_right(chunk, prefix + chunk), scale=scale, enable_gqa=kv_heads < 4
     )
-    out = CausalChunkAttention.apply(q, k, v, scale)
+    out = CausalChunkAttention.apply(q, k, v, scale, CPU_FLASH, align)
     torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
     for got, want in zip(
         torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(reference, (q, k, v), dout), strict=True

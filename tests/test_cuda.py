@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from streambp_trl import enable_streambp
+from streambp_trl import disable_streambp, enable_streambp
 from streambp_trl.attention import kernels
 from streambp_trl.attention.causal_chunk import cudnn_usable
 from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
@@ -193,19 +193,19 @@ def test_attention_kernels(dtype, padding, family, kernel, monkeypatch):
     assert any(kernel in op for op in ops) and not any(o in op for op in ops for o in others), ops
 
 
-def test_ragged_chunks_take_flash_aligned_ones_cudnn():
-    """A chunk or prefix length that is no multiple of ``CUDNN_ALIGN`` takes flash (cuDNN would build a new plan for
-    each such shape); aligned ones take cuDNN's form, on compute capability 9.0+."""
+def test_cudnn_takes_aligned_prefixes_flash_the_others():
+    """A chunk whose prefix is a multiple of ``CUDNN_ALIGN`` takes cuDNN's form, its length padded to one (a ragged
+    last chunk too); one after another prefix takes flash (cuDNN would build a plan for each such shape). On compute
+    capability 9.0+."""
     if not cudnn_usable(torch.device("cuda"), torch.bfloat16, 64):
         pytest.skip("cuDNN's form is not taken on this GPU")
-    model = enable_streambp(
-        tiny_causal_lm("qwen3", **WIDE).to("cuda", torch.bfloat16), stream_chunk_size=256, verify=False
-    )
-    aligned = _sdpa_ops(model, batch(1, 1024, padding="none"))
-    ragged = _sdpa_ops(model, batch(1, 1000, padding="none"))  # chunks of 256, the last of 232 (prefix 768)
-    _report(test="cudnn_alignment", aligned=sorted(aligned), ragged=sorted(ragged))
-    assert any("cudnn" in op for op in aligned) and not any("flash" in op for op in aligned), aligned
-    assert any("cudnn" in op for op in ragged) and any("flash" in op for op in ragged), ragged
+    model = tiny_causal_lm("qwen3", **WIDE).to("cuda", torch.bfloat16)
+    ragged = _sdpa_ops(enable_streambp(model, stream_chunk_size=256, verify=False), batch(1, 1000, padding="none"))
+    disable_streambp(model)
+    unaligned = _sdpa_ops(enable_streambp(model, stream_chunk_size=200, verify=False), batch(1, 1000, padding="none"))
+    _report(test="cudnn_alignment", chunk_256=sorted(ragged), chunk_200=sorted(unaligned))
+    assert any("cudnn" in op for op in ragged) and not any("flash" in op for op in ragged), ragged
+    assert any("cudnn" in op for op in unaligned) and any("flash" in op for op in unaligned), unaligned
 
 
 def test_cudnn_attention_on_hopper():

@@ -61,6 +61,9 @@ EXPECTED = {
     "sliding-mha-fp32": {"efficient"},
     "sliding-layers-bf16": {"flash", "efficient"},  # Qwen2: one full-attention layer, one sliding-window layer
     "head-dim-512-bf16": {"efficient"},  # past flash's head_dim limit
+    "cudnn-gqa-bf16": set(),  # cuDNN's form: its own ops, no SDPA call
+    "cudnn-mha-bf16": set(),
+    "cudnn-padded-bf16": {"efficient"},  # a mask block: never cuDNN's form
 }
 
 
@@ -78,6 +81,17 @@ def test_grouped_heads_run_per_key_value_head(cases):
     assert cases["causal-mqa-bf16"]["sdpa"]["flash"] == mha
     assert cases["causal-gqa-bf16"]["sdpa"]["flash"] == 2 * mha
     assert cases["causal-gqa-fp32"]["sdpa"]["efficient"] == 2 * cases["causal-mha-fp32"]["sdpa"]["efficient"]
+
+
+def test_cudnn_form_on_cuda_tensors(cases):
+    """Where cuDNN's form is taken (as on an sm90 GPU whose check passed), every plainly causal chunk runs its prefix
+    and diagonal calls on CUDA tensors, the last chunk (32 tokens) padded to 64, forward and backward; several
+    key/value heads per call (GQA: one call for 2 key/value heads; MHA: two of 4 heads each)."""
+    gqa, mha = cases["cudnn-gqa-bf16"]["cudnn"], cases["cudnn-mha-bf16"]["cudnn"]
+    # 2 layers x (forward + recompute) x 3 chunks, the 2nd and 3rd with a prefix call: 20 forward calls
+    assert gqa == {"forward": 20, "backward": 10, "padded": 4}, gqa
+    assert mha == {"forward": 40, "backward": 20, "padded": 8}, mha
+    assert cases["cudnn-padded-bf16"]["cudnn"]["forward"] == 0
 
 
 def test_no_fused_kernel_is_a_clear_error(cases):
@@ -106,3 +120,13 @@ def test_grouped_heads_backward_workspace():
     per_token = (long[0]["peak_above_inputs_mib"] - short[0]["peak_above_inputs_mib"]) * 2**20 / 8192
     assert per_token <= 10.5 * 1024 + 64, per_token / 1024
     assert set(long[0]["sdpa"]) == {"flash"}
+
+
+def test_cudnn_form_backward_takes_no_more_than_flash():
+    """cuDNN's form at the same shapes, two key/value heads per call: the prefix's and the chunk's key/value
+    gradients and their join (2 x 1 KiB per token) instead of flash's expanded workspace and dK/dV (2.5 KiB):
+    10 KiB per prefix token (the simulator counts the tensors the ops return, not a kernel's private workspace)."""
+    short, long = (_run("--attention-layer", str(n), "512", "1")[0] for n in (4096, 12288))
+    per_token = (long["peak_above_inputs_mib"] - short["peak_above_inputs_mib"]) * 2**20 / 8192
+    assert per_token <= 10 * 1024 + 64, per_token / 1024
+    assert long["sdpa"] == {} and long["cudnn"]["backward"] == 8  # 4 calls of 2 key/value heads, 2 parts each

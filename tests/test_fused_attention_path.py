@@ -34,18 +34,26 @@ def _cuda_path_on_cpu(module, query, key, value, attention_mask, scaling=None, d
 def cuda_path(monkeypatch, request):
     """``route()`` sends the ``"streambp"`` attention through the CUDA path (after ``enable_streambp``, whose probe
     batch is padded) with the flash kernel, or the cuDNN form (prefix and diagonal merged, several key/value heads
-    per call) with the CPU's flash kernel in cuDNN's place; the grouped calls are counted (all, those with a prefix,
-    and the key/value heads per call)."""
-    calls = {"grouped": 0, "prefix": 0, "per_call": set(), "kernel": request.param}
+    per call, chunks padded to a multiple of ``align``) with the CPU's flash kernel in cuDNN's place; the grouped
+    calls are counted (all, those with a prefix, and the key/value heads per call), and the padded cuDNN-form
+    calls."""
+    calls = {"grouped": 0, "prefix": 0, "per_call": set(), "kernel": request.param, "padded": 0}
 
-    def route():
+    def route(align: int = 1):
         interface._register()
         monkeypatch.setitem(AttentionInterface._global_mapping, interface.IMPLEMENTATION, _cuda_path_on_cpu)
         monkeypatch.setattr(kernels, "_FLASH_DTYPES", (torch.float64,))  # CUDA's flash has no float64; the CPU's has
         if request.param == "cudnn":
             monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: True)
             monkeypatch.setattr(kernels, "CUDNN", CPU_FLASH)
-            monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)
+            monkeypatch.setattr(kernels, "CUDNN_ALIGN", align)
+            chunk_attention = kernels.CausalChunkAttention.apply
+
+            def counted_chunk(query, key, value, scale, kernel, align):
+                calls["padded"] += query.shape[2] % align != 0
+                return chunk_attention(query, key, value, scale, kernel, align)
+
+            monkeypatch.setattr(kernels.CausalChunkAttention, "apply", counted_chunk)
 
     calls["route"] = route
     apply = kernels._GroupedHeads.apply
@@ -72,7 +80,7 @@ def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
     mask = torch.ones_like(ids)
     labels = ids.clone()
     labels[:, :4] = -100
-    cuda_path["route"]()
+    cuda_path["route"](align=chunk)  # the cuDNN form: a ragged last chunk padded to a multiple of the chunk
     ref_loss = reference_loss(reference, ids, mask, labels)
     ref_loss.backward()
     loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -86,6 +94,7 @@ def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
         assert (cuda_path["prefix"] > 0) == several_chunks
         assert cuda_path["per_call"] == ({per_call} if several_chunks or per_call < kv_heads else set())
         assert per_call == {(4, 2): 1, (8, 2): 2, (16, 4): 2, (4, 1): 1, (4, 4): 2}[heads, kv_heads]
+        assert (cuda_path["padded"] > 0) == (ids.shape[1] % chunk != 0)  # a ragged last chunk, padded
     elif kv_heads == heads:  # one SDPA call over all heads; the prefix gradient goes back through autograd
         assert cuda_path["grouped"] == 0
     else:  # every recompute of a chunk after the first hands its prefix's key/value gradient to the sums directly

@@ -102,12 +102,21 @@ class CausalChunkAttention(torch.autograd.Function):
     """Bottom-right causal attention of ``query`` (batch, heads, c, d) over ``key``/``value`` (batch, kv_heads,
     prefix + c, d; grouped heads as the fused kernel takes them), scaled by ``scale`` (``None``: 1/sqrt(d)), through
     ``kernel`` (:data:`CPU_FLASH` or :data:`CUDNN`); returns (batch, heads, c, d_v). The two parts' outputs merge in
-    float32 (one rounding to a low-precision dtype, as a single fused call's output)."""
+    float32 (one rounding to a low-precision dtype, as a single fused call's output).
+
+    ``align``: both calls run on ``c`` rounded up to a multiple of it (zero queries appended, and as many keys and
+    values after the diagonal block's), so a kernel that builds a plan per shape sees few shapes (with a prefix that
+    is a multiple of ``align``). Exact: an appended key comes after every real query, which the causal diagonal hides
+    from it; an appended query's output is dropped and its gradient is zero, which adds nothing to any other's.
+    """
 
     @staticmethod
-    def forward(ctx, query, key, value, scale: float | None, kernel: LseKernel = CPU_FLASH):
-        p = key.shape[2] - query.shape[2]
-        out, lse, extra = kernel.forward(query, key[:, :, p:], value[:, :, p:], True, scale)
+    def forward(ctx, query, key, value, scale: float | None, kernel: LseKernel = CPU_FLASH, align: int = 1):
+        c = query.shape[2]
+        p = key.shape[2] - c
+        pad = -c % align
+        query, key_diag, value_diag = (_pad(t, pad) for t in (query, key[:, :, p:], value[:, :, p:]))
+        out, lse, extra = kernel.forward(query, key_diag, value_diag, True, scale)
         extras = [extra]
         if p:
             out_prefix, lse_prefix, extra_prefix = kernel.forward(query, key[:, :, :p], value[:, :, :p], False, scale)
@@ -122,28 +131,39 @@ class CausalChunkAttention(torch.autograd.Function):
             lse = merged
             extras.append(extra_prefix)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.scale, ctx.prefix, ctx.kernel, ctx.extras = scale, p, kernel, extras
-        return out
+        ctx.scale, ctx.prefix, ctx.pad, ctx.kernel, ctx.extras = scale, p, pad, kernel, extras
+        return out[:, :, :c] if pad else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         query, key, value, out, lse = ctx.saved_tensors
-        p, kernel, extras = ctx.prefix, ctx.kernel, ctx.extras
+        p, pad, kernel, extras = ctx.prefix, ctx.pad, ctx.kernel, ctx.extras
         ctx.extras = None
-        dq, dk, dv = kernel.backward(grad, query, key[:, :, p:], value[:, :, p:], out, lse, True, ctx.scale, extras[0])
+        grad = _pad(grad, pad)
+        key_diag, value_diag = _pad(key[:, :, p:], pad), _pad(value[:, :, p:], pad)
+        dq, dk, dv = kernel.backward(grad, query, key_diag, value_diag, out, lse, True, ctx.scale, extras[0])
+        if pad:
+            c = query.shape[2] - pad
+            dq, dk, dv = dq[:, :, :c], dk[:, :, :c], dv[:, :, :c]
         if p:
             dq_prefix, dk_prefix, dv_prefix = kernel.backward(
                 grad, query, key[:, :, :p], value[:, :, :p], out, lse, False, ctx.scale, extras[1]
             )
-            dq += dq_prefix
+            dq += dq_prefix[:, :, : dq.shape[2]]
             dk, dv = torch.cat([dk_prefix, dk], dim=2), torch.cat([dv_prefix, dv], dim=2)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
+
+
+def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` (batch, heads, length, d) with ``n`` zero rows appended along the length (itself when ``n`` is 0)."""
+    return torch.nn.functional.pad(t, (0, 0, 0, n)) if n else t
 
 
 def cudnn_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :data:`CUDNN` runs, and agrees with SDPA's math kernel, for ``dtype`` and ``head_dim`` on ``device``
     (a CUDA device of compute capability 9.0 or newer, where PyTorch's cuDNN attention is enabled). Checked once per
-    (device, dtype, head dimension): forward and input gradients of a small grouped-query chunk with a prefix."""
+    (device, dtype, head dimension): forward and input gradients of a small grouped-query chunk with a prefix, its
+    queries padded as :class:`CausalChunkAttention`'s ``align`` pads them."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128:
         return False
     if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
@@ -168,7 +188,7 @@ def _cudnn_check(index: int, dtype: torch.dtype, head_dim: int) -> bool:
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     try:
         with torch.enable_grad(), torch.autocast("cuda", enabled=False):
-            out = CausalChunkAttention.apply(*leaves, None, CUDNN)
+            out = CausalChunkAttention.apply(*leaves, None, CUDNN, 128)  # 64 queries padded to 128
             got = (out, *torch.autograd.grad(out, leaves, grad))
     except RuntimeError as e:
         warnings.warn(

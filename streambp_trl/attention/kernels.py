@@ -230,10 +230,11 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
 _MASK_ALIGN = 16  # the memory-efficient kernel wants each mask row to start 16-element aligned (else torch pads)
 _BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
-# cuDNN builds an execution plan per (queries, keys) shape, about 0.2 s each (measured on an H200: the first 16k step
-# after a 2k warm-up took 1.7 s more, 8 new plans); so only chunks whose lengths are multiples of this take it: full
-# chunks of the usual sizes, whose prefixes are multiples of the chunk, a set of shapes that stays small over a
-# training run of varying lengths. A ragged chunk (the last of most lengths) takes flash, which needs no plan.
+# cuDNN builds an execution plan per (queries, keys) shape (on an H200 the first 16k step after a 2k warm-up took
+# 0.6 to 1.7 s more than the next, with 8 new plans); so its calls run on chunk lengths rounded up to a multiple of
+# this (:class:`~.causal_chunk.CausalChunkAttention`'s ``align``), and only after a prefix that is one: full chunks
+# of the usual sizes have prefixes that are multiples of the chunk, so over a training run of varying lengths the
+# shapes stay few. A chunk after another prefix (a chunk size no multiple of it) takes flash, which needs no plan.
 CUDNN_ALIGN = 256
 
 
@@ -250,9 +251,9 @@ def _cuda_attention(
 ) -> torch.Tensor:
     """:func:`stream_attention` on CUDA tensors, through an explicitly chosen fused SDPA kernel, never math.
 
-    * cuDNN attention (float16/bfloat16, no mask block or dropout, head_dim <= 128, equal q/k/v head dims, chunk and
-      prefix lengths multiples of :data:`CUDNN_ALIGN`, a GPU of compute capability 9.0+ where its check passes): the
-      plain chunk as its prefix and its diagonal block, merged
+    * cuDNN attention (float16/bfloat16, no mask block or dropout, head_dim <= 128, equal q/k/v head dims, a prefix
+      length that is a multiple of :data:`CUDNN_ALIGN`, a GPU of compute capability 9.0+ where its check passes):
+      the plain chunk as its prefix and its diagonal block, merged
       (:class:`~.causal_chunk.CausalChunkAttention`); about twice flash's speed on Hopper GPUs;
     * flash attention (float16/bfloat16, no mask block, head_dim <= 256, equal q/k/v head dims): the plain chunk is
       bottom-right causal (:class:`LowerRight`), which flash computes natively;
@@ -282,7 +283,7 @@ def _cuda_attention(
         raise RuntimeError(_no_kernel_message(module, query, value, "attention sinks (a mask block)", dropout, tried))
     kernels = []
     plain = block is None and not dropout and value.shape[-1] == query.shape[-1]
-    aligned = query.shape[2] % CUDNN_ALIGN == 0 and key.shape[2] % CUDNN_ALIGN == 0
+    aligned = (key.shape[2] - query.shape[2]) % CUDNN_ALIGN == 0
     if plain and aligned and cudnn_usable(query.device, query.dtype, query.shape[-1]):
         kernels.append("cudnn")
     if (
@@ -326,7 +327,7 @@ def _fused_attention(
         per_call = cudnn_kv_heads(key.shape[1], query.shape[1] // key.shape[1])
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return CausalChunkAttention.apply(q, k, v, scale, CUDNN)
+            return CausalChunkAttention.apply(q, k, v, scale, CUDNN, CUDNN_ALIGN)
 
     elif kernel == "flash":
 
