@@ -57,6 +57,9 @@ def test_predict_wall_s_scales_the_full_length_steps():
     assert gb.predict_wall_s(two, Mode.STREAM, 4000, 100) == pytest.approx(9 + 4 * 2)
     assert gb.predict_wall_s(two, Mode.STREAM, 1500, 100) == pytest.approx(8 + 2 * 1.5)
     assert gb.predict_wall_s(two, Mode.STREAM, 500, 100) == pytest.approx(8 + 2 * 0.5)  # below every length
+    # two measured steps per process (--repeats 2): both scale, the fixed part is what is left of the wall time
+    twice = [_rec(Mode.STREAM, 1000, time_s=2.0, wall_s=10.0, warmup_seq_len=100, repeats=2)]
+    assert gb.predict_wall_s(twice, Mode.STREAM, 2000, 100) == pytest.approx(6 + 2 * 2 * 4)
     # the exponent stays within [1, 2]
     steep = [*one, _rec(Mode.STREAM, 2000, time_s=16.0, wall_s=24.0, warmup_seq_len=100)]
     assert gb.predict_wall_s(steep, Mode.STREAM, 4000, 100) == pytest.approx(8 + 16 * 4)
@@ -137,6 +140,7 @@ def test_order_oom_and_time_budget_with_a_fake_measure(tmp_path, monkeypatch):
     monkeypatch.setattr(gb.Run, "clock", staticmethod(lambda: now[0]))
     argv = ["--device", "cpu", "--model", "qwen3-tiny", "--mode", "checkpoint", "stream", "stream+offload"]
     argv += ["--seq-len", "1024", "256", "512", "--chunk", "128", "--step", "256", "--warmup-seq-len", "128"]
+    argv += ["--repeats", "1"]  # the fake's wall time holds one measured step
     result = gb.main([*argv, "--budget", "1GiB", "--time-budget", "110", "--out-dir", str(tmp_path)])
     # 256: 3 x 10 s; 512: 3 x 20 s (checkpoint out of memory); 1024: about 30 s predicted with 20 s left
     assert calls == [(m, n) for n in (256, 512) for m in ("checkpoint", "stream", "stream+offload")]
