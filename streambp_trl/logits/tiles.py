@@ -60,12 +60,25 @@ def rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.unsqueeze(1) @ b.unsqueeze(2))[:, 0, 0]
 
 
+_CAST_SLICE_ELEMENTS = 2**24  # elements of one operand slice cast to the accumulation dtype (64 MiB in float32)
+
+
 def addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, accumulating in acc's dtype without rounding the product to a lower precision first."""
+    """acc += a @ b, accumulating in acc's dtype without rounding the product to a lower precision first.
+
+    On CUDA a half-precision product accumulates into float32 directly (``out_dtype``). Elsewhere the operands are
+    cast to acc's dtype, a slice of the contracted dimension at a time, so no whole-operand copy is made (the eager
+    form's ``dy @ W`` would cast the whole (V, H) head weight to float32: 2.5 GB for Qwen3-8B on the CPU)."""
     if acc.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        return
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    k = a.shape[1]
+    step = max(1, min(k, _CAST_SLICE_ELEMENTS // max(a.shape[0], b.shape[1], 1)))
+    for k0 in range(0, k, step):
+        acc.addmm_(a[:, k0 : k0 + step].to(acc.dtype), b[k0 : k0 + step].to(acc.dtype))
 
 
 @dataclasses.dataclass
