@@ -66,6 +66,9 @@ def build(name: str, dtype: torch.dtype, fake: FakeTensorMode, lora: bool, overr
     fake.allow_non_fake_inputs = True
     with fake:
         model.to_empty(device="cuda")
+        # to_empty gives each module its own new tensor, so a tied input/output embedding (one Parameter in two
+        # modules) would come back as two: tie them again, as a loaded model has them
+        (model.get_base_model() if hasattr(model, "get_base_model") else model).tie_weights()
     fake.allow_non_fake_inputs = False
     return model.train()
 
