@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from streambp_trl.attention.causal_chunk import CPU_FLASH, CausalChunkAttention
+from streambp_trl.attention.causal_chunk import CPU_FLASH, CausalChunkAttention, deterministic_only
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 12])
@@ -43,3 +43,18 @@ def test_no_mask_is_built_for_a_causal_chunk():
     with torch.profiler.profile() as prof:
         F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(8, 24))
     assert "aten::tril" in {e.name for e in prof.events()}  # the check can fail
+
+
+def test_deterministic_algorithms_rule_out_cudnn():
+    """As PyTorch's SDPA: cuDNN's attention backward is not deterministic, so it is not chosen while deterministic
+    algorithms are required (``warn_only`` allows it)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert not deterministic_only()
+        torch.use_deterministic_algorithms(True)
+        assert deterministic_only()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert not deterministic_only()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -161,17 +161,24 @@ def _pad(t: torch.Tensor, n: int) -> torch.Tensor:
 
 def cudnn_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :data:`CUDNN` runs, and agrees with SDPA's math kernel, for ``dtype`` and ``head_dim`` on ``device``
-    (a CUDA device of compute capability 9.0 or newer, where PyTorch's cuDNN attention is enabled). Checked once per
+    (a CUDA device of compute capability 9.0 or newer, where PyTorch's cuDNN attention is enabled and deterministic
+    algorithms are not required: :func:`deterministic_only`). Checked once per
     (device, dtype, head dimension): forward and input gradients of a small grouped-query chunk with a prefix, its
     queries padded as :class:`CausalChunkAttention`'s ``align`` pads them."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128:
         return False
-    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()):
+    if not (torch.backends.cudnn.is_available() and torch.backends.cuda.cudnn_sdp_enabled()) or deterministic_only():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
     return _cudnn_check(index, dtype, head_dim)
+
+
+def deterministic_only() -> bool:
+    """Deterministic algorithms are required (``torch.use_deterministic_algorithms(True)``, not warn-only), which
+    cuDNN's attention backward is not: PyTorch's SDPA does not choose it then, nor does this form."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 @functools.cache
