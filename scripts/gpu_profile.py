@@ -15,7 +15,8 @@ backwards; these syncs add a little time, so the phases are compared with each o
 then, for the configurations in ``--profile``, one step under ``torch.profiler`` whose trace gives:
 
 * kernel time by kind (matrix products, attention, elementwise/reductions, copies, other) and the top kernels;
-* kernel time by engine phase (each launch attributed to the innermost phase open on its host thread);
+* kernel time by engine phase (each launch, through the runtime or the driver API, attributed to the innermost
+  phase open on its host thread);
 * the union of kernel intervals over the profiled step's span (how busy the GPU was: launch-bound or not);
 * the host's kernel launches and its synchronising calls (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``,
   synchronous ``cudaMemcpy``) inside the step.
@@ -113,7 +114,9 @@ def analyse_trace(trace: dict[str, Any], step_name: str = "profiled_step") -> di
     launch_phase: dict[Any, str] = {}
     launches, syncs = 0, collections.Counter()
     for e in events:
-        if e.get("cat") != "cuda_runtime" or not t0 <= e["ts"] <= t1:
+        # launches through the runtime API (cudaLaunchKernel) and the driver API (cuLaunchKernelEx: cuBLAS's and
+        # cuDNN's kernels), each tied to its kernel by the correlation id
+        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not t0 <= e["ts"] <= t1:
             continue
         name = str(e.get("name", ""))
         if "Launch" in name:

@@ -31,14 +31,15 @@ def _event(cat, name, ts, dur, tid=1, **args):
 
 
 def test_trace_analysis():
-    """Kernels are attributed to the innermost ``sbp/`` span open on their launching thread; launches and syncs are
-    counted inside the step only; the busy time is the union of kernel intervals."""
+    """Kernels are attributed to the innermost ``sbp/`` span open on their launching thread, launched through the
+    runtime or the driver API (cuBLAS's and cuDNN's kernels); launches and syncs are counted inside the step only; the
+    busy time is the union of kernel intervals."""
     events = [
         _event("user_annotation", "profiled_step", 0, 100),
         _event("user_annotation", "sbp/layer_backward", 10, 60, tid=2),
         _event("user_annotation", "sbp/chunk_backwards", 20, 30, tid=2),
         _event("cuda_runtime", "cudaLaunchKernel", 25, 1, tid=2, correlation=1),  # chunk_backwards
-        _event("cuda_runtime", "cudaLaunchKernel", 60, 1, tid=2, correlation=2),  # layer_backward
+        _event("cuda_driver", "cuLaunchKernelEx", 60, 1, tid=2, correlation=2),  # layer_backward (cuDNN's launch)
         _event("cuda_runtime", "cudaLaunchKernel", 25, 1, tid=3, correlation=3),  # another thread: outside
         _event("cuda_runtime", "cudaStreamSynchronize", 90, 2, tid=1),
         _event("cuda_runtime", "cudaStreamSynchronize", 150, 2, tid=1),  # after the step
