@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from streambp_trl.attention.causal_chunk import CPU_FLASH, CausalChunkAttention, deterministic_only
+from streambp_trl.attention import causal_chunk
+from streambp_trl.attention.causal_chunk import CPU_FLASH, CausalChunkAttention, LseKernel, deterministic_only
 
 
 @pytest.mark.parametrize("prefix", [0, 1, 12])
@@ -58,3 +59,29 @@ def test_deterministic_algorithms_rule_out_cudnn():
         assert not deterministic_only()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_the_cudnn_check_compares_with_the_math_kernel(monkeypatch):
+    """The one-time check of cuDNN's form (here with the CPU's flash kernel in cuDNN's place): passes for a kernel
+    that computes the form, whatever the caller's mode (inference mode, no grad); fails, with a warning, for one
+    whose log-sum-exps are off (a kernel reporting them in another base would be) and for one that raises."""
+    check = causal_chunk._cudnn_check.__wrapped__
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(causal_chunk, "CUDNN", CPU_FLASH)
+    with torch.inference_mode(), torch.no_grad():
+        assert check(cpu, torch.bfloat16, 32)
+
+    def off_lse(query, key, value, causal, scale):
+        out, lse, extra = CPU_FLASH.forward(query, key, value, causal, scale)
+        return out, lse * 1.4427, extra  # log2-based
+
+    monkeypatch.setattr(causal_chunk, "CUDNN", LseKernel("off", off_lse, CPU_FLASH.backward))
+    with pytest.warns(UserWarning, match="differs from the reference"):
+        assert not check(cpu, torch.bfloat16, 32)
+
+    def raising(*args):
+        raise RuntimeError("cuDNN Frontend error: no engine\nmore")
+
+    monkeypatch.setattr(causal_chunk, "CUDNN", LseKernel("raising", raising, raising))
+    with pytest.warns(UserWarning, match="cuDNN attention unavailable .cuDNN Frontend error: no engine.;"):
+        assert not check(cpu, torch.bfloat16, 32)

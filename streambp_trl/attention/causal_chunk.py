@@ -172,7 +172,7 @@ def cudnn_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index) < (9, 0):
         return False
-    return _cudnn_check(index, dtype, head_dim)
+    return _cudnn_check(torch.device("cuda", index), dtype, head_dim)
 
 
 def deterministic_only() -> bool:
@@ -182,8 +182,13 @@ def deterministic_only() -> bool:
 
 
 @functools.cache
-def _cudnn_check(index: int, dtype: torch.dtype, head_dim: int) -> bool:
-    device = torch.device("cuda", index)
+def _cudnn_check(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    # its own tensors and graph, whatever the caller's mode (no grad, inference mode, autocast)
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+        return _cudnn_compare(device, dtype, head_dim)
+
+
+def _cudnn_compare(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     generator = torch.Generator(device=device).manual_seed(0)
     chunk, prefix = 64, 96
     q, k, v = (
@@ -194,26 +199,24 @@ def _cudnn_check(index: int, dtype: torch.dtype, head_dim: int) -> bool:
     grad = torch.randn(1, 4, chunk, head_dim, device=device, dtype=dtype, generator=generator)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     try:
-        with torch.enable_grad(), torch.autocast("cuda", enabled=False):
-            out = CausalChunkAttention.apply(*leaves, None, CUDNN, 128)  # 64 queries padded to 128
-            got = (out, *torch.autograd.grad(out, leaves, grad))
+        out = CausalChunkAttention.apply(*leaves, None, CUDNN, 128)  # 64 queries padded to 128
+        got = (out, *torch.autograd.grad(out, leaves, grad))
     except RuntimeError as e:
         warnings.warn(
-            f"StreamBP: cuDNN attention unavailable ({str(e).splitlines()[0]}); using flash attention.", stacklevel=2
+            f"StreamBP: cuDNN attention unavailable ({str(e).splitlines()[0]}); using flash attention.", stacklevel=3
         )
         return False
     ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     mask = torch.ones(chunk, prefix + chunk, dtype=torch.bool, device=device).tril(prefix)
-    with torch.enable_grad(), torch.autocast("cuda", enabled=False):
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            *ref_leaves[:1], *(t.expand(-1, 4, -1, -1) for t in ref_leaves[1:]), attn_mask=mask
-        )
-        want = (ref, *torch.autograd.grad(ref, ref_leaves, grad.double()))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *ref_leaves[:1], *(t.expand(-1, 4, -1, -1) for t in ref_leaves[1:]), attn_mask=mask
+    )
+    want = (ref, *torch.autograd.grad(ref, ref_leaves, grad.double()))
     errors = [((g.double() - w).norm() / w.norm()).item() for g, w in zip(got, want, strict=True)]
     if max(errors) > 2e-2:
         warnings.warn(
             f"StreamBP: cuDNN attention differs from the reference (relative errors {errors}); using flash attention.",
-            stacklevel=2,
+            stacklevel=3,
         )
         return False
     return True
