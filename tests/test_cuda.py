@@ -258,11 +258,12 @@ def _intervals(events: list[dict]) -> list[tuple[float, float]]:
     return sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
 
 
-def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
-    """Total length of ``spans`` covered by the union of ``busy`` (both lists of (start, end))."""
+def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]], gap: float = 0.0) -> float:
+    """Total length of ``spans`` covered by the union of ``busy`` (both lists of (start, end)), ``busy`` intervals
+    less than ``gap`` apart joined (the stream is at work between them)."""
     merged: list[list[float]] = []
     for start, end in busy:
-        if merged and start <= merged[-1][1]:
+        if merged and start <= merged[-1][1] + gap:
             merged[-1][1] = max(merged[-1][1], end)
         else:
             merged.append([start, end])
@@ -277,8 +278,12 @@ def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) 
 
 def test_offload_copies_overlap_compute():
     """The saved layer inputs' copies (device to host in forward, back in backward) run on the side stream while
-    the compute stream works. The model is wide enough that the GPU, not the host's kernel launches, sets the pace
-    (in a launch-bound step the compute stream idles between kernels whether or not the copies overlap)."""
+    the compute stream works on a layer: most of their time falls inside the compute stream's work, its kernels
+    joined across gaps shorter than 100 us (the host's launches between kernels, longer under the profiler). A copy
+    the compute stream waited for would leave a gap of the copy's length (0.6 ms each here on an H200). Kernel-level
+    overlap alone is reported too: on an H100 it was 4% and on an H200 10% of the copy time (the copies land
+    between kernels of a launch-bound profiled step), while the step with offload took 1.002x the time without
+    (benchmarks/gpu_nvidia_h200_profile.md)."""
     overrides = dict(hidden_size=2048, intermediate_size=8192, head_dim=128, num_attention_heads=16,
                      num_key_value_heads=8, num_hidden_layers=4, layer_types=["full_attention"] * 4,
                      vocab_size=4096)  # fmt: skip
@@ -312,13 +317,15 @@ def test_offload_copies_overlap_compute():
     copies = _intervals(to_host + to_device)
     copy_time = sum(end - start for start, end in copies)
     overlapped = _overlap(copies, busy) / copy_time if copy_time else 0.0
+    in_work = _overlap(copies, busy, gap=100.0) / copy_time if copy_time else 0.0
     copy_streams = {e["args"]["stream"] for e in to_host + to_device}
     compute_time = sum(end - start for start, end in busy)
     _report(test="offload_overlap", copies=len(copies), copy_ms=copy_time / 1e3, compute_ms=compute_time / 1e3,
-            overlapped=overlapped, compute_stream=compute, copy_streams=sorted(copy_streams))  # fmt: skip
+            overlapped=overlapped, in_work=in_work, compute_stream=compute,
+            copy_streams=sorted(copy_streams))  # fmt: skip
     assert len(to_host) >= overrides["num_hidden_layers"] - 1 and to_device, (len(to_host), len(to_device))
     assert compute not in copy_streams, (compute, copy_streams)
-    assert overlapped >= 0.5, f"only {overlapped:.0%} of the copy time overlaps compute"
+    assert in_work >= 0.5, f"only {in_work:.0%} of the copy time falls inside the compute stream's work"
 
 
 @pytest.mark.parametrize(("model_name", "seq_len", "chunk"), [("qwen3-4b", 16384, 4096), ("qwen3-8b", 32768, 4096)])
