@@ -118,6 +118,25 @@ def test_bracket():
     assert gb.bracket([], budget) == (0, None)
 
 
+def test_repeats_report_the_fastest_step(tmp_path, monkeypatch):
+    """Each process measures ``--repeats`` steps; the record's time is the fastest (what later steps of a training
+    run take), the first kept as ``first_step_s`` (it also allocates pinned host buffers and cuDNN plans)."""
+    specs = []
+
+    def fake_measure(spec, timeout=None, log=True):
+        specs.append(spec)
+        record = {"mode": str(spec.mode), "seq_len": spec.seq_len, "batch_size": 1, "status": "ok"}
+        return {**record, "time_s": 1.5, "time_min_s": 1.0, "times_s": [2.0, 1.0], "peak_mb": 1, "total_peak_mb": 11}
+
+    monkeypatch.setattr(gb, "measure", fake_measure)
+    argv = ["--device", "cpu", "--model", "qwen3-tiny", "--mode", "stream", "--seq-len", "256", "--chunk", "128"]
+    result = gb.main([*argv, "--no-max-len", "--out-dir", str(tmp_path)])
+    assert {s.repeats for s in specs} == {2} and result["settings"]["repeats"] == 2
+    record = result["records"][0]
+    assert (record["time_s"], record["first_step_s"]) == (1.0, 2.0)
+    assert record["ms_per_1k_tokens"] == pytest.approx(1e6 * 1.0 / 256)
+
+
 def test_order_oom_and_time_budget_with_a_fake_measure(tmp_path, monkeypatch):
     """Lengths increasing, modes interleaved; a mode that ran out of memory is not run longer; nothing starts that
     would likely pass the time budget; the bisection stops with the grid's bracket."""
