@@ -63,12 +63,13 @@ def test_trace_analysis():
 def test_end_to_end_on_the_cpu(tmp_path):
     gpu_profile.main(
         ["--device", "cpu", "--model", "qwen3-tiny", "--dtype", "float32", "--seq-len", "128", "--warmup-seq-len",
-         "32", "--repeats", "1", "--configs", "trl", "stream:32", "--profile", "stream:32", "--out-dir",
-         str(tmp_path), "--name", "prof"]
+         "32", "--repeats", "1", "--extra-lengths", "96", "--configs", "trl", "stream:32", "--profile", "stream:32",
+         "--out-dir", str(tmp_path), "--name", "prof"]
     )  # fmt: skip
     result = json.loads((tmp_path / "prof.json").read_text())
     trl, stream = result["records"]
     assert trl["config"] == "trl" and "profile" not in trl and trl["step_s"] > 0
+    assert [s["seq_len"] for s in trl["extra_steps_s"]] == [96] and trl["extra_steps_s"][0]["backward"] > 0
     assert {"layer_forward", "collect_kv", "chunk_backwards", "layer_backward"} <= set(stream["phases_s"])
     assert stream["profile"]["cpu_ops"] > 0 and stream["profile"]["kernels"] == 0  # no GPU: no kernels
     assert result["environment"]["device"] == "cpu"
