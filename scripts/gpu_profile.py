@@ -256,11 +256,6 @@ def run_config(args: argparse.Namespace, config: str, profile: bool) -> dict[str
         import streambp_trl.logits.eager as eager
 
         eager.EAGER_TILE_ELEMENTS = args.eager_tile_elements
-    if args.layers:
-        import streambp_trl.bench.models as models
-
-        build_config = models.build_config
-        models.build_config = lambda name: _with_layers(build_config(name), args.layers)
     policy = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
     loss_fn = step_function(spec, device, [policy])[0]
     warm_fn = step_function(dataclasses.replace(spec, seq_len=args.warmup_seq_len), device, [policy])[0]
@@ -319,14 +314,6 @@ def run_config(args: argparse.Namespace, config: str, profile: bool) -> dict[str
     return record
 
 
-def _with_layers(config: Any, layers: int) -> Any:
-    text = config.get_text_config()
-    text.num_hidden_layers = layers
-    if getattr(text, "layer_types", None):
-        text.layer_types = text.layer_types[:layers]
-    return config
-
-
 def summary_lines(record: dict[str, Any]) -> list[str]:
     lines = [
         f"== {record['config']} @ {record['seq_len']}: {record.get('status', 'ok')}",
@@ -363,7 +350,6 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-8b")
-    parser.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seq-len", type=int, default=16384)

@@ -319,8 +319,8 @@ def _fused_attention(
     dropout: float,
     prefix: PrefixPair | None,
 ) -> torch.Tensor:
-    """(batch, heads, q_len, d_v) attention through ``kernel`` (``"flash"`` or ``"efficient"``) only; ``prefix``: the
-    :class:`PrefixGrad` pair of a recompute's joined keys/values."""
+    """(batch, heads, q_len, d_v) attention through ``kernel`` (``"cudnn"``, ``"flash"`` or ``"efficient"``) only;
+    ``prefix``: the :class:`PrefixGrad` pair of a recompute's joined keys/values."""
     q_len, kv_len = query.shape[2], key.shape[2]
     per_call = 1
     if kernel == "cudnn":

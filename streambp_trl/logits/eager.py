@@ -32,6 +32,12 @@ from .tiles import LogitCall, addmm_acc, rowdot
 EAGER_TILE_ELEMENTS = 2**27
 
 
+def eager_rows(vocab: int, token_chunk: int) -> int:
+    """Rows of one eager tile: as many as :data:`EAGER_TILE_ELEMENTS` allows over the whole vocabulary, at most the
+    token tile, at least one."""
+    return max(1, min(token_chunk, EAGER_TILE_ELEMENTS // vocab))
+
+
 def _tile_statistics(call: LogitCall, z: torch.Tensor, i: int, j: int) -> tuple:
     """(log Z, log p[target], entropy, log sum p^2, mean z, is top-1) of rows [i, j) from their whole logits ``z``;
     and p (a fresh tile)."""
@@ -64,7 +70,7 @@ class EagerNode(LogitNode):
         need_w, need_b = ctx.needs_input_grad[2:4]
         need_dn = ctx.needs_input_grad[1] or any(ctx.needs_input_grad[4:])
         vocab, device = weight.shape[0], hidden.device
-        rows = max(1, min(call.token_chunk, EAGER_TILE_ELEMENTS // vocab))
+        rows = eager_rows(vocab, call.token_chunk)
         outs: list[tuple] = []
         dn = torch.empty((call.n, hidden.shape[1]), device=device, dtype=call.acc) if need_dn else None
         dw = torch.zeros(weight.shape, device=device, dtype=call.acc) if need_w else None

@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection
 
-from ..logits.eager import EAGER_TILE_ELEMENTS
+from ..logits.eager import eager_rows
 from .forward import forward_peak_bytes
 from .mixers import (
     boundaries,
@@ -263,8 +263,7 @@ def head_backward_bytes(
     * ``fused``: dh and dW together, with a float32 (V, H) accumulator beside dW when ``db`` < 4 (half precision);
     * ``eager`` (the gradient in the forward): the bases dh and dW in the accumulation dtype (float32 at least), then
       their casts to the parameter dtype beside them (half precision), and the forward's whole-vocabulary tiles
-      (rows x V, at most :data:`streambp_trl.logits.eager.EAGER_TILE_ELEMENTS` elements and ``logits_chunk`` rows;
-      three such at 4 bytes).
+      (:func:`streambp_trl.logits.eager.eager_rows` rows x V, three such at 4 bytes).
 
     An untrained head (LoRA) takes dh alone (``eager``: in the accumulation dtype), whatever the form.
     """
@@ -275,8 +274,7 @@ def head_backward_bytes(
     if form == "eager":
         cast = db < acc
         weight = v * h * (acc + (db if cast else 0)) if head_trained else 0
-        eager_rows = max(1, min(logits_chunk, EAGER_TILE_ELEMENTS // v))
-        return h * n * (acc + (db if cast else 0)) + weight + 3 * 4 * eager_rows * v
+        return h * n * (acc + (db if cast else 0)) + weight + 3 * 4 * eager_rows(v, logits_chunk) * v
     if not head_trained:
         return h * db * n + tile
     if form == "fused":
