@@ -222,3 +222,28 @@ def test_fused_path_is_ours_in_float64():
     ref = torch.log_softmax(logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
     ref = ref.masked_fill(labels[:, 1:] == -100, 0)
     torch.testing.assert_close(out.log_probs.detach(), ref, rtol=1e-13, atol=1e-13)
+
+
+def test_addmm_acc_casts_a_slice_at_a_time(monkeypatch):
+    """Off CUDA a half-precision product accumulates in float32 a slice of the contracted dimension at a time: the
+    sum over several slices equals the float64 product (to float32 rounding), and no whole operand is cast."""
+    from streambp_trl.logits import tiles
+
+    monkeypatch.setattr(tiles, "_CAST_SLICE_ELEMENTS", 64 * 16)  # 16 of 100 contracted columns per slice: 7 slices
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 100, generator=g).bfloat16()
+    b = torch.randn(100, 64, generator=g).bfloat16()
+    acc = torch.randn(48, 64, generator=g)
+    want = acc.double() + a.double() @ b.double()
+    casts = []
+    to = torch.Tensor.to
+
+    def counted(t, *args, **kwargs):
+        casts.append(t.numel())
+        return to(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted)
+    tiles.addmm_acc(acc, a, b)
+    monkeypatch.undo()
+    assert ((acc.double() - want).norm() / want.norm()).item() < 1e-6
+    assert len(casts) == 14 and max(casts) <= 16 * 64
