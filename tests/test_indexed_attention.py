@@ -21,7 +21,6 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaCon
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask, stream_attention
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import plain_loss, relative_errors
 from streambp_trl.layers import carry, hook, layer_call
 from streambp_trl.layers.layer_args import cache_argument
@@ -231,9 +230,3 @@ def test_fails_when_the_shared_layer_gets_other_indices(monkeypatch):
         _shared_model(), 7, mutate=lambda: monkeypatch.setattr(layer_call.LayerCall, "as_returned", zeroed)
     )
     assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
-
-
-@pytest.mark.parametrize("model_type, reason", [("qwen4_exp_text", "rotary embeddings of every cached position")])
-def test_refused_indexed_families(model_type, reason):
-    with pytest.raises(ValueError, match=f"StreamBP cannot train .* exactly: .*{reason}"):
-        enable_streambp(tiny_causal_lm(model_type), stream_chunk_size=5)

@@ -313,6 +313,13 @@ _OVERRIDES: dict[str, dict] = {
         "indexer_head_dim": 8,
         "indexer_budget": 8,
         "indexer_compress_ratio": 2,
+        # per-layer n-gram embeddings (PLE) on the first layer, a Gated DeltaNet one
+        "ple_layer_ids": [1],
+        "ple_embed_dim": 16,
+        "heads_per_ngram": 2,
+        "ngram_vocab_size_base": 101,
+        "make_ngram_vocab_size_divisible_by": 8,
+        "eos_token_id": 5,
     },
     "got_ocr2": {"vision_config": {"image_size": 128, "global_attn_indexes": [1]}},
     "musicgen": {"decoder": {"num_codebooks": 1}},

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 from ..attention import stream_configs
 from ..layers import LayerPlan, StreamSettings, stream_checkpoint
 from ..layers.kept import CheckpointOffload
+from ..layers.layer_args import keeps_position_history
 from ..layers.sharding import check_segmentable
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks
@@ -136,7 +137,8 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
 def _install(lm: PreTrainedModel, state: EngineState) -> None:
     for layer in state.layers:
         patch(layer, "gradient_checkpointing", True)
-        hook = functools.partial(stream_checkpoint, LayerPlan.of(layer, state.settings))
+        plan = LayerPlan.of(layer, state.settings, keeps_position_history(type(state.decoder)))
+        hook = functools.partial(stream_checkpoint, plan)
         patch(layer, "_gradient_checkpointing_func", hook)
     for module in lm.modules():
         if isinstance(module, PreTrainedModel):

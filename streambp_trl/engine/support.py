@@ -43,9 +43,6 @@ _REFUSED_CALLS = {
     "_prepare_patch_cross_attention_mask": "its byte-to-patch cross-attention runs between the decoder layers on the "
     "whole sequence, with a dense patch mask it builds itself, under the attention implementation it shares with "
     "the streamed layers",
-    "indexer_position_ids": "its sparse indexed attention takes the rotary embeddings of every cached position from "
-    "the layer's position_embeddings argument and reads its chunk's own as the last ones, where a streamed chunk is "
-    "given its own positions' only (the model keeps that position history in its cache)",
 }
 # Decoder-layer arguments that mark a layer StreamBP cannot stream, and the reason
 _REFUSED_LAYER_ARGUMENTS = {

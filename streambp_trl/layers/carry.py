@@ -358,14 +358,14 @@ class LayerCarry:
             for i, (k, v) in self.store.range(p, s).items()
         }
         sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in self.grads.items()}
-        incoming = {key: t.detach().requires_grad_() for key, t in self.store.incoming(n).items()}
+        incoming = {key: _leaf(t) for key, t in self.store.incoming(n).items()}
         return ChunkCache(self.store, s, s - p, prefix, prefix_sums=sums, incoming=incoming)
 
     @staticmethod
     def incoming(cache: ChunkCache) -> list[torch.Tensor]:
         """The leaves of ``cache``'s incoming carry, in the order :meth:`absorb` takes their gradients."""
         kv = [t for i in sorted(cache.prefix) for t in cache.prefix[i]] if cache.prefix_len else []
-        return kv + [cache.incoming[key] for key in sorted(cache.incoming)]
+        return kv + [cache.incoming[key] for key in sorted(cache.incoming) if cache.incoming[key].requires_grad]
 
     def outgoing(self, cache: ChunkCache, n: int, e: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The chunk's own keys/values and the states it left, with the gradient later chunks handed back for them
@@ -394,5 +394,11 @@ class LayerCarry:
                 g = next(it)
                 if g is not None:
                     acc[:, :, p:s] += g
-        states = {key: next(it) for key in sorted(cache.incoming)}
+        states = {key: next(it) for key in sorted(cache.incoming) if cache.incoming[key].requires_grad}
         self.state_grads[n] = {key: g for key, g in states.items() if g is not None}
+
+
+def _leaf(state: torch.Tensor) -> torch.Tensor:
+    """An incoming state as a leaf with grad; an integer state (token ids a layer keeps as a "convolution state" for
+    its n-gram embedding, Qwen4-Exp) as it is: no gradient flows through integers."""
+    return state.detach().requires_grad_() if state.is_floating_point() else state

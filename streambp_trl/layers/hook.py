@@ -31,7 +31,15 @@ from .carry import ChunkCache
 from .continued import Continued, continued
 from .decoder_call import DecoderCall, active_call
 from .kept import Segment
-from .layer_args import CACHE_KWARGS, cache_argument, caches_indexer_keys, carries_state, parameter_names, per_token
+from .layer_args import (
+    CACHE_KWARGS,
+    HISTORY_ARGUMENTS,
+    cache_argument,
+    caches_indexer_keys,
+    carries_state,
+    parameter_names,
+    per_token,
+)
 from .layer_call import LayerCall, StreamSettings
 from .stream_layer import StreamLayerFunction
 
@@ -50,7 +58,8 @@ class LayerPlan:
     attention (a module that caches indexer keys through ``update_indexer``), whose own code reads the mask as a
     tensor: it gets its chunk's mask block as one (:func:`_dense_mask_run`). ``continued``: the layer's mixers that
     start from a zero state (Mamba v1, lightning attention), continued from each chunk's incoming state
-    (:func:`_continued_run`)."""
+    (:func:`_continued_run`). ``from_prefix``: the arguments each chunk gets from its first key position on, not from
+    its own first position: a decoder's position history (:func:`~.layer_args.keeps_position_history`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -60,9 +69,12 @@ class LayerPlan:
     nested: tuple[nn.Module, ...] = ()
     indexed: bool = False
     continued: Continued | None = None
+    from_prefix: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, layer: nn.Module, settings: StreamSettings) -> LayerPlan:
+    def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
+        """The plan of ``layer``; ``position_history``: its decoder hands it the rotary embeddings of every cached
+        position (:func:`~.layer_args.keeps_position_history`)."""
         names = tuple(parameter_names(layer))
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
         if cache_name is None:
@@ -71,7 +83,9 @@ class LayerPlan:
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
         indexed = any(caches_indexer_keys(type(m)) for m in layer.modules())
         min_chunk = 2 if recurrent else 1
-        return cls(settings, stream_configs(layer), names, cache_name, min_chunk, nested, indexed, Continued.of(layer))
+        from_prefix = HISTORY_ARGUMENTS if position_history else ()
+        configs, continued = stream_configs(layer), Continued.of(layer)
+        return cls(settings, configs, names, cache_name, min_chunk, nested, indexed, continued, from_prefix)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -142,6 +156,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         plan.configs,
         plan.cache_name,
         grad_inputs,
+        from_prefix=plan.from_prefix,
     )
     decoder = active_call()
     chunk = decoder.chunk_size or settings.chunk_size

@@ -5,6 +5,10 @@ positional arguments are bound to their parameter names. Per-token arguments are
 sequence dimension: ``position_ids`` (and the like) on the last dimension, ``position_embeddings`` (a (cos, sin)
 pair or one tensor) on the second to last, any other tensor on its one dimension after the batch whose length is the
 sequence length. Only per-token tensors (besides the hidden states and the layer's parameters) may carry gradient.
+
+A chunk [s, e) gets positions [s, e) of each, except where the decoder hands its layers a *position history*
+(:func:`keeps_position_history`): its layers then get the rotary embeddings of every position they attend to, [p, e)
+from the chunk's first key position p, and take the chunk's own as the last e - s.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ def carries_state(cls: type) -> bool:
     interface (``get_conv_state`` / ``update_recurrent_state`` ...). Gated DeltaNet, Mamba, Mamba2 and
     short-convolution mixers do; attention does not."""
     return bool(names_called(cls) & _STATE_METHODS)
+
+
+def keeps_position_history(cls: type) -> bool:
+    """Whether decoder class ``cls`` hands its layers the rotary embeddings of every cached position, not only the
+    call's own: its code keeps those positions in the cache for a sparse indexed attention's indexer
+    (``indexer_position_ids``; Qwen4-Exp), whose layers read the queries' embeddings as the last ones and the keys'
+    at their index along the keys."""
+    return "indexer_position_ids" in names_called(cls)
+
+
+# The layer arguments a position history spans (see :func:`keeps_position_history`)
+HISTORY_ARGUMENTS = ("position_embeddings",)
 
 
 def caches_indexer_keys(cls: type) -> bool:

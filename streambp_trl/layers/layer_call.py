@@ -52,9 +52,11 @@ class StreamSettings:
 class LayerCall:
     """One decoder-layer call, able to run any chunk of the sequence.
 
-    ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument).
-    ``rng`` holds each chunk's random state from the forward (when it is recorded), so every recompute of a chunk
-    draws the same random numbers (dropout masks, sampled routing, jitter) as the forward did.
+    ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument); those
+    named in ``from_prefix`` are sliced from the chunk's first key position, not its own first position (a position
+    history, see :mod:`.layer_args`). ``rng`` holds each chunk's random state from the forward (when it is recorded),
+    so every recompute of a chunk draws the same random numbers (dropout masks, sampled routing, jitter) as the
+    forward did.
     """
 
     layer: nn.Module
@@ -67,6 +69,7 @@ class LayerCall:
     configs: tuple
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
+    from_prefix: tuple[str, ...] = ()  # per-token arguments a chunk gets from its first key position on
     embedding_source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
@@ -131,10 +134,11 @@ class LayerCall:
         gradient, so the hidden states are the only output the backward chains; any other second output is
         refused."""
         kwargs = dict(self.kwargs)
+        p = s - cache.prefix_len
         for name, mask in self.masks.items():
-            kwargs[name] = mask.at(s, s - cache.prefix_len, cache.prefix_grads)
+            kwargs[name] = mask.at(s, p, cache.prefix_grads)
         for name, dims in self.per_token.items():
-            kwargs[name] = slice_arg(kwargs[name], dims, s, e)
+            kwargs[name] = slice_arg(kwargs[name], dims, p if name in self.from_prefix else s, e)
         kwargs.update(leaves or {})
         kwargs[self.cache_name] = cache
         with torch.autocast(**self.autocast), streaming(self.configs):

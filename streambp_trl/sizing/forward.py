@@ -13,6 +13,7 @@ every backward moment of :func:`.memory_model.estimate_activation_bytes`.
 
 from __future__ import annotations
 
+from .mixers import indexer_scores_bytes
 from .model_shape import ModelShape
 
 _FLOAT32 = 4
@@ -67,7 +68,8 @@ def forward_peak_bytes(
     """Peak activation bytes of a streamed forward, for ``n`` tokens in chunks of ``chunk``: the largest, over the
     kinds of layer (softmax attention, Gated DeltaNet, any other), of the top such layer's first chunk
     (:func:`first_chunk_token_bytes`) beside the layer inputs kept up to it (:func:`forward_inputs`, ``H db`` per
-    token each) and, for softmax attention, the layer's full-length keys/values ``2 kv db n``. The LM head's forward
+    token each, times the hyper-connection streams) and, for softmax attention, the layer's full-length keys/values
+    ``2 kv db n``. The LM head's forward
     (the inputs of every layer, the last output and one logit tile) is below its backward's moment, which the memory
     model counts; the token bookkeeping every moment holds (rotary tables, ids) is the caller's to add."""
     attention, linear = set(shape.plain_attention_layers), set(shape.linear_layers)
@@ -81,7 +83,8 @@ def forward_peak_bytes(
         if not layers:
             continue
         top = max(layers)
-        held = forward_inputs(top, keep_every, offload) * shape.hidden * db * n
-        held += 2 * shape.kv_dim * db * n if kind == "attention" else 0
+        held = forward_inputs(top, keep_every, offload) * shape.residual * db * n
+        if kind == "attention":  # its keys/values, and beside its first chunk any indexer's scores
+            held += 2 * shape.kv_dim * db * n + indexer_scores_bytes(shape, n, min(chunk, n))
         peaks.append(held + min(chunk, n) * first_chunk_token_bytes(shape, kind, db, lora))
     return max(peaks)

@@ -51,6 +51,7 @@ from ..logits.eager import eager_rows
 from .forward import forward_peak_bytes
 from .mixers import (
     boundaries,
+    indexer_scores_bytes,
     lightning_chunk_token_bytes,
     linear_chunk_token_bytes,
     recurrent_kinds,
@@ -159,8 +160,9 @@ def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
 
 
 def _per_token_bytes(shape: ModelShape, db: int) -> int:
-    """Token bookkeeping held through the step: rotary tables (cos, sin) and integer ids, labels, row indices."""
-    return 2 * (shape.rotary_dim or shape.head_dim) * db + 48
+    """Token bookkeeping held through the step: rotary tables (cos, sin) and integer ids, labels, row indices; and
+    the int32 top-k indices the layers hand the next one for a shared indexer (:attr:`ModelShape.shared_topk`)."""
+    return 2 * (shape.rotary_dim or shape.head_dim) * db + 48 + 4 * shape.shared_topk * max(shape.layers - 1, 0)
 
 
 def _saved_inputs(layers: int, keep_every: int, offload: bool, among: Collection[int] | None = None) -> int:
@@ -200,11 +202,12 @@ def estimate_activation_bytes(
     (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``: float32
     LoRA adapters on the layers' linear maps. The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
     the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
-    layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's."""
-    h, kv, d = shape.hidden, shape.kv_dim, shape.head_dim
+    layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
+    a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
+    h, r, kv, d = shape.hidden, shape.residual, shape.kv_dim, shape.head_dim
 
     def common(among: Collection[int] | None) -> int:
-        return (_saved_inputs(shape.layers, keep_every, offload, among) * h * db + _per_token_bytes(shape, db)) * n
+        return (_saved_inputs(shape.layers, keep_every, offload, among) * r * db + _per_token_bytes(shape, db)) * n
 
     chunk_rows = min(chunk, n)
     fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
@@ -217,11 +220,11 @@ def estimate_activation_bytes(
         # chunk): one head group's dK/dV and flash's expanded workspace, the prefix part added into the sums group by
         # group (grouped heads), or all heads' dK/dV at once (as many key/value heads as query heads)
         grads = shape.layer_params if layer_trained_params is None else layer_trained_params
-        layer = common(shape.plain_attention_layers) + (h + 4 * kv) * db * n + grads * db
+        layer = common(shape.plain_attention_layers) + (r + 4 * kv) * db * n + grads * db
         group = shape.heads // shape.kv_heads
         attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
         attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
-        peaks.append(layer + max(mlp, attention))
+        peaks.append(layer + max(mlp, attention, indexer_scores_bytes(shape, n, chunk_rows)))
     for kind in recurrent_kinds(shape, db):
         # a state-carrying layer's backward (Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short convolution,
         # :mod:`.mixers`): dY, the parameter gradient sums and the carry of every chunk boundary (with attention beside
@@ -229,16 +232,21 @@ def estimate_activation_bytes(
         # carries (its full-length output beside them) or one chunk's backward (its activations and its incoming
         # carry's gradient)
         grads = kind.params if layer_trained_params is None else layer_trained_params
-        layer = common(kind.layers) + h * db * n + grads * db + boundaries(n, chunk_rows) * kind.carry(db)
+        layer = common(kind.layers) + r * db * n + grads * db + boundaries(n, chunk_rows) * kind.carry(db)
         layer += 4 * kv * db * n if kind.with_attention else 0
         backward = chunk_rows * kind.token_bytes + fresh_grad + kind.carry_grad(chunk_rows, db)
-        peaks.append(layer + max(h * db * n, backward))
+        peaks.append(layer + max(r * db * n, backward))
     if shape.mlp_layers:
         # a layer with no token mixer (Nemotron-H's MLP / MoE blocks): dY, its gradient sums, one chunk's MLP backward
         grads = shape.mlp_params + h if layer_trained_params is None else layer_trained_params
-        peaks.append(common(shape.mlp_layers) + h * db * n + grads * db + mlp)
+        peaks.append(common(shape.mlp_layers) + r * db * n + grads * db + mlp)
     head = common(None) + h * db * n
     head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained, form=head_form)
+    if shape.streams > 1:
+        # the final mix of the hyper-connection streams, after the head's backward: the head input's gradient, the
+        # last layer's output the mix kept and a copy of it, and the mix's backward in float32 over every stream
+        # (five r-wide float32 tensors; as HY-V4 holds them under the simulator)
+        head = max(head, common(None) + (h + 2 * r) * db * n + 5 * 4 * r * n)
     forward = _per_token_bytes(shape, db) * n
     forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, keep_every=keep_every, offload=offload)
     return max(*peaks, head, forward)
@@ -291,7 +299,7 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
     layer, whose mixer holds :func:`.mixers.linear_chunk_token_bytes` / :func:`.mixers.lightning_chunk_token_bytes` /
     :func:`.mixers.ssm_chunk_token_bytes` per token in place of the attention's query-sized tensors (not simulated in
     this mode)."""
-    saved = shape.layers * shape.hidden * setup.dtype_bytes * n
+    saved = shape.layers * shape.residual * setup.dtype_bytes * n
     if setup.mode == "hf-gc":
         return saved + int((11.2 * shape.vocab + 38.7 * shape.hidden) * n)
     q = shape.heads * shape.head_dim
@@ -336,7 +344,7 @@ def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
     """Pinned host bytes the step holds: the offloaded layer inputs (all but the first layer's, rebuilt from the
     token ids; with ``keep_every`` k, the first input of each further segment of k layers); 0 without offload."""
     kept = -(-shape.layers // setup.keep_every) - 1
-    return kept * shape.hidden * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
+    return kept * shape.residual * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
 
 
 def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:

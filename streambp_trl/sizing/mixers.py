@@ -5,6 +5,7 @@ lightning attention, Mamba2, Mamba v1, short convolution), and of the layers wit
 Each such layer's backward holds the carry of every chunk boundary (what its no-grad chunked forward stored: the
 state entering each chunk, :class:`streambp_trl.layers.carry.ChunkCache`), and during one chunk's backward that
 chunk's activations (:attr:`RecurrentKind.token_bytes` per chunk token) and the gradient of the carry it received.
+A sparse indexed attention's indexer adds its chunk's scores against every position (:func:`indexer_scores_bytes`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ class RecurrentKind:
         """The gradient of a chunk's incoming carry: the float32 state's and that of the joined convolution input,
         (chunk + kernel) x channels."""
         return self.state * 4 + (chunk_rows + self.kernel) * self.conv_channels * db
+
+
+def indexer_scores_bytes(shape: ModelShape, n: int, chunk: int) -> int:
+    """A sparse indexed attention's indexer scores in a chunk's forward (each recompute's too): each query's float32
+    scores per indexer head against every position's indexer keys, (rows, index_heads, chunk, T), twice (scaled and
+    after the ReLU): ``2 x 4 index_heads chunk n`` for ``n`` = rows x T tokens. It grows with the chunk times the
+    sequence, so at long sequences it sets the chunk."""
+    return 8 * shape.index_heads * chunk * n
 
 
 def linear_chunk_token_bytes(shape: ModelShape) -> int:

@@ -47,6 +47,16 @@ class ModelShape:
     Short-convolution layers (``conv_layers``: LFM2) convolve ``hidden`` channels over ``conv_kernel`` taps (carry: the
     last inputs). ``mlp_layers`` (Nemotron-H's MLP / MoE blocks) mix no tokens: no carry. The other fields describe
     the softmax-attention layers: every layer not of another kind is one.
+
+    ``streams``: the residual streams a layer's input and output hold (hyper-connections: Qwen4-Exp's ``hc_count``,
+    HY-V4's ``hc_mult``), each ``hidden`` wide; the layers mix them into one ``hidden``-wide input of their attention
+    and MLP. So the tensors kept per layer and handed between layers are :attr:`residual` wide.
+
+    ``index_heads``: the heads of a sparse indexed attention's indexer (DeepSeek Sparse Attention's
+    ``index_n_heads``), which scores each query of a chunk against the indexer keys of every position in float32.
+    ``shared_topk``: the top-k key indices (int32) every layer returns beside its output for the next layer, whose
+    indexer may be "shared" (``config.indexer_types``: GLM-MoE-DSA, HY-V4); each layer's call keeps the ones it was
+    given until its backward.
     """
 
     layers: int
@@ -84,6 +94,9 @@ class ModelShape:
     conv_layers: tuple[int, ...] = ()
     conv_kernel: int = 0
     mlp_layers: tuple[int, ...] = ()
+    streams: int = 1
+    index_heads: int = 0
+    shared_topk: int = 0
 
     def __post_init__(self):
         if not self.params:
@@ -99,6 +112,11 @@ class ModelShape:
                 + len(self.mlp_layers) * (self.mlp_params + self.hidden)
             )
             object.__setattr__(self, "params", decoder + self.embedding_params)
+
+    @property
+    def residual(self) -> int:
+        """Width of a layer's input and output: ``streams`` x ``hidden``."""
+        return self.streams * self.hidden
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -264,6 +282,9 @@ class ModelShape:
             vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             rotary_dim=int(head_dim * partial) if partial < 1 else 0,
+            streams=getattr(config, "hc_count", None) or getattr(config, "hc_mult", None) or 1,
+            index_heads=getattr(config, "index_n_heads", None) or 0,
+            shared_topk=(getattr(config, "index_topk", None) or 0) if getattr(config, "indexer_types", None) else 0,
         )
         return cls(**{**fields, **kinds})
 
