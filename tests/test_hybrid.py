@@ -208,16 +208,6 @@ def test_trainers_on_hybrids_equal_trl(tmp_path, family, trainer):
         assert completions == ref.reward_funcs[0].seen and len(set(completions)) > 1
 
 
-def test_packed_rows_as_cu_seq_lens_are_refused_by_recurrent_layers():
-    """Flash-attention sequence descriptors describe the whole row: a chunk of a recurrent layer would reset its
-    state at the wrong places, so they are refused (padded rows, or packing by position ids, stream exactly)."""
-    model = enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=5)
-    ids = batch(padding="none")[0][:1, :12]
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    with pytest.raises(ValueError, match="packed rows given as cu_seq_lens"):
-        model(input_ids=ids, labels=ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
-
-
 def test_a_kept_convolution_tail_holds_only_its_own_bytes():
     """A chunk's outgoing convolution tail is a view of its whole joined convolution input ((chunk + kernel) x
     conv_dim): the carry store keeps a copy of the kernel's inputs, not the view that would hold that buffer."""

@@ -200,9 +200,11 @@ class ChunkCache(Cache):
 
     Recurrent and convolution states (transformers' linear-attention cache interface, which Gated DeltaNet, Mamba,
     Mamba2 and short-convolution layers call): ``get_conv_state`` / ``get_recurrent_state`` give the state entering
-    the chunk (``incoming``; ``None`` for the first chunk, as an empty cache does), ``update_conv_state`` returns the
-    incoming convolution inputs joined to the chunk's (zero-padded to the kernel size in the first chunk, as a
-    prefill does) and ``update_*`` record the states the chunk leaves (``outgoing``). The cache answers
+    the chunk (``incoming``; ``None`` for the first chunk, as an empty cache does, and for the first chunk of each
+    document of a packed row, ``resets``, which also answers ``has_previous_state`` with ``False``),
+    ``update_conv_state`` returns the incoming convolution inputs joined to the chunk's (zero-padded to the kernel
+    size in the first chunk, as a prefill does) and ``update_*`` record the states the chunk leaves (``outgoing``).
+    The cache answers
     ``is_recording_past`` with ``True``, so a one-token chunk takes the model's multi-token path, which leaves the
     incoming state as it is, rather than the decoding kernel that updates it in place. With ``scan_starts`` set (a
     list: a layer with a Mamba v1 mixer, whose scan runs from zero) a recurrent state asked for is appended there as
@@ -219,10 +221,11 @@ class ChunkCache(Cache):
         prefix_sums: KV | None = None,
         incoming: States | None = None,
         indexed: bool = False,
+        resets: bool = False,
     ):
         super().__init__(layers=[])
         self.store, self.start, self.prefix_len, self.prefix, self.stop = store, start, prefix_len, prefix, stop
-        self.indexed = indexed
+        self.indexed, self.resets = indexed, resets
         self.indexer_written = False
         self.prefix_sums = prefix_sums
         self.prefix_grads: list = []  # (keys, values) PrefixGrad pairs, read by the attention through the chunk mask
@@ -254,7 +257,7 @@ class ChunkCache(Cache):
         return self.outgoing[recurrent_key(layer_idx)]
 
     def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return self.start > 0
+        return self.start > 0 and not self.resets
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return True
@@ -350,16 +353,17 @@ class LayerCarry:
         self.grads: KV = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in store.kv.items()}
         self.state_grads: dict[int, States] = {}  # chunk n -> gradient of the states entering it
 
-    def chunk_cache(self, n: int, s: int, p: int) -> ChunkCache:
+    def chunk_cache(self, n: int, s: int, p: int, resets: bool = False) -> ChunkCache:
         """The cache of chunk ``n`` = [s, ...) in backward: the prefix [p, s) and the incoming states as leaves with
-        grad (when not empty), the prefix's gradient sums for the attention (:class:`PrefixGrad`)."""
+        grad (when not empty), the prefix's gradient sums for the attention (:class:`PrefixGrad`); ``resets``: the
+        chunk starts a document of a packed row, whose mixers start from a zero state (no states enter it)."""
         prefix = {
             i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
             for i, (k, v) in self.store.range(p, s).items()
         }
         sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in self.grads.items()}
         incoming = {key: _leaf(t) for key, t in self.store.incoming(n).items()}
-        return ChunkCache(self.store, s, s - p, prefix, prefix_sums=sums, incoming=incoming)
+        return ChunkCache(self.store, s, s - p, prefix, prefix_sums=sums, incoming=incoming, resets=resets)
 
     @staticmethod
     def incoming(cache: ChunkCache) -> list[torch.Tensor]:

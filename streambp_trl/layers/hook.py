@@ -34,9 +34,12 @@ from .kept import Segment
 from .layer_args import (
     CACHE_KWARGS,
     HISTORY_ARGUMENTS,
+    PACKING_KWARGS,
     cache_argument,
     caches_indexer_keys,
     carries_state,
+    document_starts,
+    keeps_documents_apart,
     parameter_names,
     per_token,
 )
@@ -59,7 +62,10 @@ class LayerPlan:
     tensor: it gets its chunk's mask block as one (:func:`_dense_mask_run`). ``continued``: the layer's mixers that
     start from a zero state (Mamba v1, lightning attention), continued from each chunk's incoming state
     (:func:`_continued_run`). ``from_prefix``: the arguments each chunk gets from its first key position on, not from
-    its own first position: a decoder's position history (:func:`~.layer_args.keeps_position_history`)."""
+    its own first position: a decoder's position history (:func:`~.layer_args.keeps_position_history`).
+    ``apart``: whether the layer's recurrent mixers start each document of a packed row from a zero state (they hand
+    the row's sequence descriptors to their kernels, :func:`~.layer_args.keeps_documents_apart`), ``False`` where
+    they run across documents, ``None`` where they do so in part (or it has none)."""
 
     settings: StreamSettings
     configs: tuple
@@ -70,6 +76,7 @@ class LayerPlan:
     indexed: bool = False
     continued: Continued | None = None
     from_prefix: tuple[str, ...] = ()
+    apart: bool | None = None
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
@@ -79,13 +86,16 @@ class LayerPlan:
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
-        recurrent = any(carries_state(type(m)) for m in layer.modules())
+        mixers = {type(m) for m in layer.modules() if carries_state(type(m))}
+        recurrent = bool(mixers)
+        kinds = {keeps_documents_apart(m) for m in mixers}
+        apart = kinds.pop() if len(kinds) == 1 else None  # (None also where a mixer resets its convolution alone)
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
         indexed = any(caches_indexer_keys(type(m)) for m in layer.modules())
         min_chunk = 2 if recurrent else 1
         from_prefix = HISTORY_ARGUMENTS if position_history else ()
         configs, continued = stream_configs(layer), Continued.of(layer)
-        return cls(settings, configs, names, cache_name, min_chunk, nested, indexed, continued, from_prefix)
+        return cls(settings, configs, names, cache_name, min_chunk, nested, indexed, continued, from_prefix, apart)
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -124,12 +134,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         return forward(*args)
     x = args[0]
     batch, seq_len = x.shape[:2]
-    if plan.min_chunk > 1 and any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        raise ValueError(
-            f"StreamBP cannot stream packed rows given as cu_seq_lens through {type(layer).__name__}: its recurrent "
-            "mixer would reset its state at the documents' boundaries of the whole row inside every chunk. Train "
-            "without padding_free (padded rows), or pack without flash-attention sequence descriptors."
-        )
+    starts = _documents(plan, layer, kwargs, batch, seq_len)
     for k in CACHE_KWARGS:
         kwargs.pop(k, None)
     mask = kwargs.get("attention_mask")
@@ -157,6 +162,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         plan.cache_name,
         grad_inputs,
         from_prefix=plan.from_prefix,
+        resets=starts,
     )
     decoder = active_call()
     chunk = decoder.chunk_size or settings.chunk_size
@@ -176,6 +182,32 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         call.segment.left(y)
         decoder.segment = call.segment
     return call.as_returned(y)
+
+
+def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[int, ...]:
+    """Where the call's packed row starts a new document, for a layer whose recurrent mixers keep documents apart
+    (``()`` otherwise). A packed row comes with sequence descriptors (``cu_seq_lens_q``: TRL's padding-free
+    collator, ``packing=True``); such a layer's chunks are then cut at every document start and each starts from a
+    zero state there, as a new sequence does, so a chunk holds one document and its mixers get no descriptors
+    (which describe the whole row). Attention keeps documents apart by its mask; a mixer that ignores the
+    descriptors runs across documents, in the plain model and here alike."""
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if plan.min_chunk == 1 or cu_seq_lens is None or plan.apart is False:
+        return ()
+    if plan.apart is None:
+        raise ValueError(
+            f"StreamBP cannot stream packed rows (cu_seq_lens) through {type(layer).__name__}: its recurrent mixers "
+            "keep the documents apart in part (some mixers and not others, or the convolution and not the scan). "
+            "Train without packing / padding_free (padded rows)."
+        )
+    if batch != 1:
+        raise ValueError(
+            f"StreamBP: packed rows (cu_seq_lens) describe one flattened row, got a batch of {batch} rows for "
+            f"{type(layer).__name__}."
+        )
+    for k in PACKING_KWARGS:
+        kwargs.pop(k, None)
+    return document_starts(cu_seq_lens, seq_len)
 
 
 def _continued_run(func: Callable, parts: Continued, layer: nn.Module, *args, **kwargs) -> object:

@@ -13,8 +13,13 @@ from the chunk's first key position p, and take the chunk's own as the last e - 
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import sys
+import textwrap
+import types
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -22,6 +27,9 @@ from torch import nn
 # Keyword arguments a layer call may carry that are not per-token tensors to slice: flash-attention's packed
 # sequence descriptors, ignored by stream attention, which reads packing from the mask.
 PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+# The sequence descriptors of packed rows (TRL's padding-free collator): a row's document boundaries as cumulative
+# lengths, and each token's document index (read by the convolution kernels of linear-attention layers)
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 # Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
 PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
 # The names a call passes its cache under: ``cache`` since transformers 5.24 (decoder layers and every mixer), the
@@ -55,6 +63,65 @@ def keeps_position_history(cls: type) -> bool:
 HISTORY_ARGUMENTS = ("position_embeddings",)
 
 
+@functools.cache
+def keeps_documents_apart(cls: type) -> bool | None:
+    """Whether recurrent or convolution mixer class ``cls`` starts each document of a packed row from a zero state.
+
+    transformers' sequence kernels (causal-conv1d, fla's delta rules, mamba-ssm's scans: the kernel functions of
+    ``transformers.integrations.hub_kernels`` that take keyword arguments) keep the documents apart when a call hands
+    them the row's sequence descriptors (``seq_idx``, ``cu_seqlens``, or the layer's ``**kwargs``, which carry them;
+    their torch fallbacks refuse descriptors). ``True`` where every such call of the mixer's code does (Gated and
+    Kimi DeltaNet, Mamba2, LFM2's short convolution), ``False`` where none does and its code reads no descriptor
+    (the mixer runs across the documents), ``None`` where some calls do and others do not (Mamba v1 resets its
+    convolution but not its selective scan). The one-token decoding kernels (``*state_update``, ``recurrent_*``)
+    do not count: no chunk of a packed row takes them (a document's first chunk has no state; the others have at
+    least two tokens)."""
+    passes = [_passes_descriptors(call) for call in _kernel_calls(cls)]
+    if passes and all(passes):
+        return True
+    if not any(passes) and not {"cu_seq_lens_q", "seq_idx"} & _strings(cls):
+        return False
+    return None
+
+
+def _kernel_calls(cls: type) -> Iterator[ast.Call]:
+    """The calls, in the source of transformers module class ``cls`` and its transformers bases, of a sequence
+    kernel: a kernel function of ``hub_kernels`` (one it wraps, ``__wrapped__``) whose own (torch) implementation
+    takes keyword arguments, other than a one-token decoding step."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("transformers."):
+            continue
+        module = sys.modules[klass.__module__]
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(klass)))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+                continue
+            name, kernel = node.func.id, getattr(module, node.func.id, None)
+            code = getattr(kernel, "__code__", None)
+            if code is None or not code.co_filename.endswith("hub_kernels.py") or not hasattr(kernel, "__wrapped__"):
+                continue
+            if name.endswith("state_update") or "recurrent_" in name:
+                continue
+            own = inspect.signature(inspect.unwrap(kernel)).parameters.values()
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own):
+                yield node
+
+
+def _passes_descriptors(call: ast.Call) -> bool:
+    return any(k.arg is None or k.arg in ("seq_idx", "cu_seqlens") for k in call.keywords)
+
+
+@functools.cache
+def _strings(cls: type) -> frozenset[str]:
+    """The string constants of the code of transformers module class ``cls`` (the keys it reads from its kwargs)."""
+    return frozenset(c for code in _code(cls) for c in code.co_consts if isinstance(c, str))
+
+
+def document_starts(cu_seq_lens: torch.Tensor, seq_len: int) -> tuple[int, ...]:
+    """The positions where a document of a packed row starts, but the first: the inner cumulative lengths (one host
+    read per layer call)."""
+    return tuple(int(t) for t in cu_seq_lens.tolist() if 0 < int(t) < seq_len)
+
+
 def caches_indexer_keys(cls: type) -> bool:
     """Whether ``cls`` is a sparse indexed attention's indexer: a transformers module whose code caches its keys
     through the cache's ``update_indexer`` (DeepSeek Sparse Attention)."""
@@ -65,15 +132,18 @@ def caches_indexer_keys(cls: type) -> bool:
 def names_called(cls: type) -> frozenset[str]:
     """The global and attribute names the code of transformers module class ``cls`` reads (any method of the class or
     of its transformers bases): the cache methods it calls, the module functions it runs."""
-    names: set[str] = set()
+    return frozenset(name for code in _code(cls) for name in code.co_names)
+
+
+def _code(cls: type) -> Iterator[types.CodeType]:
+    """The code of each method of transformers module class ``cls`` and of its transformers bases."""
     for klass in cls.__mro__:
         if not klass.__module__.startswith("transformers."):
             continue
         for member in vars(klass).values():
             code = getattr(inspect.unwrap(member), "__code__", None) if callable(member) else None
             if code is not None:
-                names.update(code.co_names)
-    return frozenset(names)
+                yield code
 
 
 def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | None:

@@ -70,6 +70,7 @@ class LayerCall:
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
     from_prefix: tuple[str, ...] = ()  # per-token arguments a chunk gets from its first key position on
+    resets: tuple[int, ...] = ()  # where a packed row's documents start: chunks are cut there, from a zero state
     embedding_source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
@@ -111,12 +112,17 @@ class LayerCall:
         return y if self.output_nones is None else (y, *[None] * self.output_nones)
 
     def chunks(self) -> list[tuple[int, int]]:
-        """The chunks [s, e) of the sequence, ``chunk_size`` tokens each but the last; none shorter than
-        ``min_chunk`` (a short last chunk joins the one before)."""
+        """The chunks [s, e) of the sequence, ``chunk_size`` tokens each but the last, also cut where a document
+        starts (``resets``); a chunk shorter than ``min_chunk`` that starts no document joins the one before (a
+        document's first chunk starts from a zero state, so it may be shorter)."""
         c = max(self.chunk_size, self.min_chunk)
-        bounds = [(s, min(s + c, self.seq_len)) for s in range(0, self.seq_len, c)]
-        if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < self.min_chunk:
-            bounds[-2:] = [(bounds[-2][0], self.seq_len)]
+        cuts = sorted({*range(0, self.seq_len, c), *self.resets})
+        bounds: list[tuple[int, int]] = []
+        for s, e in zip(cuts, [*cuts[1:], self.seq_len], strict=True):
+            if bounds and e - s < self.min_chunk and s not in self.resets:
+                bounds[-1] = (bounds[-1][0], e)
+            else:
+                bounds.append((s, e))
         return bounds
 
     def prefix_start(self, s: int) -> int:
@@ -172,13 +178,13 @@ class LayerCall:
                 elif rng == "replay":
                     self.rng[i].restore()
                 p = self.prefix_start(s)
-                cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i))
+                cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i), resets=s in self.resets)
                 if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
                     with unread_outputs(self.layer) as self.unread:
                         out, extras = self.run(x[:, s:e], s, e, cache)
                 else:
                     out, extras = self.run(x[:, s:e], s, e, cache)
-                if e < self.seq_len:
+                if e < self.seq_len and e not in self.resets:  # the next chunk starts a document: nothing enters it
                     kv.record(i, cache.outgoing)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
@@ -273,7 +279,7 @@ class LayerCall:
         through the parameters' hooks, the parameter gradient sums)."""
         need_dx = dx is not None
         for n, (s, e) in reversed(list(enumerate(self.chunks()))):
-            cache = carry.chunk_cache(n, s, self.prefix_start(s))
+            cache = carry.chunk_cache(n, s, self.prefix_start(s), resets=s in self.resets)
             xc = x[:, s:e].detach().requires_grad_(need_dx)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()

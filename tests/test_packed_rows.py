@@ -1,0 +1,169 @@
+"""Packed rows through recurrent mixers: the sequence descriptors of TRL's padding-free collator (``packing=True``'s
+default "bfd" strategy, or ``padding_free=True``): one flattened row, position ids that restart, ``cu_seq_lens_q/k``
+and ``seq_idx``.
+
+A Gated DeltaNet, a Mamba2 or LFM2's short convolution hands the descriptors to its kernels (fla's recurrence,
+mamba-ssm's scan, causal-conv1d), which start each document from a zero state; transformers' torch fallbacks refuse
+them (:func:`streambp_trl.layers.layer_args.keeps_documents_apart` reads which calls pass them). The stream engine
+cuts such a layer's chunks at every document start and starts each document from a zero state itself, so each chunk
+holds one document and runs the model's own code without descriptors (on the CPU as on CUDA). The reference is each
+document run alone by plain autograd: the loss over the row's predicted tokens and its gradient, float64 (float32
+internals in float64, bound 1e-10), with a one-token document and chunk sizes that cut documents anywhere. A mixer
+that passes no descriptors (LFM3's convolution) runs across the documents in the plain model, and streams as it
+does; one that passes them to some kernels only (Mamba v1: its convolution, not its scan) is refused.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import EXACT, load_tokenizer
+
+from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
+from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
+from streambp_trl.bench.model_support import Float64Internals, relative_errors
+from streambp_trl.layers import hook
+
+pytestmark = pytest.mark.slow  # ~3 minutes
+
+LENGTHS = (7, 1, 9, 6)  # a one-token document among them
+
+
+def _packed(lengths=LENGTHS, seed: int = 3) -> tuple[list[torch.Tensor], dict]:
+    """The documents, and the packed row's inputs as TRL's padding-free collator builds them (the first token of
+    each document is not a label: nothing before it in its document predicts it)."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, 101, (1, n), generator=generator) for n in lengths]
+    ids = torch.cat(docs, 1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None]
+    labels = ids.masked_fill(positions == 0, -100)
+    inputs = dict(
+        input_ids=ids,
+        position_ids=positions,
+        labels=labels,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+        seq_idx=seq_idx,
+    )
+    return docs, inputs
+
+
+def _each_document_alone(model, docs: list[torch.Tensor]) -> torch.Tensor:
+    total, count = 0.0, 0
+    for doc in docs:
+        if doc.shape[1] > 1:
+            logits = model(input_ids=doc, use_cache=False).logits
+            total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+            count += doc.shape[1] - 1
+    return total / count
+
+
+def _errors(family: str, chunk: int, mutate=None) -> tuple[float, float]:
+    reference = tiny_causal_lm(family)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
+    if mutate is not None:
+        mutate()
+    docs, inputs = _packed()
+    with Float64Internals():
+        ref_loss = _each_document_alone(reference, docs)
+        ref_loss.backward()
+        loss = streamed(**inputs).loss
+        loss.backward()
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), relative_errors(reference, streamed)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "kimi_linear", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("chunk", [4, 5, 7])
+def test_packed_documents_stream_as_each_alone(family, chunk):
+    loss_err, grad_err = _errors(family, chunk)
+    assert loss_err < EXACT and grad_err < EXACT, (loss_err, grad_err)
+
+
+def test_fails_when_the_documents_run_together(monkeypatch):
+    """The comparison can fail: chunks not cut at the documents (each mixer carrying its state from one document
+    into the next) give another loss and gradient."""
+    loss_err, grad_err = _errors(
+        "qwen3_5_text", 5, mutate=lambda: monkeypatch.setattr(hook, "document_starts", lambda cu, seq_len: ())
+    )
+    assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
+
+
+def test_mixers_that_read_no_descriptors_run_across_documents():
+    """LFM3's short convolution hands no descriptor to a kernel: the plain model runs it across the documents (its
+    attention keeps them apart by the packed mask), and so does the streamed one."""
+    reference = tiny_causal_lm("lfm3")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    docs, inputs = _packed()
+    labels = inputs.pop("labels")
+    with Float64Internals():
+        logits = reference(**inputs, use_cache=False).logits
+        ref_loss = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+        ref_loss.backward()
+        loss = streamed(**inputs, labels=labels).loss
+        loss.backward()
+        alone = _each_document_alone(copy.deepcopy(reference), docs).item()
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
+    assert relative_errors(reference, streamed)[0] < EXACT
+    assert abs(alone - ref_loss.item()) > 1e-6  # the documents do run together
+
+
+def test_packed_rows_kept_apart_in_part_are_refused():
+    """Zamba's Mamba (v1) hands the descriptors to its convolution but not to its selective scan."""
+    model = enable_streambp(tiny_causal_lm("zamba"), stream_chunk_size=5)
+    with pytest.raises(ValueError, match="keep the documents apart in part"):
+        model(**_packed()[1])
+
+
+def test_packed_rows_of_several_rows_are_refused():
+    model = enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=5)
+    inputs = _packed()[1]
+    for name in ("input_ids", "position_ids", "labels", "seq_idx"):
+        inputs[name] = inputs[name].expand(2, -1)
+    with pytest.raises(ValueError, match="describe one flattened row, got a batch of 2 rows"):
+        model(**inputs)
+
+
+def test_sft_packing_trains_a_gated_deltanet_hybrid(tmp_path, monkeypatch):
+    """``packing=True`` (TRL's "bfd" strategy: padding-free rows with sequence descriptors) trains a tiny Qwen3.5
+    with StreamSFTTrainer on the CPU, where TRL's own SFTTrainer stops: transformers' torch fallback of the Gated
+    DeltaNet refuses the descriptors."""
+    from datasets import Dataset
+
+    tokenizer = load_tokenizer()
+    texts = [" ".join(["word"] * n) for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+    dataset = Dataset.from_dict({"text": texts})
+    options = dict(
+        output_dir=str(tmp_path),
+        packing=True,
+        max_length=32,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+    )
+    model = tiny_causal_lm("qwen3_5_text", dtype=torch.float32, vocab_size=len(tokenizer))
+    trainer = StreamSFTTrainer(
+        model=model,
+        args=StreamSFTConfig(**options, stream_chunk_size=5),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    starts = []
+
+    def recorded(cu_seq_lens, seq_len):
+        starts.append(hook_document_starts(cu_seq_lens, seq_len))
+        return starts[-1]
+
+    hook_document_starts = hook.document_starts
+    monkeypatch.setattr(hook, "document_starts", recorded)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.padding_free and starts and all(starts)  # packed rows of several documents reached the layers
