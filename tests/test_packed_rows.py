@@ -22,45 +22,10 @@ from helpers import EXACT, load_tokenizer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
-from streambp_trl.bench.model_support import Float64Internals, relative_errors
+from streambp_trl.bench.model_support import Float64Internals, each_document_alone, packed_row, relative_errors
 from streambp_trl.layers import hook
 
 pytestmark = pytest.mark.slow  # ~3 minutes
-
-LENGTHS = (7, 1, 9, 6)  # a one-token document among them
-
-
-def _packed(lengths=LENGTHS, seed: int = 3) -> tuple[list[torch.Tensor], dict]:
-    """The documents, and the packed row's inputs as TRL's padding-free collator builds them (the first token of
-    each document is not a label: nothing before it in its document predicts it)."""
-    generator = torch.Generator().manual_seed(seed)
-    docs = [torch.randint(3, 101, (1, n), generator=generator) for n in lengths]
-    ids = torch.cat(docs, 1)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None]
-    labels = ids.masked_fill(positions == 0, -100)
-    inputs = dict(
-        input_ids=ids,
-        position_ids=positions,
-        labels=labels,
-        cu_seq_lens_q=cu,
-        cu_seq_lens_k=cu,
-        max_length_q=max(lengths),
-        max_length_k=max(lengths),
-        seq_idx=seq_idx,
-    )
-    return docs, inputs
-
-
-def _each_document_alone(model, docs: list[torch.Tensor]) -> torch.Tensor:
-    total, count = 0.0, 0
-    for doc in docs:
-        if doc.shape[1] > 1:
-            logits = model(input_ids=doc, use_cache=False).logits
-            total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
-            count += doc.shape[1] - 1
-    return total / count
 
 
 def _errors(family: str, chunk: int, mutate=None) -> tuple[float, float]:
@@ -68,9 +33,9 @@ def _errors(family: str, chunk: int, mutate=None) -> tuple[float, float]:
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
     if mutate is not None:
         mutate()
-    docs, inputs = _packed()
+    docs, inputs = packed_row()
     with Float64Internals():
-        ref_loss = _each_document_alone(reference, docs)
+        ref_loss = each_document_alone(reference, docs)
         ref_loss.backward()
         loss = streamed(**inputs).loss
         loss.backward()
@@ -98,7 +63,7 @@ def test_mixers_that_read_no_descriptors_run_across_documents():
     attention keeps them apart by the packed mask), and so does the streamed one."""
     reference = tiny_causal_lm("lfm3")
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
-    docs, inputs = _packed()
+    docs, inputs = packed_row()
     labels = inputs.pop("labels")
     with Float64Internals():
         logits = reference(**inputs, use_cache=False).logits
@@ -106,22 +71,42 @@ def test_mixers_that_read_no_descriptors_run_across_documents():
         ref_loss.backward()
         loss = streamed(**inputs, labels=labels).loss
         loss.backward()
-        alone = _each_document_alone(copy.deepcopy(reference), docs).item()
+        alone = each_document_alone(copy.deepcopy(reference), docs).item()
     assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
     assert relative_errors(reference, streamed)[0] < EXACT
     assert abs(alone - ref_loss.item()) > 1e-6  # the documents do run together
+
+
+@pytest.mark.parametrize("family", ["mamba2", "mamba"])
+def test_a_model_whose_forward_keeps_the_descriptors_from_its_decoder(family):
+    """Mamba2ForCausalLM and MambaForCausalLM hand their backbone only the arguments their forward names (any other
+    keyword goes to their loss): their layers never see the descriptors and their scans run across the documents.
+    The streamed forward hands the decoder the same arguments (``EngineState.decoder_keywords``); it handed on every
+    keyword before, and the Mamba2 layers then kept the documents apart (a relative loss error of 8e-3)."""
+    reference = tiny_causal_lm(family)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    docs, inputs = packed_row()
+    labels = inputs.pop("labels")
+    with Float64Internals():
+        logits = reference(**inputs, use_cache=False).logits
+        ref_loss = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+        ref_loss.backward()
+        loss = streamed(**inputs, labels=labels).loss
+        loss.backward()
+    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
+    assert relative_errors(reference, streamed)[0] < EXACT
 
 
 def test_packed_rows_kept_apart_in_part_are_refused():
     """Zamba's Mamba (v1) hands the descriptors to its convolution but not to its selective scan."""
     model = enable_streambp(tiny_causal_lm("zamba"), stream_chunk_size=5)
     with pytest.raises(ValueError, match="keep the documents apart in part"):
-        model(**_packed()[1])
+        model(**packed_row()[1])
 
 
 def test_packed_rows_of_several_rows_are_refused():
     model = enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=5)
-    inputs = _packed()[1]
+    inputs = packed_row()[1]
     for name in ("input_ids", "position_ids", "labels", "seq_idx"):
         inputs[name] = inputs[name].expand(2, -1)
     with pytest.raises(ValueError, match="describe one flattened row, got a batch of 2 rows"):

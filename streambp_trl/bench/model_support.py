@@ -26,7 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from streambp_trl import enable_streambp
 
-from .causal_lm_zoo import batch, tiny_causal_lm
+from .causal_lm_zoo import VOCAB, batch, tiny_causal_lm
 
 EXACT, FLOAT32_INTERNAL = 1e-10, 1e-5
 CHUNK = 5
@@ -97,6 +97,43 @@ def plain_loss(model, ids, mask, labels):
     """Plain autograd: the mean next-token cross-entropy over the full logits."""
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+
+
+PACKED_LENGTHS = (7, 1, 9, 6)  # the documents of a packed row: 23 tokens, a one-token document among them
+
+
+def packed_row(lengths: tuple[int, ...] = PACKED_LENGTHS, seed: int = 3) -> tuple[list[torch.Tensor], dict]:
+    """The documents, and one packed row of them as TRL's padding-free collator builds it: position ids that
+    restart, ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx``, and labels (-100 at each document's first token,
+    which nothing before it in its document predicts)."""
+    generator = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(3, VOCAB, (1, n), generator=generator) for n in lengths]
+    ids = torch.cat(docs, 1)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None]
+    inputs = dict(
+        input_ids=ids,
+        position_ids=positions,
+        labels=ids.masked_fill(positions == 0, -100),
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+        seq_idx=seq_idx,
+    )
+    return docs, inputs
+
+
+def each_document_alone(model, docs: list[torch.Tensor]) -> torch.Tensor:
+    """Plain autograd's mean next-token loss over the documents, each run as its own sequence."""
+    total, count = 0.0, 0
+    for doc in docs:
+        if doc.shape[1] > 1:
+            logits = model(input_ids=doc, use_cache=False).logits
+            total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
+            count += doc.shape[1] - 1
+    return total / count
 
 
 def relative_errors(reference, streamed) -> tuple[float, str]:

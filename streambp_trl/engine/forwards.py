@@ -196,6 +196,8 @@ def stream_forward(
     if return_dict is None:
         return_dict = self.config.return_dict
     kwargs["use_cache"] = False
+    if state.decoder_keywords is not None:  # the model's forward hands its decoder these alone (the rest: its loss)
+        kwargs = {k: v for k, v in kwargs.items() if k in state.decoder_keywords}
     decoder = state.decoder
     head_module = self.get_output_embeddings()
     if hooked(head_module, False) or hooked(lm_head_linear(self), False):

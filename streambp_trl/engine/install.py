@@ -42,7 +42,7 @@ from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatc
 from ..sizing.auto import AUTO, AutoChunks
 from . import probe
 from .forwards import head_logits, stream_decoder_forward, stream_forward, streamed_decoder_call
-from .model_parts import causal_lm, decoder_layers, final_norm_name, find_decoder, lm_head_linear
+from .model_parts import causal_lm, decoder_keywords, decoder_layers, final_norm_name, find_decoder, lm_head_linear
 from .options import StreamOptions
 from .score_head import sequence_classifier, stream_score_forward
 from .state import EngineState
@@ -122,6 +122,7 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         final_norm=norm,
         settings=settings,
         auto=auto,
+        decoder_keywords=decoder_keywords(lm, decoder),
     )
     _install(lm, state)
     if baseline is not None:

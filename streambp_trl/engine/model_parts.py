@@ -3,6 +3,11 @@ layers that take a key/value cache, the decoder's final norm and the LM head's `
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -75,3 +80,33 @@ def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:
             why += " (an adapter on lm_head: keep lm_head out of target_modules, or list it in modules_to_save)"
         refuse(lm, why)
     return head
+
+
+def decoder_keywords(lm: PreTrainedModel, decoder: nn.Module) -> frozenset[str] | None:
+    """The arguments ``lm``'s own forward hands its decoder, where it hands it only those it names (Mamba2's
+    ``backbone(input_ids, cache_params=..., attention_mask=...)``: any other keyword goes to its loss alone), by
+    name (a positional one by the name of the forward's own argument it passes); ``None`` where it passes its
+    ``**kwargs`` on too, or where its source does not show one call of the decoder."""
+    names = [name for name, module in lm.named_children() if module is decoder]
+    return _decoder_keywords(type(lm), names[0]) if len(names) == 1 else None
+
+
+@functools.cache
+def _decoder_keywords(cls: type, attribute: str) -> frozenset[str] | None:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError):
+        return None
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == attribute
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "self"
+    ]
+    if len(calls) != 1 or any(k.arg is None for k in calls[0].keywords):
+        return None
+    positional = {a.id for a in calls[0].args if isinstance(a, ast.Name)}  # its own arguments, by the same names
+    return frozenset({k.arg for k in calls[0].keywords} | positional)

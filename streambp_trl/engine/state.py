@@ -29,8 +29,10 @@ class EngineState:
     its hook installed; ``configs``: the transformers configs their mask and attention code read (switched to
     ``"streambp"`` for a streamed call); ``final_norm``: the decoder's final norm when the probe showed it is the
     decoder's last step, so the logit kernel applies it tile by tile, else ``None``; ``settings``: what every stream
-    layer shares; ``auto``: the chunk policy when a chunk size is ``"auto"``. Two states are equal when their
-    choices are (the modules they point to are not compared: a copy of the model has its own).
+    layer shares; ``auto``: the chunk policy when a chunk size is ``"auto"``; ``decoder_keywords``: the only keyword
+    arguments the model's own forward hands its decoder, where it names them (``None``: it passes on its
+    ``**kwargs``). Two states are equal when their choices are (the modules they point to are not compared: a copy
+    of the model has its own).
     """
 
     options: StreamOptions
@@ -40,6 +42,7 @@ class EngineState:
     final_norm: nn.Module | None = dataclasses.field(compare=False)
     settings: StreamSettings
     auto: AutoChunks | None
+    decoder_keywords: frozenset[str] | None = None
     head_form: str | None = dataclasses.field(default=None, compare=False)  # the latest call's logit gradient form
 
     def stream_chunk(self, inputs: torch.Tensor | None) -> int | None:
