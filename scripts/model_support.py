@@ -47,6 +47,24 @@ def _table(results: dict[str, dict]) -> str:
     ]
     for reason, classes in sorted(refused.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| refused: {reason} ({len(set(classes))}) | {', '.join(sorted(set(classes)))} |")
+    packed = sorted({r["class"] for r in results.values() if r.get("packed") == "exact"})
+    lines += [
+        "",
+        "Packed rows (one row of four documents with TRL's padding-free descriptors: position ids that restart, "
+        "`cu_seq_lens`, `seq_idx`), against the plain model on the same row, or against each document alone where "
+        "transformers' CPU fallbacks refuse the row:",
+        "",
+        "| packed rows | models |",
+        "|---|---|",
+        f"| exact, within the model's bound above ({len(packed)}) | {', '.join(packed)} |",
+    ]
+    for kind in ("refused", "not compared"):
+        by_reason: dict[str, set[str]] = defaultdict(set)
+        for r in results.values():
+            if r.get("packed") == kind:
+                by_reason[r["packed_reason"]].add(r["class"])
+        for reason, classes in sorted(by_reason.items()):
+            lines.append(f"| {kind}: {reason} ({len(classes)}) | {', '.join(sorted(classes))} |")
     return "\n".join(lines)
 
 
@@ -64,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
         if model_type in NOT_BUILDABLE:
             continue
         results[model_type] = classify(model_type)
-        print(f"{model_type:28s} {results[model_type]['status']:26s} {results[model_type].get('reason', '')}")
-    bad = {t: r for t, r in results.items() if r["status"] == "inexact"}
+        r = results[model_type]
+        packed = f"{r.get('packed', '')} {r.get('packed_reason', '')}"
+        print(f"{model_type:28s} {r['status']:26s} {r.get('reason', '')} {packed}")
+    bad = {t: r for t, r in results.items() if "inexact" in (r["status"], r.get("packed"))}
     if bad:
         raise SystemExit(f"inexact models: {bad}")
     SUPPORT_TABLE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")

@@ -2,7 +2,8 @@
 ``enable_streambp`` itself, with the model class and the reason in the message. Any other outcome fails.
 
 Each model is a tiny random float64 build (``causal_lm_zoo``), compared with plain autograd on a batch of 2 x 23
-tokens (labels -100 on padding and a prompt), right and left padded, in chunks of 5 tokens (which do not divide 23).
+tokens (labels -100 on padding and a prompt), right and left padded, in chunks of 5 tokens (which do not divide 23),
+and on one packed row of four documents (TRL's padding-free descriptors; ``model_support.packed_row``).
 The bound is 1e-10 relative, or 1e-5 where the model's own layer code computes in float32 inside the float64 model
 (norms, routers, sinks upcast to float32): the streamed backward then sums the same float32 terms in another order.
 That reason is not taken on trust: the test detects the float32 arithmetic in the layers and uses the looser bound
@@ -49,8 +50,10 @@ def test_exact_or_refused(model_type):
     expected = _expected().get(model_type)
     if expected is None:  # a model type newer than the table: exact or refused, nothing else
         return
-    # the recorded status holds: an exact model that became refused (or the reverse) is a regression
-    assert (result["status"], result.get("reason")) == (expected["status"], expected.get("reason")), result
+    # the recorded status holds: an exact model that became refused (or the reverse) is a regression; so does the
+    # packed rows' (exact, refused or not compared, with the reason)
+    keys = ("status", "reason", "packed", "packed_reason")
+    assert tuple(result.get(k) for k in keys) == tuple(expected.get(k) for k in keys), result
 
 
 def test_support_table_covers_every_model_type():
