@@ -104,6 +104,19 @@ def test_packed_rows_kept_apart_in_part_are_refused():
         model(**packed_row()[1])
 
 
+def test_sft_refuses_packing_at_construction_where_the_layers_cannot_take_it(tmp_path):
+    """With ``packing=True`` (padding-free rows), a model whose layers keep documents apart in part is refused when
+    the trainer is built, not at its first step."""
+    from datasets import Dataset
+
+    tokenizer = load_tokenizer()
+    model = tiny_causal_lm("zamba", dtype=torch.float32, vocab_size=len(tokenizer))
+    args = StreamSFTConfig(output_dir=str(tmp_path), packing=True, max_length=32, bf16=False, report_to="none")
+    dataset = Dataset.from_dict({"text": ["a b c"] * 4})
+    with pytest.raises(ValueError, match="StreamSFTTrainer: StreamBP cannot stream packed rows .* apart in part"):
+        StreamSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
 def test_packed_rows_of_several_rows_are_refused():
     model = enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=5)
     inputs = packed_row()[1]

@@ -34,7 +34,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..attention import stream_configs
-from ..layers import LayerPlan, StreamSettings, stream_checkpoint
+from ..layers import LayerPlan, StreamSettings, packing_refusal, stream_checkpoint
 from ..layers.kept import CheckpointOffload
 from ..layers.layer_args import keeps_position_history
 from ..layers.sharding import check_segmentable
@@ -159,6 +159,17 @@ def disable_streambp(model: nn.Module) -> nn.Module:
         unpatch(module)
     lm._streambp = None
     return model
+
+
+def packed_rows_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s streamed layers cannot take packed rows with sequence descriptors (TRL's padding-free batches),
+    or ``None``; asked where a trainer knows it will feed them, so that it refuses at construction."""
+    state = getattr(causal_lm(model), "_streambp", None)
+    for layer in state.layers if state is not None else ():
+        refusal = packing_refusal(layer._gradient_checkpointing_func.args[0], layer)
+        if refusal is not None:
+            return refusal
+    return None
 
 
 def is_streaming(model: nn.Module) -> bool:

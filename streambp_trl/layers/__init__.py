@@ -19,7 +19,7 @@
 """
 
 from .decoder_call import DecoderCall, decoder_call
-from .hook import LayerPlan, stream_checkpoint
+from .hook import LayerPlan, packing_refusal, stream_checkpoint
 from .kept import CheckpointOffload
 from .layer_call import KV_MODES, StreamSettings
 
@@ -30,5 +30,6 @@ __all__ = [
     "LayerPlan",
     "StreamSettings",
     "decoder_call",
+    "packing_refusal",
     "stream_checkpoint",
 ]

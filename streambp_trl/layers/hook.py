@@ -194,12 +194,9 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
     if plan.min_chunk == 1 or cu_seq_lens is None or plan.apart is False:
         return ()
-    if plan.apart is None:
-        raise ValueError(
-            f"StreamBP cannot stream packed rows (cu_seq_lens) through {type(layer).__name__}: its recurrent mixers "
-            "keep the documents apart in part (some mixers and not others, or the convolution and not the scan). "
-            "Train without packing / padding_free (padded rows)."
-        )
+    refusal = packing_refusal(plan, layer)
+    if refusal is not None:
+        raise ValueError(refusal)
     if batch != 1:
         raise ValueError(
             f"StreamBP: packed rows (cu_seq_lens) describe one flattened row, got a batch of {batch} rows for "
@@ -208,6 +205,18 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     for k in PACKING_KWARGS:
         kwargs.pop(k, None)
     return document_starts(cu_seq_lens, seq_len)
+
+
+def packing_refusal(plan: LayerPlan, layer: nn.Module) -> str | None:
+    """Why ``layer`` (streamed by ``plan``) cannot take packed rows with sequence descriptors, or ``None``: its
+    recurrent mixers keep the documents apart in part."""
+    if plan.min_chunk == 1 or plan.apart is not None:
+        return None
+    return (
+        f"StreamBP cannot stream packed rows (cu_seq_lens) through {type(layer).__name__}: its recurrent mixers keep "
+        "the documents apart in part (some mixers and not others, or the convolution and not the scan). Train "
+        "without packing / padding_free (padded rows)."
+    )
 
 
 def _continued_run(func: Callable, parts: Continued, layer: nn.Module, *args, **kwargs) -> object:

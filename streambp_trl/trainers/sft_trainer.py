@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
+from ..engine import packed_rows_refusal
 from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
 from .sft_config import StreamSFTConfig
 
@@ -21,6 +22,9 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         super().__init__(model, args, *pos, **kwargs)
         # after TRL's own fused head: the same `fused_lm_head=True` call, served by the stream engine
         self._install_stream_engine()
+        refusal = packed_rows_refusal(self.model) if self.padding_free else None  # packing="bfd" or padding_free
+        if refusal is not None:
+            raise ValueError(f"{type(self).__name__}: {refusal}")
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy", "is_top1")
