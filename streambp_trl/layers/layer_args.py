@@ -9,6 +9,10 @@ sequence length. Only per-token tensors (besides the hidden states and the layer
 A chunk [s, e) gets positions [s, e) of each, except where the decoder hands its layers a *position history*
 (:func:`keeps_position_history`): its layers then get the rotary embeddings of every position they attend to, [p, e)
 from the chunk's first key position p, and take the chunk's own as the last e - s.
+
+A packed row's sequence descriptors (:data:`PACKING_KWARGS`, TRL's padding-free batches) are read once per call: where
+a layer's recurrent mixers keep documents apart (:func:`keeps_documents_apart`), the chunks are cut at each document
+start (:func:`document_starts`) and run without them.
 """
 
 from __future__ import annotations
