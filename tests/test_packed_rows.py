@@ -23,6 +23,7 @@ from helpers import EXACT, load_tokenizer
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals, each_document_alone, packed_row, relative_errors
+from streambp_trl.engine import packed_rows_refusal
 from streambp_trl.layers import hook
 
 pytestmark = pytest.mark.slow  # ~3 minutes
@@ -115,6 +116,22 @@ def test_sft_refuses_packing_at_construction_where_the_layers_cannot_take_it(tmp
     dataset = Dataset.from_dict({"text": ["a b c"] * 4})
     with pytest.raises(ValueError, match="StreamSFTTrainer: StreamBP cannot stream packed rows .* apart in part"):
         StreamSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_packing_is_refused_only_where_the_layers_would_see_the_descriptors():
+    """Mamba's layers keep documents apart in part, but its forward never hands them the descriptors (it names its
+    backbone's arguments): packed rows reach it as plain rows, and a trainer must not refuse them."""
+    assert packed_rows_refusal(enable_streambp(tiny_causal_lm("zamba"), stream_chunk_size=5)) is not None
+    assert packed_rows_refusal(enable_streambp(tiny_causal_lm("mamba"), stream_chunk_size=5)) is None
+    assert packed_rows_refusal(enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=5)) is None
+
+
+def test_seq_idx_without_cu_seq_lens_is_refused():
+    model = enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=5)
+    inputs = packed_row()[1]
+    del inputs["cu_seq_lens_q"], inputs["cu_seq_lens_k"]
+    with pytest.raises(ValueError, match="got `seq_idx` without `cu_seq_lens_q`"):
+        model(**inputs)
 
 
 def test_packed_rows_of_several_rows_are_refused():

@@ -76,8 +76,9 @@ def _tensor_block(module: torch.nn.Module, mask: object, q_len: int, kv_len: int
     queries against keys from the chunk's first key position on, width >= kv_len (it reaches to the sequence's end,
     where the indexer scores every position). The keys past the ``kv_len`` attended ones must all be masked (bool
     False, or an additive mask's lowest value), as the later positions of a causal mask are; any other tensor is
-    refused. On the CPU the check raises at once; on an accelerator it is a device-side assertion, so the chunk loop
-    waits on no host sync (a failure then surfaces at the next synchronisation, as a device-side assert)."""
+    refused. On CUDA the check is a device-side assertion, so the chunk loop waits on no host sync: a failure (a
+    model whose own code unmasks later positions) surfaces at the next synchronisation as a device-side assert,
+    which leaves the CUDA context unusable; elsewhere it raises at once."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != q_len or mask.shape[-1] < kv_len:
         what = f"of shape {tuple(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise RuntimeError(
@@ -91,7 +92,7 @@ def _tensor_block(module: torch.nn.Module, mask: object, q_len: int, kv_len: int
         f"StreamBP attention in {type(module).__name__} got a mask that lets queries attend to later positions than "
         "the chunk's keys (a mask that is not causal), which a chunk cannot attend to."
     )
-    if mask.device.type != "cpu":
+    if mask.device.type == "cuda":
         torch._assert_async(~attended, message)
     elif attended:
         raise RuntimeError(message)

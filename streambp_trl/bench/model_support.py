@@ -220,7 +220,8 @@ def _packed_rows(model_type: str, reference, streamed, mode, bound: float) -> di
         except ValueError as error:
             if not str(error).startswith("StreamBP"):
                 raise
-            return {"packed": "refused", "packed_reason": str(error).split(": ", 1)[1].split(" (")[0].rstrip(".")}
+            reason = str(error).partition(": ")[2] or str(error)
+            return {"packed": "refused", "packed_reason": reason.split(" (")[0].rstrip(".")}
         loss.backward()
     error = max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0])
     return {"packed": "exact"} if error <= bound else {"packed": "inexact", "packed_error": error}

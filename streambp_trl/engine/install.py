@@ -165,10 +165,14 @@ def packed_rows_refusal(model: nn.Module) -> str | None:
     """Why ``model``'s streamed layers cannot take packed rows with sequence descriptors (TRL's padding-free batches),
     or ``None``; asked where a trainer knows it will feed them, so that it refuses at construction."""
     state = getattr(causal_lm(model), "_streambp", None)
-    for layer in state.layers if state is not None else ():
-        refusal = packing_refusal(layer._gradient_checkpointing_func.args[0], layer)
-        if refusal is not None:
-            return refusal
+    if state is None or (state.decoder_keywords is not None and "cu_seq_lens_q" not in state.decoder_keywords):
+        return None  # (a forward that keeps them from its decoder: Mamba's, whose layers then never see them)
+    for layer in state.layers:
+        hook = layer._gradient_checkpointing_func
+        if getattr(hook, "func", None) is stream_checkpoint:
+            refusal = packing_refusal(hook.args[0], layer)
+            if refusal is not None:
+                return refusal
     return None
 
 

@@ -204,11 +204,11 @@ class ChunkCache(Cache):
     document of a packed row, ``resets``, which also answers ``has_previous_state`` with ``False``),
     ``update_conv_state`` returns the incoming convolution inputs joined to the chunk's (zero-padded to the kernel
     size in the first chunk, as a prefill does) and ``update_*`` record the states the chunk leaves (``outgoing``).
-    The cache answers
-    ``is_recording_past`` with ``True``, so a one-token chunk takes the model's multi-token path, which leaves the
-    incoming state as it is, rather than the decoding kernel that updates it in place. With ``scan_starts`` set (a
-    list: a layer with a Mamba v1 mixer, whose scan runs from zero) a recurrent state asked for is appended there as
-    ``[state, 0]`` for the continued scan (:mod:`.continued.mamba_scan`) and the mixer is answered ``None``.
+    The cache answers ``is_recording_past`` with ``True``, so a one-token chunk takes the model's multi-token path,
+    which leaves the incoming state as it is, rather than the decoding kernel that updates it in place. With
+    ``scan_starts`` set (a list: a layer with a Mamba v1 mixer, whose scan runs from zero) a recurrent state asked for
+    is appended there as ``[state, 0]`` for the continued scan (:mod:`.continued.mamba_scan`) and the mixer is
+    answered ``None``.
     """
 
     def __init__(

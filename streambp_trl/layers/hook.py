@@ -146,6 +146,11 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     elif isinstance(mask, torch.Tensor) and tuple(mask.shape) != (batch, seq_len):
         raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
     sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
+    if set(grad_inputs) & set(plan.from_prefix):
+        raise ValueError(
+            f"StreamBP: {type(layer).__name__} receives {sorted(set(grad_inputs) & set(plan.from_prefix))} with "
+            "gradient, as a position history spanning earlier positions, which a stream layer cannot differentiate."
+        )
     settings = plan.settings
     func = functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func
     if plan.continued is not None:
@@ -192,7 +197,14 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     (which describe the whole row). Attention keeps documents apart by its mask; a mixer that ignores the
     descriptors runs across documents, in the plain model and here alike."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if plan.min_chunk == 1 or cu_seq_lens is None or plan.apart is False:
+    if plan.min_chunk == 1 or plan.apart is False:
+        return ()
+    if cu_seq_lens is None:
+        if kwargs.get("seq_idx") is not None:
+            raise ValueError(
+                f"StreamBP: {type(layer).__name__} got `seq_idx` without `cu_seq_lens_q`: a packed row needs both "
+                "(TRL's padding-free collator gives both)."
+            )
         return ()
     refusal = packing_refusal(plan, layer)
     if refusal is not None:

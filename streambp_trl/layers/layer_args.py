@@ -33,7 +33,9 @@ from torch import nn
 PASS_THROUGH = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
 # The sequence descriptors of packed rows (TRL's padding-free collator): a row's document boundaries as cumulative
 # lengths, and each token's document index (read by the convolution kernels of linear-attention layers)
-PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+PACKING_KWARGS = (*sorted(PASS_THROUGH), "seq_idx")
+# The layer arguments a position history spans (see :func:`keeps_position_history`)
+HISTORY_ARGUMENTS = ("position_embeddings",)
 # Per-token keyword arguments with the sequence on their last dimension (batch, T), sliced per chunk.
 PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
 # The names a call passes its cache under: ``cache`` since transformers 5.24 (decoder layers and every mixer), the
@@ -61,10 +63,6 @@ def keeps_position_history(cls: type) -> bool:
     (``indexer_position_ids``; Qwen4-Exp), whose layers read the queries' embeddings as the last ones and the keys'
     at their index along the keys."""
     return "indexer_position_ids" in names_called(cls)
-
-
-# The layer arguments a position history spans (see :func:`keeps_position_history`)
-HISTORY_ARGUMENTS = ("position_embeddings",)
 
 
 @functools.cache

@@ -69,9 +69,10 @@ def forward_peak_bytes(
     kinds of layer (softmax attention, Gated DeltaNet, any other), of the top such layer's first chunk
     (:func:`first_chunk_token_bytes`) beside the layer inputs kept up to it (:func:`forward_inputs`, ``H db`` per
     token each, times the hyper-connection streams) and, for softmax attention, the layer's full-length keys/values
-    ``2 kv db n``. The LM head's forward
-    (the inputs of every layer, the last output and one logit tile) is below its backward's moment, which the memory
-    model counts; the token bookkeeping every moment holds (rotary tables, ids) is the caller's to add."""
+    ``2 kv db n`` and a sparse indexed attention's scores of the chunk against every position
+    (:func:`.mixers.indexer_scores_bytes`). The LM head's forward (the inputs of every layer, the last output and one
+    logit tile) is below its backward's moment, which the memory model counts; the token bookkeeping every moment
+    holds (rotary tables, ids) is the caller's to add."""
     attention, linear = set(shape.plain_attention_layers), set(shape.linear_layers)
     groups = {
         "attention": attention,

@@ -54,6 +54,8 @@ class ModelShape:
 
     ``index_heads``: the heads of a sparse indexed attention's indexer (DeepSeek Sparse Attention's
     ``index_n_heads``), which scores each query of a chunk against the indexer keys of every position in float32.
+    (Qwen4-Exp's indexer, which scores pooled key blocks one query at a time, is not counted: it holds boolean
+    chunk x T masks.)
     ``shared_topk``: the top-k key indices (int32) every layer returns beside its output for the next layer, whose
     indexer may be "shared" (``config.indexer_types``: GLM-MoE-DSA, HY-V4); each layer's call keeps the ones it was
     given until its backward.
