@@ -119,6 +119,10 @@ class ShapeRecorder(TorchDispatchMode):
                 self.shapes.append((str(func), tuple(t.shape)))
         return out
 
+    def full_size(self, seq_len: int) -> list[tuple[str, tuple[int, ...]]]:
+        """The recorded ``(op, shape)`` pairs with two dimensions of at least ``seq_len``: (T x T)-sized tensors."""
+        return [(op, s) for op, s in self.shapes if sum(d >= seq_len for d in s) >= 2]
+
 
 class ShapesEveryStep(TrainerCallback):
     """Records every tensor shape produced during the training steps (only step ``step``, 0-based, when given), and

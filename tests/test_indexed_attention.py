@@ -162,16 +162,13 @@ def test_no_full_size_tensor():
     model = _model(index_topk=16)
     ids, mask, labels = _batch(seq_len)
 
-    def full_size(recorder):
-        return [(op, s) for op, s in recorder.shapes if sum(d >= seq_len for d in s) >= 2]
-
     with ShapeRecorder() as plain:
         plain_loss(model, ids, mask, labels).backward()
-    assert full_size(plain)
+    assert plain.full_size(seq_len)
     streamed = enable_streambp(model, stream_chunk_size=chunk, logits_chunk_size=chunk)
     with ShapeRecorder() as rec:
         streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    assert full_size(rec) == []
+    assert rec.full_size(seq_len) == []
 
 
 def test_tensor_masks_other_than_a_chunk_block_are_refused():

@@ -59,31 +59,9 @@ def test_fails_when_the_documents_run_together(monkeypatch):
     assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
 
 
-def test_mixers_that_read_no_descriptors_run_across_documents():
-    """LFM3's short convolution hands no descriptor to a kernel: the plain model runs it across the documents (its
-    attention keeps them apart by the packed mask), and so does the streamed one."""
-    reference = tiny_causal_lm("lfm3")
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
-    docs, inputs = packed_row()
-    labels = inputs.pop("labels")
-    with Float64Internals():
-        logits = reference(**inputs, use_cache=False).logits
-        ref_loss = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
-        ref_loss.backward()
-        loss = streamed(**inputs, labels=labels).loss
-        loss.backward()
-        alone = each_document_alone(copy.deepcopy(reference), docs).item()
-    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
-    assert relative_errors(reference, streamed)[0] < EXACT
-    assert abs(alone - ref_loss.item()) > 1e-6  # the documents do run together
-
-
-@pytest.mark.parametrize("family", ["mamba2", "mamba"])
-def test_a_model_whose_forward_keeps_the_descriptors_from_its_decoder(family):
-    """Mamba2ForCausalLM and MambaForCausalLM hand their backbone only the arguments their forward names (any other
-    keyword goes to their loss): their layers never see the descriptors and their scans run across the documents.
-    The streamed forward hands the decoder the same arguments (``EngineState.decoder_keywords``); it handed on every
-    keyword before, and the Mamba2 layers then kept the documents apart (a relative loss error of 8e-3)."""
+def _against_the_plain_row(family: str) -> tuple[float, float, float]:
+    """The streamed ``family`` model on the packed row against the plain model on the same row (descriptors and all),
+    float64: relative loss and gradient errors, and how far the plain row's loss is from each document run alone."""
     reference = tiny_causal_lm(family)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
     docs, inputs = packed_row()
@@ -94,8 +72,27 @@ def test_a_model_whose_forward_keeps_the_descriptors_from_its_decoder(family):
         ref_loss.backward()
         loss = streamed(**inputs, labels=labels).loss
         loss.backward()
-    assert abs(loss.item() - ref_loss.item()) / ref_loss.item() < EXACT
-    assert relative_errors(reference, streamed)[0] < EXACT
+        alone = each_document_alone(copy.deepcopy(reference), docs).item()
+    loss_err = abs(loss.item() - ref_loss.item()) / ref_loss.item()
+    return loss_err, relative_errors(reference, streamed)[0], abs(alone - ref_loss.item())
+
+
+def test_mixers_that_read_no_descriptors_run_across_documents():
+    """LFM3's short convolution hands no descriptor to a kernel: the plain model runs it across the documents (its
+    attention keeps them apart by the packed mask), and so does the streamed one."""
+    loss_err, grad_err, from_alone = _against_the_plain_row("lfm3")
+    assert loss_err < EXACT and grad_err < EXACT, (loss_err, grad_err)
+    assert from_alone > 1e-6  # the documents do run together
+
+
+@pytest.mark.parametrize("family", ["mamba2", "mamba"])
+def test_a_model_whose_forward_keeps_the_descriptors_from_its_decoder(family):
+    """Mamba2ForCausalLM and MambaForCausalLM hand their backbone only the arguments their forward names (any other
+    keyword goes to their loss): their layers never see the descriptors and their scans run across the documents.
+    The streamed forward hands the decoder the same arguments (``EngineState.decoder_keywords``); it handed on every
+    keyword before, and the Mamba2 layers then kept the documents apart (a relative loss error of 8e-3)."""
+    loss_err, grad_err, _ = _against_the_plain_row(family)
+    assert loss_err < EXACT and grad_err < EXACT, (loss_err, grad_err)
 
 
 def test_packed_rows_kept_apart_in_part_are_refused():
