@@ -51,6 +51,7 @@ FAMILIES = {
         transformers.Qwen2Config,
         {"use_sliding_window": True, "sliding_window": 40, "max_window_layers": 1, "layer_types": None},
     ),
+    "doge": (transformers.DogeConfig, {"keep_window_size": 48}),  # a dynamic mask: a per-head bias with gradient
 }
 
 # name: (family, dtype, config overrides, batch, right padding, patch)
@@ -67,6 +68,8 @@ CASES = {
     "sliding-layers-bf16": ("qwen2-sliding", "bfloat16", {}, 1, 0, None),
     "head-dim-512-bf16": ("qwen3", "bfloat16", {"head_dim": 512}, 1, 0, None),
     "float64": ("qwen3", "float64", {}, 1, 0, None),
+    "dynamic-mask-gqa-bf16": ("doge", "bfloat16", {}, 1, 0, None),
+    "dynamic-mask-mha-fp32": ("doge", "float32", {"num_key_value_heads": 8}, 1, 0, None),
     # cuDNN's form (its check and compute capability 9.0+ assumed; the simulator has no cuDNN): chunks of 64 after
     # prefixes that are multiples of 64, the last chunk (32) padded to 64
     "cudnn-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, "cudnn"),
@@ -202,6 +205,7 @@ def run_case(name: str) -> dict:
             out.loss.backward()
         grads = [p for p in model.parameters() if p.grad is not None]
         result["grads"] = len(grads)
+        result["params"] = sum(p.requires_grad for p in model.parameters())
         result["grad_devices"] = sorted({p.grad.device.type for p in grads})
     except Exception as e:  # reported, not raised: the test decides what was expected
         result["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

@@ -61,6 +61,8 @@ EXPECTED = {
     "sliding-mha-fp32": {"efficient"},
     "sliding-layers-bf16": {"flash", "efficient"},  # Qwen2: one full-attention layer, one sliding-window layer
     "head-dim-512-bf16": {"efficient"},  # past flash's head_dim limit
+    "dynamic-mask-gqa-bf16": {"efficient"},  # Doge: a per-head bias with gradient, all heads in one call
+    "dynamic-mask-mha-fp32": {"efficient"},
     "cudnn-gqa-bf16": set(),  # cuDNN's form: its own ops, no SDPA call
     "cudnn-mha-bf16": set(),
     "cudnn-padded-bf16": {"efficient"},  # a mask block: never cuDNN's form
@@ -81,6 +83,15 @@ def test_grouped_heads_run_per_key_value_head(cases):
     assert cases["causal-mqa-bf16"]["sdpa"]["flash"] == mha
     assert cases["causal-gqa-bf16"]["sdpa"]["flash"] == 2 * mha
     assert cases["causal-gqa-fp32"]["sdpa"]["efficient"] == 2 * cases["causal-mha-fp32"]["sdpa"]["efficient"]
+
+
+def test_dynamic_mask_runs_all_heads_in_one_call(cases):
+    """Doge's per-head bias (with gradient) goes with all query heads in one memory-efficient call, grouped-query heads
+    too (as many calls as multi-head), and its gradient reaches every parameter (the bias's A and dt_proj among
+    them)."""
+    gqa, mha = cases["dynamic-mask-gqa-bf16"], cases["dynamic-mask-mha-fp32"]
+    assert gqa["sdpa"]["efficient"] == mha["sdpa"]["efficient"]
+    assert gqa["grads"] == gqa["params"] and mha["grads"] == mha["params"]
 
 
 def test_cudnn_form_on_cuda_tensors(cases):

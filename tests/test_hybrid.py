@@ -70,7 +70,6 @@ REFUSED = {
     "ZayaDecoderLayer takes prev_router_hidden_states",
     "blt": "byte-to-patch cross-attention runs between the decoder layers.*BltModel calls "
     "_prepare_patch_cross_attention_mask",
-    "doge": "dynamic mask attention reads the attention mask as a tensor.*DogeAttention calls prepare_dynamic_mask",
     "git": "does not go through transformers' AttentionInterface \\(GitSelfAttention adds the mask to its scores",
 }
 

@@ -130,7 +130,7 @@ def test_exact_when_scores_tie_at_the_topk_boundary():
     assert loss_err <= EXACT and grad_err <= EXACT, (loss_err, grad_err)
 
 
-def _rows_to_the_chunk_end(func, layer, x, **kwargs):
+def _rows_to_the_chunk_end(func, dynamic, layer, x, **kwargs):
     """A mutated mask hand-over: the mask block and the indexer keys reach only to the chunk's end."""
     cache = cache_argument(kwargs)
     for name, mask in list(kwargs.items()):

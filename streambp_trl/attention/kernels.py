@@ -269,7 +269,9 @@ def _cuda_attention(
     dK/dV to the query heads in a (batch, kv_len, heads, head_dim) workspace, the memory-efficient kernel needs equal
     head counts; per group that is one key/value head's query heads (expanded as a view), not all of them. cuDNN
     takes grouped heads natively and its backward joins the prefix's and the chunk's key/value gradients, so it runs
-    :func:`cudnn_kv_heads` key/value heads per call: about the bytes of flash's one-head workspace.
+    :func:`cudnn_kv_heads` key/value heads per call: about the bytes of flash's one-head workspace. A per-head or
+    differentiable mask block (a dynamic mask attention's bias) runs all heads in one memory-efficient call, so the
+    bias gets its gradient: grouped keys/values are then copied to the query heads, (batch, heads, kv_len, d) each.
     Raises ``RuntimeError`` naming the model, dtype and head dimension when no fused kernel applies.
     """
     if sinks is not None:  # the sink is an extra key with its own mask column: memory-efficient, equal heads
@@ -351,13 +353,18 @@ def _fused_attention(
         mask = LowerRight(q_len, kv_len) if block is None else _additive_mask(block, query.dtype)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if k.shape[1] != q.shape[1]:  # one key/value head against its query heads: a stride-0 view, no copy
-                k = k.expand(-1, q.shape[1], -1, -1)
-                v = v.expand(-1, q.shape[1], -1, -1)
+            if k.shape[1] == 1:  # one key/value head against its query heads: a stride-0 view, no copy
+                k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+            elif k.shape[1] != q.shape[1]:  # all grouped heads in one call (a per-head mask): copies
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
 
     with sdpa_kernel([_BACKENDS[kernel]]) if kernel in _BACKENDS else contextlib.nullcontext():
         if key.shape[1] == query.shape[1] and kernel != "cudnn":  # multi-head: one group per head
+            return attend(query, key, value)
+        if block is not None and (block.requires_grad or block.shape[1] > 1):
+            # a per-head or differentiable mask (a dynamic mask attention's bias) goes with all heads in one call:
+            # per group, its heads would not match and its gradient would not leave the group's graph
             return attend(query, key, value)
         if prefix is not None:  # a recompute: the prefix's key/value gradient goes straight into the layer's sums
             return _GroupedHeads.apply(query, prefix[0].chunk, prefix[1].chunk, attend, prefix, per_call)

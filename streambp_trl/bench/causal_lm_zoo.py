@@ -362,7 +362,18 @@ def _unshare_kv(config) -> None:
 # functions run on the built config object
 _CONFIG_FIXUPS = {"gemma4_assistant": _unshare_kv, "gemma4_unified_assistant": _unshare_kv}
 
+
 # model types whose CausalLM class takes a sub-config (AutoModelForCausalLM maps the composite config to it)
+def _decay_dynamic_mask(model: torch.nn.Module) -> None:
+    """Doge's dynamic mask decay ``A`` drawn from N(0, 1), as a trained checkpoint has it: at its initial 0 every key
+    gets the same bias, and which keys the top-k window keeps is the sort's tie order (refused)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "A", None), torch.nn.Parameter) and hasattr(module, "keep_window_size"):
+            torch.nn.init.normal_(module.A)
+
+
+# applied to the built model (under the build's seed)
+_MODEL_FIXUPS = {"doge": _decay_dynamic_mask}
 _DECODER_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
 
 
@@ -419,6 +430,8 @@ def tiny_causal_lm(model_type: str, seed: int = 0, dtype=torch.float64, **overri
             raise
     if model_type == "xmod":
         model.set_default_language(config.languages[0])
+    if model_type in _MODEL_FIXUPS:
+        _MODEL_FIXUPS[model_type](model)
     return model.to(dtype).train()
 
 

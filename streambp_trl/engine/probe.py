@@ -21,6 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..layers.layer_args import names_called
 from ..patching import bypassed
 
 PROBE_TOKENS = 11
@@ -99,6 +100,26 @@ def _tolerance(lm: nn.Module) -> float:
 
 def _hidden(decoder: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return decoder(input_ids=ids, attention_mask=mask, use_cache=False, return_dict=True).last_hidden_state
+
+
+def check_weights(lm: PreTrainedModel, layers: list[nn.Module], refuse: Callable[[str], None]) -> None:
+    """Refuse weights whose values make the model's own result depend on a sort's tie order over whole rows, which a
+    chunk cannot reproduce: a dynamic mask attention (Doge's ``prepare_dynamic_mask``) whose per-head decay ``A`` is
+    exactly 0 in a head gives every key of that head the bias ``exp(0 * dt) = 1``, so its top-k window keeps the
+    keys the sort happens to put first. Checked where the probe runs (materialised, whole weights)."""
+    if not _probe_able(lm):
+        return
+    for layer in layers:
+        for module in layer.modules():
+            a = getattr(module, "A", None)
+            if "prepare_dynamic_mask" in names_called(type(module)) and isinstance(a, torch.Tensor) and (a == 0).any():
+                refuse(
+                    f"its dynamic mask attention ({type(module).__name__}) has A = 0 in a head, which gives every "
+                    "key the same bias (exp(0 * dt) = 1): which keys its top-k window (keep_window_size="
+                    f"{getattr(module, 'keep_window_size', '?')}) keeps among them is then the sort's tie order over "
+                    "the whole row, which a chunk cannot reproduce; load trained weights (the released checkpoints "
+                    "have A != 0) or initialise A with nonzero values (e.g. torch.nn.init.normal_)"
+                )
 
 
 def baseline(

@@ -37,9 +37,6 @@ _REFUSED_LAYER_TYPES: dict[str, str] = {}
 # cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
 # the support table (tests/causal_lm_support.json) lists
 _REFUSED_CALLS = {
-    "prepare_dynamic_mask": "its dynamic mask attention reads the attention mask as a tensor and hands the attention "
-    "a dense per-head bias built from it and from every key's values, where StreamBP's attention takes the mask as "
-    "transformers describes it",
     "_prepare_patch_cross_attention_mask": "its byte-to-patch cross-attention runs between the decoder layers on the "
     "whole sequence, with a dense patch mask it builds itself, under the attention implementation it shares with "
     "the streamed layers",

@@ -30,18 +30,19 @@ from ..sizing.auto import rule_of_thumb
 from .carry import ChunkCache
 from .continued import Continued, continued
 from .decoder_call import DecoderCall, active_call
+from .dynamic_mask import dynamic_mask_modules, full_rows
 from .kept import Segment
 from .layer_args import (
     CACHE_KWARGS,
     HISTORY_ARGUMENTS,
     PACKING_KWARGS,
     cache_argument,
-    caches_indexer_keys,
     carries_state,
     document_starts,
     keeps_documents_apart,
     parameter_names,
     per_token,
+    reads_mask_as_tensor,
 )
 from .layer_call import LayerCall, StreamSettings
 from .stream_layer import StreamLayerFunction
@@ -57,15 +58,17 @@ class LayerPlan:
     Mamba) gets chunks of at least two tokens: on one token such a mixer takes its decoding path, which updates the
     state it is given in place, and a state that later chunks differentiate through cannot be changed in place.
     ``nested``: the checkpointed layers inside the layer (Zamba's hybrid layer holds a Mamba decoder layer), which run
-    as they are inside each of its chunks (:func:`_nested_run_plain`). ``indexed``: the layer holds a sparse indexed
-    attention (a module that caches indexer keys through ``update_indexer``), whose own code reads the mask as a
-    tensor: it gets its chunk's mask block as one (:func:`_dense_mask_run`). ``continued``: the layer's mixers that
-    start from a zero state (Mamba v1, lightning attention), continued from each chunk's incoming state
-    (:func:`_continued_run`). ``from_prefix``: the arguments each chunk gets from its first key position on, not from
-    its own first position: a decoder's position history (:func:`~.layer_args.keeps_position_history`).
-    ``apart``: whether the layer's recurrent mixers start each document of a packed row from a zero state (they hand
-    the row's sequence descriptors to their kernels, :func:`~.layer_args.keeps_documents_apart`), ``False`` where
-    they run across documents, ``None`` where they do so in part (or it has none)."""
+    as they are inside each of its chunks (:func:`_nested_run_plain`). ``dense_mask``: the layer's own code reads the
+    mask as a tensor (a sparse indexed attention's indexer, a dynamic mask attention:
+    :func:`~.layer_args.reads_mask_as_tensor`): it gets its chunk's mask block as one (:func:`_dense_mask_run`);
+    ``dynamic_masks``: its modules that rank their dynamic mask's keys themselves (:mod:`.dynamic_mask`).
+    ``continued``: the layer's mixers that start from a zero state (Mamba v1, lightning attention), continued from each
+    chunk's incoming state (:func:`_continued_run`). ``from_prefix``: the arguments each chunk gets from its first key
+    position on, not from its own first position: a decoder's position history
+    (:func:`~.layer_args.keeps_position_history`). ``apart``: whether the layer's recurrent mixers start each document
+    of a packed row from a zero state (they hand the row's sequence descriptors to their kernels,
+    :func:`~.layer_args.keeps_documents_apart`), ``False`` where they run across documents, ``None`` where they do so
+    in part (or it has none)."""
 
     settings: StreamSettings
     configs: tuple
@@ -73,7 +76,8 @@ class LayerPlan:
     cache_name: str
     min_chunk: int = 1
     nested: tuple[nn.Module, ...] = ()
-    indexed: bool = False
+    dense_mask: bool = False
+    dynamic_masks: tuple[nn.Module, ...] = ()
     continued: Continued | None = None
     from_prefix: tuple[str, ...] = ()
     apart: bool | None = None
@@ -91,11 +95,23 @@ class LayerPlan:
         kinds = {keeps_documents_apart(m) for m in mixers}
         apart = kinds.pop() if len(kinds) == 1 else None  # (None also where a mixer resets its convolution alone)
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
-        indexed = any(caches_indexer_keys(type(m)) for m in layer.modules())
+        dense_mask = any(reads_mask_as_tensor(type(m)) for m in layer.modules())
         min_chunk = 2 if recurrent else 1
         from_prefix = HISTORY_ARGUMENTS if position_history else ()
         configs, continued = stream_configs(layer), Continued.of(layer)
-        return cls(settings, configs, names, cache_name, min_chunk, nested, indexed, continued, from_prefix, apart)
+        return cls(
+            settings,
+            configs,
+            names,
+            cache_name,
+            min_chunk,
+            nested,
+            dense_mask,
+            dynamic_mask_modules(layer),
+            continued,
+            from_prefix,
+            apart,
+        )
 
 
 def _autocast_state(device_type: str) -> dict:
@@ -157,7 +173,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         func = functools.partial(_continued_run, func, plan.continued)
     call = LayerCall(
         layer,
-        functools.partial(_dense_mask_run, func) if plan.indexed else func,
+        functools.partial(_dense_mask_run, func, plan.dynamic_masks) if plan.dense_mask else func,
         kwargs,
         sliced,
         settings,
@@ -248,19 +264,24 @@ def _nested_run_plain(func, nested: tuple[nn.Module, ...], layer: nn.Module, *ar
         return func(layer, *args, **kwargs)
 
 
-def _dense_mask_run(func, layer: nn.Module, x: torch.Tensor, **kwargs):
+def _dense_mask_run(func, dynamic: tuple[nn.Module, ...], layer: nn.Module, x: torch.Tensor, **kwargs):
     """``func`` (a layer's forward) on chunk ``x`` with each :class:`StreamMask` argument as its dense block: queries
     [s, e), keys from the chunk's first key position p to the sequence's end T, (batch, 1, e - s, T - p). A sparse
-    indexed attention's own code reads the mask as a tensor: its indexer scores each query against the indexer keys
-    the chunk cache serves, positions [p, T) (:meth:`~.carry.ChunkCache.update_indexer`), and masks those scores with
-    it, so each row it takes the top-k of is the full-sequence forward's row; the attention then attends to the keys
-    [p, e) (the later positions are masked, :func:`~streambp_trl.attention.kernels.stream_attention`). Holds one
+    indexed attention's own code reads the mask as a tensor: its indexer scores each query against the indexer keys the
+    chunk cache serves, positions [p, T) (:meth:`~.carry.ChunkCache.update_indexer`), and masks those scores with it,
+    so each row it takes the top-k of is the full-sequence forward's row; the attention then attends to the keys [p, e)
+    (the later positions are masked, :func:`~streambp_trl.attention.kernels.stream_attention`). A dynamic mask
+    attention (Doge, ``dynamic``) adds a per-key bias from the values of keys [p, e) the cache returns and ranks its
+    top-k window over the full forward's rows (:func:`.dynamic_mask.full_rows`), then attends to keys [p, e). Holds one
     chunk x (T - p) block, never a T x T one."""
     cache = cache_argument(kwargs)
+    seq_len, kv_start = cache.store.seq_len, 0
     for name, mask in list(kwargs.items()):
         if isinstance(mask, StreamMask):
-            kwargs[name] = mask.materialise(x.shape[1], cache.store.seq_len - mask.kv_start, x.device)
-    return func(layer, x, **kwargs)
+            kwargs[name] = mask.materialise(x.shape[1], seq_len - mask.kv_start, x.device)
+            kv_start = mask.kv_start
+    with full_rows(dynamic, kv_start, seq_len):
+        return func(layer, x, **kwargs)
 
 
 def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:

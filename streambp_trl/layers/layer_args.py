@@ -124,10 +124,13 @@ def document_starts(cu_seq_lens: torch.Tensor, seq_len: int) -> tuple[int, ...]:
     return tuple(int(t) for t in cu_seq_lens.tolist() if 0 < int(t) < seq_len)
 
 
-def caches_indexer_keys(cls: type) -> bool:
-    """Whether ``cls`` is a sparse indexed attention's indexer: a transformers module whose code caches its keys
-    through the cache's ``update_indexer`` (DeepSeek Sparse Attention)."""
-    return "update_indexer" in names_called(cls)
+def reads_mask_as_tensor(cls: type) -> bool:
+    """Whether the code of transformers module class ``cls`` reads the attention mask as a tensor rather than handing
+    it to the attention interface as it is: a sparse indexed attention's indexer, which caches its keys through the
+    cache's ``update_indexer`` and masks its scores with the mask (DeepSeek Sparse Attention), or a dynamic mask
+    attention, which builds a per-head additive bias from the mask and its keys' values (Doge's
+    ``prepare_dynamic_mask``)."""
+    return bool({"update_indexer", "prepare_dynamic_mask"} & names_called(cls))
 
 
 @functools.cache
