@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from helpers import EXACT, load_tokenizer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
+from streambp_trl.attention import stream_configs
 from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals, each_document_alone, packed_row, relative_errors
 from streambp_trl.engine import packed_rows_refusal
@@ -75,6 +76,41 @@ def _against_the_plain_row(family: str) -> tuple[float, float, float]:
         alone = each_document_alone(copy.deepcopy(reference), docs).item()
     loss_err = abs(loss.item() - ref_loss.item()) / ref_loss.item()
     return loss_err, relative_errors(reference, streamed)[0], abs(alone - ref_loss.item())
+
+
+def _granite_hybrid_errors(chunk: int, implementation: str) -> tuple[float, float]:
+    """Granite 4 hybrid (Mamba2 and attention layers, its attention mask built without the position ids) on a packed
+    row against each document alone, with the model's own attention ``implementation`` named in its config. The CPU
+    has no flash kernel, but a streamed call never runs the model's own attention (unprobed, and the reference is a
+    separate SDPA model), so the implementation is only named."""
+    reference = tiny_causal_lm("granitemoehybrid")
+    streamed = copy.deepcopy(reference)
+    for config in stream_configs(streamed):
+        config._attn_implementation_internal = implementation
+    enable_streambp(streamed, stream_chunk_size=chunk, verify=False)
+    docs, inputs = packed_row()
+    with Float64Internals():
+        ref_loss = each_document_alone(reference, docs)
+        ref_loss.backward()
+        loss = streamed(**inputs).loss
+        loss.backward()
+    return abs(loss.item() - ref_loss.item()) / ref_loss.item(), relative_errors(reference, streamed)[0]
+
+
+@pytest.mark.parametrize("chunk", [4, 5, 7])
+def test_flash_attention_keeps_packed_documents_apart(chunk):
+    """With flash attention the model's own attention runs its variable-length kernel over the documents
+    (``cu_seq_lens``), whatever its mask: the stream attention keeps them apart as well, and with the Mamba2 layers
+    (whose kernels keep them apart) the row streams as each document alone."""
+    loss_err, grad_err = _granite_hybrid_errors(chunk, "flash_attention_2")
+    assert loss_err < EXACT and grad_err < EXACT, (loss_err, grad_err)
+
+
+def test_sdpa_attention_follows_a_mask_that_runs_documents_together():
+    """With SDPA the model's attention follows its mask, which runs Granite 4 hybrid's documents together, and so
+    does the stream attention: the row is then not each document alone (the comparison above can fail)."""
+    loss_err, grad_err = _granite_hybrid_errors(5, "sdpa")
+    assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
 
 
 def test_mixers_that_read_no_descriptors_run_across_documents():

@@ -28,7 +28,9 @@ class StreamMask:
     whole sequence that is only sliced. ``q_start``/``kv_start`` place the current call's queries and keys.
     ``prefix_grads``: in a backward recompute of a chunk, the :class:`~streambp_trl.attention.PrefixGrad` pairs of
     the joined keys/values the chunk's cache returned (the cache appends them as the layer runs), which the attention
-    looks up by the tensors it is given.
+    looks up by the tensors it is given. ``documents``: the positions where a packed row's documents start (but the
+    first), which the attention keeps apart besides the mask (as flash attention's variable-length kernel does with a
+    packed row's ``cu_seq_lens``; :meth:`apart`).
     """
 
     batch_size: int
@@ -40,11 +42,17 @@ class StreamMask:
     q_start: int = 0
     kv_start: int = 0
     prefix_grads: list = dataclasses.field(default_factory=list, compare=False)
+    documents: tuple[int, ...] = ()
 
     @property
     def plain_causal(self) -> bool:
         """True when the mask is exactly causal: no padding, packing, window or overlay."""
-        return self.dense is None and self.mask_function is causal_mask_function and self.padding is None
+        described = self.mask_function is causal_mask_function and self.padding is None
+        return self.dense is None and described and not self.documents
+
+    def apart(self, documents: tuple[int, ...]) -> StreamMask:
+        """The same mask, keeping the documents that start at ``documents`` (absolute positions) apart as well."""
+        return dataclasses.replace(self, documents=documents)
 
     def at(self, q_start: int, kv_start: int, prefix_grads: list | None = None) -> StreamMask:
         """The same mask, for queries from absolute position ``q_start`` and keys from ``kv_start`` (and, in a
@@ -69,7 +77,18 @@ class StreamMask:
         Holds q_len x kv_len per batch row."""
         q_end, kv_end = self.q_start + q_len, self.kv_start + kv_len
         if self.dense is not None:
-            return self.dense[:, :, self.q_start : q_end, self.kv_start : kv_end]
+            block = self.dense[:, :, self.q_start : q_end, self.kv_start : kv_end]
+        else:
+            block = self._described(q_len, kv_len, device)
+        if not self.documents:
+            return block
+        starts = torch.tensor(self.documents, device=device)
+        same = _document(starts, self.q_start, q_end)[:, None] == _document(starts, self.kv_start, kv_end)[None, :]
+        if block.dtype == torch.bool:
+            return block & same
+        return block.masked_fill(~same, torch.finfo(block.dtype).min)
+
+    def _described(self, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
         return sdpa_mask(
             batch_size=self.batch_size,
             q_length=q_len,
@@ -82,6 +101,11 @@ class StreamMask:
             use_vmap=self.use_vmap,
             device=device,
         )
+
+
+def _document(starts: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The document index of each position in [start, end) of a packed row whose documents start at ``starts``."""
+    return torch.searchsorted(starts, torch.arange(start, end, device=starts.device), right=True)
 
 
 class LowerRight(CausalBias):

@@ -38,8 +38,9 @@ NOT_BUILDABLE = {
 }
 # Packed rows no plain CPU run can give the model's result for, and why
 PACKED_NOT_COMPARED = {
-    "granitemoehybrid": "its Mamba kernels keep the documents apart (on CUDA; their CPU fallbacks refuse packed rows) "
-    "while its attention mask, built without the position ids, does not",
+    "granitemoehybrid": "with SDPA or eager attention, its Mamba kernels keep the documents apart (on CUDA; their "
+    "CPU fallbacks refuse packed rows) while its attention mask, built without the position ids, does not (with "
+    "flash attention both keep them apart: exact against each document alone, tests/test_packed_rows.py)",
 }
 # transformers' own float64 forward gives NaN on padded batches of these models (eager attention with sinks, or
 # with logit softcapping); they are compared unpadded.

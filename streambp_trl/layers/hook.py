@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils.generic import is_flash_attention_requested
 
 from ..attention import StreamMask, stream_configs
 from ..patching import forwards_replaced, own_forward
@@ -36,6 +37,7 @@ from .layer_args import (
     CACHE_KWARGS,
     HISTORY_ARGUMENTS,
     PACKING_KWARGS,
+    PASS_THROUGH,
     cache_argument,
     carries_state,
     document_starts,
@@ -68,7 +70,9 @@ class LayerPlan:
     (:func:`~.layer_args.keeps_position_history`). ``apart``: whether the layer's recurrent mixers start each document
     of a packed row from a zero state (they hand the row's sequence descriptors to their kernels,
     :func:`~.layer_args.keeps_documents_apart`), ``False`` where they run across documents, ``None`` where they do so
-    in part (or it has none)."""
+    in part (or it has none). ``varlen_attention``: the model's own attention implementation (when the engine is
+    installed) is a flash attention, whose variable-length kernel keeps a packed row's documents apart whatever the
+    mask (:func:`_varlen_documents`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -81,6 +85,7 @@ class LayerPlan:
     continued: Continued | None = None
     from_prefix: tuple[str, ...] = ()
     apart: bool | None = None
+    varlen_attention: bool = False
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
@@ -111,6 +116,7 @@ class LayerPlan:
             continued,
             from_prefix,
             apart,
+            any(is_flash_attention_requested(c) for c in configs),
         )
 
 
@@ -150,6 +156,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         return forward(*args)
     x = args[0]
     batch, seq_len = x.shape[:2]
+    attention_documents = _varlen_documents(plan, kwargs, seq_len)  # (before _documents takes the descriptors)
     starts = _documents(plan, layer, kwargs, batch, seq_len)
     for k in CACHE_KWARGS:
         kwargs.pop(k, None)
@@ -161,6 +168,8 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         kwargs["attention_mask"] = StreamMask(batch_size=batch, dense=mask)
     elif isinstance(mask, torch.Tensor) and tuple(mask.shape) != (batch, seq_len):
         raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
+    if attention_documents:
+        kwargs["attention_mask"] = mask.apart(attention_documents)
     sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
     if set(grad_inputs) & set(plan.from_prefix):
         raise ValueError(
@@ -203,6 +212,20 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         call.segment.left(y)
         decoder.segment = call.segment
     return call.as_returned(y)
+
+
+def _varlen_documents(plan: LayerPlan, kwargs: dict, seq_len: int) -> tuple[int, ...]:
+    """Where a packed row's documents start (but the first), for a layer whose own attention is a flash attention
+    given the row's sequence descriptors and a :class:`StreamMask` without padding: ``()`` otherwise. The model's
+    own flash attention then runs its variable-length kernel over the documents (``cu_seq_lens``), keeping them
+    apart whatever the mask says (a model whose mask ignores packing, as Granite 4 hybrid's, built without the
+    position ids, does; with SDPA or eager the model's attention follows that mask, and so does the stream's)."""
+    mask = kwargs.get("attention_mask")
+    if not plan.varlen_attention or not isinstance(mask, StreamMask) or mask.padding is not None:
+        return ()
+    if any(kwargs.get(k) is None for k in PASS_THROUGH):
+        return ()
+    return document_starts(kwargs["cu_seq_lens_q"], seq_len)
 
 
 def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[int, ...]:
