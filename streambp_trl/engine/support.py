@@ -13,7 +13,7 @@ import inspect
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..layers.layer_args import CACHE_KWARGS, names_called, parameter_names
+from ..layers.layer_args import CACHE_KWARGS, names_called
 
 # Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values; for a
 # sparse indexed attention also the indexer keys of every position), the recurrent and convolution mixers of
@@ -32,7 +32,6 @@ _SUPPORTED_LAYER_TYPES = {
     "mlp",
     "moe",
 }
-_REFUSED_LAYER_TYPES: dict[str, str] = {}
 # What a decoder's modules do that no chunk can reproduce from what it receives, told by a name their code calls (a
 # cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
 # the support table (tests/causal_lm_support.json) lists
@@ -40,11 +39,6 @@ _REFUSED_CALLS = {
     "_prepare_patch_cross_attention_mask": "its byte-to-patch cross-attention runs between the decoder layers on the "
     "whole sequence, with a dense patch mask it builds itself, under the attention implementation it shares with "
     "the streamed layers",
-}
-# Decoder-layer arguments that mark a layer StreamBP cannot stream, and the reason
-_REFUSED_LAYER_ARGUMENTS = {
-    "prev_router_hidden_states": "its decoder layers return their router's hidden states beside their output, for "
-    "the next layer's router: a second per-token stream through the layers, where a streamed layer returns one tensor",
 }
 _WITHOUT_STREAMBP = (
     "train it with plain autograd and Hugging Face gradient checkpointing (gradient_checkpointing=True) instead"
@@ -125,8 +119,6 @@ def check_supported(
             "attention_dropout=0.0",
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
-    for layer_type in sorted(layer_types & set(_REFUSED_LAYER_TYPES)):
-        refuse(lm, f"{_REFUSED_LAYER_TYPES[layer_type]} (layer type {layer_type!r})")
     if layer_types - _SUPPORTED_LAYER_TYPES:
         refuse(
             lm,
@@ -148,18 +140,12 @@ def check_supported(
 
 def _check_modules(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list[nn.Module]) -> None:
     """Refuse a decoder whose modules mix tokens in a way no chunk reproduces: a call of :data:`_REFUSED_CALLS`
-    anywhere in the decoder; in a streamed layer, an argument of :data:`_REFUSED_LAYER_ARGUMENTS`, a module that is
-    not causal, or an attention that updates the cache and takes its softmax itself (not through transformers'
-    AttentionInterface, so it never sees the chunk's mask)."""
+    anywhere in the decoder; in a streamed layer, a module that is not causal, or an attention that updates the cache
+    and takes its softmax itself (not through transformers' AttentionInterface, so it never sees the chunk's mask)."""
     for module in decoder.modules():
         for called in sorted(names_called(type(module)) & _REFUSED_CALLS.keys()):
             refuse(lm, f"{_REFUSED_CALLS[called]} ({type(module).__name__} calls {called}); {_WITHOUT_STREAMBP}")
     for layer in layers:
-        for argument in sorted(set(parameter_names(layer)) & _REFUSED_LAYER_ARGUMENTS.keys()):
-            refuse(
-                lm,
-                f"{_REFUSED_LAYER_ARGUMENTS[argument]} ({type(layer).__name__} takes {argument}); {_WITHOUT_STREAMBP}",
-            )
         for name, module in layer.named_modules():
             if any(part in name for part in _CROSS_ATTENTION):
                 continue  # attends to encoder states, which a causal LM call never has

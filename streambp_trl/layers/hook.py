@@ -200,18 +200,23 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     call.min_chunk = plan.min_chunk
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
-        return call.as_returned(call.forward_chunks(x, keep_kv=False, rng="none")[0])
+        return call.as_returned(call.forward_chunks(x, keep_kv=False, rng="none")[0], call.take_extras())
     rebuildable = input_rebuildable(layer, decoder)
     call.embedding_source = decoder.embeddings.source_of(x) if rebuildable else None
     if settings.keep_every > 1:  # join the segment of the previous stream layer (its output is x), or start one
         joined = decoder.segment_to_join(x) if rebuildable else None
         call.segment = joined if joined is not None else Segment(settings.keep_every)
         call.position = call.segment.join(call)
-    y = StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params)
+    y, *extras = _outputs(StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params))
     if call.segment is not None:
         call.segment.left(y)
         decoder.segment = call.segment
-    return call.as_returned(y)
+    return call.as_returned(y, extras)
+
+
+def _outputs(out: torch.Tensor | tuple) -> tuple:
+    """The stream layer Function's outputs as a tuple: the hidden states, then any per-token outputs."""
+    return out if isinstance(out, tuple) else (out,)
 
 
 def _varlen_documents(plan: LayerPlan, kwargs: dict, seq_len: int) -> tuple[int, ...]:

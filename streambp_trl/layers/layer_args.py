@@ -168,10 +168,13 @@ def sequence_dim(name: str, t: torch.Tensor, batch: int, seq_len: int) -> int | 
 
 
 def slice_arg(value, dim_map, s: int, e: int):
-    if isinstance(value, torch.Tensor):
-        dim = dim_map
-        return value if dim is None else value.narrow(dim, s, e - s)
-    return type(value)(slice_arg(v, d, s, e) for v, d in zip(value, dim_map, strict=True))
+    """``value`` (a tensor, or a tuple/list/dict of them and other objects) with each tensor narrowed to [s, e) along
+    its sequence dimension in ``dim_map`` (same structure; ``None``: not per-token)."""
+    if isinstance(value, dict):
+        return {k: slice_arg(v, dim_map.get(k), s, e) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(slice_arg(v, d, s, e) for v, d in zip(value, dim_map, strict=True))
+    return value.narrow(dim_map, s, e - s) if isinstance(value, torch.Tensor) and dim_map is not None else value
 
 
 def per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[dict, tuple[str, ...]]:
@@ -181,6 +184,13 @@ def per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple
     for name, value in kwargs.items():
         if name in CACHE_KWARGS or name in PASS_THROUGH:
             continue  # (a StreamMask is no tensor: each chunk gets its own view; a (batch, T) padding mask is sliced)
+        if isinstance(value, dict):  # a mapping of masks (the causal StreamMask beside a convolution's (batch, T))
+            dims = {k: sequence_dim(f"{name}[{k!r}]", t, batch, seq_len) for k, t in value.items() if _tensor(t)}
+            if any(t.requires_grad for t in value.values() if _tensor(t)):
+                raise ValueError(f"StreamBP: {type(layer).__name__} receives `{name}` with gradient inside a mapping.")
+            if any(d is not None for d in dims.values()):
+                per_token[name] = dims
+            continue
         tensors = value if isinstance(value, (tuple, list)) else (value,)
         dims = []
         for t in tensors:
@@ -198,6 +208,10 @@ def per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 grad_inputs.append(name)
     return per_token, tuple(grad_inputs)
+
+
+def _tensor(t: object) -> bool:
+    return isinstance(t, torch.Tensor)
 
 
 def parameter_names(layer: nn.Module) -> list[str]:

@@ -77,7 +77,8 @@ class LayerCall:
     chunk_size: int = 0  # tokens per chunk of this call
     min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
     output_nones: int | None = None  # the layer returns (hidden states, None, ...): how many Nones
-    extras: list[torch.Tensor] = dataclasses.field(default_factory=list)  # integer outputs, until returned
+    extras: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per-token outputs, until returned
+    streams: tuple[int, ...] = ()  # which of them are floating: a second per-token stream, with gradient
     rng: list[RngState] = dataclasses.field(default_factory=list)
     slots: list[int] = dataclasses.field(default_factory=list)
     state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
@@ -90,6 +91,10 @@ class LayerCall:
         for name, value in self.kwargs.items():
             if isinstance(value, StreamMask):
                 value = (value.padding, value.dense)
+            elif isinstance(value, dict):
+                value = [
+                    t for v in value.values() for t in ((v.padding, v.dense) if isinstance(v, StreamMask) else (v,))
+                ]
             for t in value if isinstance(value, (tuple, list)) else (value,):
                 if isinstance(t, torch.Tensor):
                     named.append((f"the argument `{name}`", t))
@@ -98,16 +103,25 @@ class LayerCall:
         self.versions = Versions.record(layer_name(self.layer), named)
 
     @property
-    def masks(self) -> dict[str, StreamMask]:
-        """The arguments that carry a :class:`StreamMask`: ``attention_mask``, or the one a hybrid layer hands its
-        attention beside its mixer's (batch, T) padding mask (Zamba's ``causal_mask``)."""
-        return {name: value for name, value in self.kwargs.items() if isinstance(value, StreamMask)}
+    def masks(self) -> list[StreamMask]:
+        """The :class:`StreamMask` arguments: ``attention_mask``, the one a hybrid layer hands its attention beside
+        its mixer's (batch, T) padding mask (Zamba's ``causal_mask``), or those in a mapping of masks (Zaya's
+        ``{"causal": ..., "conv": ...}``)."""
+        values = [
+            v for value in self.kwargs.values() for v in (value.values() if isinstance(value, dict) else (value,))
+        ]
+        return [v for v in values if isinstance(v, StreamMask)]
 
-    def as_returned(self, y: torch.Tensor) -> torch.Tensor | tuple:
+    def take_extras(self) -> list[torch.Tensor]:
+        """The full-length per-token outputs the forward assembled beside the hidden states (:meth:`run`), handed
+        over, not kept: the call lives until its backward, which never reads them."""
+        extras, self.extras = self.extras, []
+        return extras
+
+    def as_returned(self, y: torch.Tensor, extras: tuple | list = ()) -> torch.Tensor | tuple:
         """``y`` in the form the layer's own forward returns its output: the tensor, ``(y, None, ...)``, or ``(y,
-        *extras)`` (the full-length integer outputs the forward assembled, :meth:`run`)."""
-        if self.extras:  # handed over, not kept: the call lives until its backward, which never reads them
-            extras, self.extras = self.extras, []
+        *extras)`` (its full-length per-token outputs, :meth:`take_extras`)."""
+        if extras:
             return (y, *extras)
         return y if self.output_nones is None else (y, *[None] * self.output_nones)
 
@@ -127,7 +141,7 @@ class LayerCall:
 
     def prefix_start(self, s: int) -> int:
         """First key position any query of a chunk starting at ``s`` can attend to."""
-        starts = [max(0, s - mask.local_size + 1) if mask.local_size else 0 for mask in self.masks.values()]
+        starts = [max(0, s - mask.local_size + 1) if mask.local_size else 0 for mask in self.masks]
         return min(starts, default=0)
 
     def run(
@@ -135,14 +149,20 @@ class LayerCall:
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
         ``leaves`` replaces the chunk's slices of the gradient-carrying arguments. Returns the chunk's hidden states
-        and the per-token integer tensors the layer returns beside them, (batch, e - s, ...) each: a sparse indexed
-        attention's top-k key indices, which the next layer's shared indexer reuses. Integer outputs carry no
-        gradient, so the hidden states are the only output the backward chains; any other second output is
-        refused."""
-        kwargs = dict(self.kwargs)
+        and the per-token tensors the layer returns beside them, (batch, e - s, ...) each: integer ones (a sparse
+        indexed attention's top-k key indices, which the next layer's shared indexer reuses) carry no gradient;
+        floating ones are a second per-token stream through the layers (Zaya's router hidden states, which the next
+        layer's router reads), whose gradient the backward chains beside the hidden states'. Any other second output
+        is refused."""
         p = s - cache.prefix_len
-        for name, mask in self.masks.items():
-            kwargs[name] = mask.at(s, p, cache.prefix_grads)
+
+        def placed(v: object) -> object:
+            return v.at(s, p, cache.prefix_grads) if isinstance(v, StreamMask) else v
+
+        kwargs = {
+            name: {k: placed(v) for k, v in value.items()} if isinstance(value, dict) else placed(value)
+            for name, value in self.kwargs.items()
+        }
         for name, dims in self.per_token.items():
             kwargs[name] = slice_arg(kwargs[name], dims, p if name in self.from_prefix else s, e)
         kwargs.update(leaves or {})
@@ -153,11 +173,11 @@ class LayerCall:
         if isinstance(out, (tuple, list)) and out and all(o is None for o in out[1:]):
             self.output_nones = len(out) - 1  # (hidden states, None): attention weights that were not asked for
             out = out[0]
-        elif isinstance(out, (tuple, list)) and out and all(_per_token_integers(o, x) for o in out[1:]):
+        elif isinstance(out, (tuple, list)) and out and all(_per_token(o, x) for o in out[1:]):
             out, extras = out[0], tuple(out[1:])
         if not isinstance(out, torch.Tensor):
             raise TypeError(
-                f"StreamBP expects {type(self.layer).__name__} to return a tensor, or a tensor and per-token integer "
+                f"StreamBP expects {type(self.layer).__name__} to return a tensor, or a tensor and per-token "
                 f"tensors, got {type(out).__name__}"
                 + (f" of {[type(o).__name__ for o in out]}" if isinstance(out, (tuple, list)) else "")
                 + "."
@@ -188,10 +208,11 @@ class LayerCall:
                     kv.record(i, cache.outgoing)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
-                    if rng != "replay":  # a replay's integer outputs are the forward's again
+                    if rng != "replay":  # a replay's per-token outputs are the forward's again
                         self.extras = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
+                        self.streams = tuple(j for j, t in enumerate(extras) if t.is_floating_point())
                 y[:, s:e] = out
-                if extras and p > 0:
+                if len(extras) > len(self.streams) and p > 0:
                     raise ValueError(
                         f"StreamBP cannot stream {type(self.layer).__name__}: it returns per-token indices beside its "
                         "output while its chunks attend to a window of keys, whose positions such indices would be "
@@ -237,12 +258,14 @@ class LayerCall:
         need_dx: bool,
         need_extra: tuple[bool, ...],
         dx_over_x: bool,
+        dstreams: tuple[torch.Tensor | None, ...] = (),
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """``dx_over_x``: nothing but this backward holds ``x``'s memory, so dx may take its place."""
+        """``dx_over_x``: nothing but this backward holds ``x``'s memory, so dx may take its place. ``dstreams``: the
+        gradients of the floating per-token outputs (``streams``; ``None`` where none reached them)."""
         with rng_fork(x):
-            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x)
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams)
 
-    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x):
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams):
         carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
         # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
         # gradient can take its place when nothing else holds x
@@ -262,7 +285,7 @@ class LayerCall:
         zeros: dict = {}  # one storage-less zero per (dtype, device), shared by every chunk's placeholders
         hooks = [p.register_hook(functools.partial(_absorb, dparams, zeros, j)) for j, p in enumerate(params)]
         try:
-            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params)
+            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params, dstreams)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -274,9 +297,10 @@ class LayerCall:
             [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)],
         )
 
-    def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params) -> None:
+    def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params, dstreams) -> None:
         """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
-        through the parameters' hooks, the parameter gradient sums)."""
+        through the parameters' hooks, the parameter gradient sums); the chunk's outputs are its hidden states, its
+        floating per-token outputs (given ``dstreams``) and what later chunks took from it."""
         need_dx = dx is not None
         for n, (s, e) in reversed(list(enumerate(self.chunks()))):
             cache = carry.chunk_cache(n, s, self.prefix_start(s), resets=s in self.resets)
@@ -284,9 +308,11 @@ class LayerCall:
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
             with torch.enable_grad(), outputs_skipped(self.unread):
-                yc = self.run(xc, s, e, cache, leaves)[0]
+                yc, extras = self.run(xc, s, e, cache, leaves)
+            streams = [(extras[j], d[:, s:e]) for j, d in zip(self.streams, dstreams, strict=True) if d is not None]
             carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
-            outputs, grad_outputs = [yc, *carried], [dy[:, s:e], *carried_grads]
+            outputs = [yc, *(t for t, _ in streams), *carried]
+            grad_outputs = [dy[:, s:e], *(d for _, d in streams), *carried_grads]
             # keys/values computed only from frozen weights and a gradient-free input carry no gradient
             keep = [j for j, out in enumerate(outputs) if out.requires_grad]
             outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
@@ -307,7 +333,8 @@ class LayerCall:
             # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
             # graph go before the next chunk's backward allocates its own
             g = None
-            del grads, it, g, outputs, grad_outputs, yc, cache, carried, carried_grads, incoming, inputs, leaves, xc
+            del grads, it, g, outputs, grad_outputs, yc, extras, streams, cache, carried, carried_grads, incoming
+            del inputs, leaves, xc
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -336,11 +363,10 @@ def _absorb(sums: list[torch.Tensor | None], zeros: dict, j: int, grad: torch.Te
     return zeros[key].expand(grad.shape)
 
 
-def _per_token_integers(t: object, x: torch.Tensor) -> bool:
-    """Whether ``t`` is an integer tensor of one value set per position of the chunk ``x`` (batch, chunk, ...)."""
+def _per_token(t: object, x: torch.Tensor) -> bool:
+    """Whether ``t`` is a real tensor of one value set per position of the chunk ``x`` (batch, chunk, ...)."""
     return (
         isinstance(t, torch.Tensor)
-        and not t.is_floating_point()
         and not t.is_complex()
         and t.dim() >= 2
         and tuple(t.shape[:2]) == tuple(x.shape[:2])

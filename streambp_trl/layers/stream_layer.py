@@ -72,8 +72,9 @@ class StreamLayerFunction(torch.autograd.Function):
             the layer's trainable parameters.
 
     Returns:
-        The layer's output (batch, T, hidden); its backward returns the exact gradients of ``x``, of those
-        arguments and of each parameter (once per layer backward).
+        The layer's output (batch, T, hidden), then the per-token tensors it returns beside it, if any (integer ones
+        without gradient; floating ones, a second per-token stream, with it); its backward returns the exact
+        gradients of ``x``, of those arguments and of each parameter (once per layer backward).
 
     .. warning::
         Between forward and backward the layer's parameters (trainable or frozen), its tensor arguments and a kept
@@ -82,9 +83,10 @@ class StreamLayerFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | tuple:
         capture = call.settings.kv_mode == "capture"
         y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
+        extras = call.take_extras()
         ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
         offload = call.settings.offload
         keeps_x = call.embedding_source is None and (call.segment is None or call.position == 0)
@@ -101,11 +103,19 @@ class StreamLayerFunction(torch.autograd.Function):
         ctx.save_for_backward(*(kept if ctx.kept is None else ()))
         # a pack hook may keep what save_for_backward is given: x then comes back as nobody's alone
         ctx.packed = keeps_x and ctx.kept is None and saved_tensors_hooked()
-        return y
+        if not extras:
+            return y
+        ctx.mark_non_differentiable(*(t for t in extras if not t.is_floating_point()))
+        ctx.set_materialize_grads(False)  # a stream no later computation read has no gradient, and gets no zeros
+        ctx.y_like = (y.shape, y.dtype, y.device)
+        return (y, *extras)
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor | None, *dextras: torch.Tensor | None):
         call = ctx.call
+        if dy is None:  # not materialised where the layer returns per-token tensors beside y
+            shape, dtype, device = ctx.y_like
+            dy = torch.zeros(shape, dtype=dtype, device=device)
         check_backward(ctx, layer_name(call.layer))
         call.versions.check()
         saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
@@ -120,8 +130,9 @@ class StreamLayerFunction(torch.autograd.Function):
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
         dx_over_x = not ctx.packed and sole_holder(x)
+        dstreams = tuple(dextras[j] for j in call.streams) if dextras else ()
         dx, dextra, dparams = call.backward_chunks(
-            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, dx_over_x
+            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, dx_over_x, dstreams
         )
         it = iter(dextra)
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)

@@ -68,7 +68,12 @@ def layer_kinds(config) -> dict:
         kinds = ["mamba" if v1 or pure2 else "hybrid"] * config.num_hidden_layers
     delta = hasattr(config, "linear_num_key_heads") or hasattr(config, "linear_num_heads")
     lightning = not delta and bool(_first(config, "block_size"))
-    mamba_kinds = ("mamba", "hybrid") if delta or lightning else ("mamba", "hybrid", "linear_attention")
+    if not (v1 or mamba_sizes):  # "hybrid" layers without Mamba sizes are attention layers (Zaya's CCA and MoE)
+        mamba_kinds: tuple[str, ...] = ()
+    elif delta or lightning:
+        mamba_kinds = ("mamba", "hybrid")
+    else:
+        mamba_kinds = ("mamba", "hybrid", "linear_attention")
     linear = tuple(i for i, k in enumerate(kinds) if k == "linear_attention" and (delta or lightning))
     mamba = tuple(i for i, k in enumerate(kinds) if k in mamba_kinds)
     hybrid = tuple(i for i in mamba if kinds[i] == "hybrid")

@@ -1,0 +1,66 @@
+"""A second per-token stream through the decoder layers (Zaya's router hidden states) streamed exactly.
+
+Each Zaya decoder layer returns its router's hidden states (batch, T, router_hidden) beside its output, and the next
+layer's router adds them to its own: a floating per-token output with gradient. The stream layer returns it beside
+the hidden states (the chunks' pieces assembled), takes the next layer's gradient of it, and chains that gradient
+into each chunk's backward beside the hidden states' (``LayerCall._chunk_backwards``). Zaya's attention also takes a
+mapping of masks (``{"causal": ..., "conv": ...}``), whose causal mask each chunk gets placed at its positions and
+whose (batch, T) convolution mask it gets sliced, and its CCA projection carries a convolution state and a delayed
+value through the cache.
+
+Tiny float64 models against plain autograd (relative error <= 1e-10), right and left padding, chunk sizes that do
+not divide the length, a sliding-window layer, input segments (``keep_every``) and kept keys/values
+(``kv_mode="capture"``). The comparison fails when the stream's gradient is dropped.
+"""
+
+import copy
+
+import pytest
+
+from streambp_trl import enable_streambp
+from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
+from streambp_trl.bench.model_support import plain_loss, relative_errors
+from streambp_trl.layers import layer_call
+
+EXACT = 1e-10
+# three layers: the second sliding (window 6), so the router stream passes through a windowed layer's chunks
+THREE_LAYERS = {"num_hidden_layers": 3, "layer_types": ["hybrid", "hybrid_sliding", "hybrid"], "sliding_window": 6}
+
+
+def _error(reference, streamed, padding: str) -> float:
+    ids, mask, labels = batch(padding=padding)
+    reference.zero_grad()
+    streamed.zero_grad()
+    ref_loss = plain_loss(reference, ids, mask, labels)
+    ref_loss.backward()
+    loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0])
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("chunk", [2, 5, 23])
+def test_router_stream_is_exact(chunk, padding):
+    reference = tiny_causal_lm("zaya", **THREE_LAYERS)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
+    assert _error(reference, streamed, padding) < EXACT
+
+
+@pytest.mark.parametrize("options", [{"keep_every": 2}, {"kv_mode": "capture"}], ids=["keep_every", "capture"])
+def test_router_stream_with_segments_and_kept_keys(options):
+    reference = tiny_causal_lm("zaya", **THREE_LAYERS)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, **options)
+    assert _error(reference, streamed, "left") < EXACT
+
+
+def test_dropping_the_stream_gradient_is_caught(monkeypatch):
+    """The router stream's gradient not chained into the chunks' backward: the routers' gradients go wrong."""
+    backward_chunks = layer_call.LayerCall.backward_chunks
+
+    def dropped(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams=()):
+        return backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, (None,) * len(dstreams))
+
+    monkeypatch.setattr(layer_call.LayerCall, "backward_chunks", dropped)
+    reference = tiny_causal_lm("zaya", **THREE_LAYERS)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    assert _error(reference, streamed, "right") > 1e-6
