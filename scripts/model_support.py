@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     import transformers
 
-    from streambp_trl.bench.causal_lm_zoo import ZOO_TYPES
     from streambp_trl.bench.model_support import NOT_BUILDABLE, classify
+    from streambp_trl.bench.zoo import ZOO_TYPES
 
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import transformers
 
-from streambp_trl.bench.causal_lm_zoo import batch  # noqa: F401 (the tests' batch: padded, a prompt unlabelled)
+from streambp_trl.bench.zoo import batch  # noqa: F401 (the tests' batch: padded, a prompt unlabelled)
 
 VOCAB = 101
 _COMMON = dict(

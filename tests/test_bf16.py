@@ -26,8 +26,8 @@ from trl import SFTConfig, SFTTrainer
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import kernels
 from streambp_trl.attention.causal_chunk import CPU_FLASH
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals
+from streambp_trl.bench.zoo import tiny_causal_lm
 
 GRAD_SLACK = torch.finfo(torch.bfloat16).eps  # 2**-7, relative
 LOSS_SLACK = 1e-4

@@ -42,8 +42,8 @@ from torch.nn.attention.bias import causal_lower_right
 from streambp_trl import disable_streambp, enable_streambp
 from streambp_trl.attention import kernels
 from streambp_trl.attention.causal_chunk import cudnn_usable
-from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals
+from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.sizing import memory_model as mm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import plain_loss, relative_errors
+from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import hook
 
 EXACT = 1e-10

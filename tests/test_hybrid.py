@@ -28,8 +28,8 @@ from streambp_trl import (
     StreamSFTTrainer,
     enable_streambp,
 )
-from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
+from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers import carry
 
 ONE_LAYER = {

@@ -18,8 +18,8 @@ import copy
 import pytest
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.causal_lm_zoo import batch, tiny_causal_lm
 from streambp_trl.bench.model_support import plain_loss, relative_errors
+from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers import layer_call
 
 EXACT = 1e-10

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
+from streambp_trl.bench.zoo import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 

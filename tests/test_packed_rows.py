@@ -22,8 +22,8 @@ from helpers import EXACT, load_tokenizer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import stream_configs
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals, each_document_alone, packed_row, relative_errors
+from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.engine import packed_rows_refusal
 from streambp_trl.layers import hook
 

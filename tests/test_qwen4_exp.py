@@ -22,8 +22,8 @@ import torch
 from helpers import ShapeRecorder
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
 from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
+from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import carry
 
 pytestmark = pytest.mark.slow  # the model's indexer loops over every query in Python: ~2 minutes

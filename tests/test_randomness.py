@@ -13,7 +13,7 @@ from helpers import max_rel_grad_error, reference_loss
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.causal_lm_zoo import tiny_causal_lm
+from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import rng
 
 DROPOUT = {"attention_dropout": 0.2}
