@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 from transformers.masking_utils import causal_mask_function  # noqa: E402
 
 from streambp_trl import enable_streambp  # noqa: E402
-from streambp_trl.attention import causal_chunk, kernels, masks  # noqa: E402
+from streambp_trl.attention import causal_chunk, cuda, kernels, masks  # noqa: E402
 
 _SMALL = dict(
     vocab_size=128,
@@ -145,26 +145,26 @@ def _counted(kind: str, fn):
 def _force_cudnn() -> list[tuple]:
     """cuDNN's form taken as on an sm90 GPU (its check assumed passed; its ops run on their meta functions), chunk
     lengths padded to multiples of 64; its kernel calls counted. Returns what to restore."""
-    saved = [(kernels, name, getattr(kernels, name)) for name in ("cudnn_usable", "CUDNN_ALIGN", "CUDNN")]
-    chunk_attention = kernels.CausalChunkAttention.apply
+    saved = [(cuda, name, getattr(cuda, name)) for name in ("cudnn_usable", "CUDNN_ALIGN", "CUDNN")]
+    chunk_attention = causal_chunk.CausalChunkAttention.apply
 
     def counted_chunk(query, key, value, scale, kernel, align):
         CUDNN_CALLS["padded"] += query.shape[2] % align != 0
         return chunk_attention(query, key, value, scale, kernel, align)
 
-    saved.append((kernels.CausalChunkAttention, "apply", chunk_attention))
-    kernels.cudnn_usable = lambda device, dtype, head_dim: True
-    kernels.CUDNN_ALIGN = 64
-    kernels.CUDNN = causal_chunk.LseKernel(
+    saved.append((causal_chunk.CausalChunkAttention, "apply", chunk_attention))
+    cuda.cudnn_usable = lambda device, dtype, head_dim: True
+    cuda.CUDNN_ALIGN = 64
+    cuda.CUDNN = causal_chunk.LseKernel(
         "cudnn", _counted("forward", causal_chunk.CUDNN.forward), _counted("backward", causal_chunk.CUDNN.backward)
     )
-    kernels.CausalChunkAttention.apply = counted_chunk
+    causal_chunk.CausalChunkAttention.apply = counted_chunk
     return saved
 
 
 PATCHES = {
-    "cpu_mask": (kernels, "_additive_mask", _cpu_additive_mask),
-    "math_attention": (kernels, "_cuda_attention", _math_attention),
+    "cpu_mask": (cuda, "_additive_mask", _cpu_additive_mask),
+    "math_attention": (cuda, "cuda_attention", _math_attention),
     "cudnn": _force_cudnn,
 }
 

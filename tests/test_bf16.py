@@ -24,7 +24,7 @@ from models import batch, tiny_model
 from trl import SFTConfig, SFTTrainer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
-from streambp_trl.attention import kernels
+from streambp_trl.attention import cuda, grouped, kernels
 from streambp_trl.attention.causal_chunk import CPU_FLASH
 from streambp_trl.bench.model_support import Float64Internals
 from streambp_trl.bench.zoo import tiny_causal_lm
@@ -136,7 +136,7 @@ def _cuda_path_on_cpu(module, query, key, value, block, sinks, scaling, dropout,
     """The CUDA attention for CPU tensors: PyTorch's CPU build has a flash kernel (bfloat16 included), not the
     memory-efficient one, so plainly causal chunks only."""
     assert block is None and sinks is None, "the CPU has no memory-efficient kernel: only plainly causal chunks here"
-    return kernels._cuda_attention(module, query, key, value, block, sinks, scaling, dropout, prefix)
+    return cuda.cuda_attention(module, query, key, value, block, sinks, scaling, dropout, prefix)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
@@ -148,18 +148,18 @@ def test_bf16_cuda_attention_path_is_as_exact_as_plain(monkeypatch, kernel, head
     float32, the CPU's flash kernel in cuDNN's place); the prefix's key/value gradient added straight into the
     layer's sums (through the autocast cast of the joined keys/values)."""
     prefixes = []
-    apply = kernels._GroupedHeads.apply
+    apply = grouped._GroupedHeads.apply
 
     def counted(query, key, value, attend, prefix, per_call=1):
         prefixes.append(prefix is not None)
         return apply(query, key, value, attend, prefix, per_call)
 
     monkeypatch.setattr(kernels, "_cpu_attention", _cuda_path_on_cpu)
-    monkeypatch.setattr(kernels._GroupedHeads, "apply", counted)
+    monkeypatch.setattr(grouped._GroupedHeads, "apply", counted)
     if kernel == "cudnn":
-        monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: True)
-        monkeypatch.setattr(kernels, "CUDNN", CPU_FLASH)
-        monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)
+        monkeypatch.setattr(cuda, "cudnn_usable", lambda device, dtype, head_dim: True)
+        monkeypatch.setattr(cuda, "CUDNN", CPU_FLASH)
+        monkeypatch.setattr(cuda, "CUDNN_ALIGN", 1)
     _check("qwen3", "none", form, chunk, num_attention_heads=heads, num_key_value_heads=kv_heads)
     assert any(prefixes) == (kv_heads < heads or kernel == "cudnn")
 

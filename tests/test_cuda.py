@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from streambp_trl import disable_streambp, enable_streambp
-from streambp_trl.attention import kernels
+from streambp_trl.attention import cuda
 from streambp_trl.attention.causal_chunk import cudnn_usable
 from streambp_trl.bench.model_support import Float64Internals
 from streambp_trl.bench.zoo import batch, tiny_causal_lm
@@ -109,9 +109,9 @@ def causal_kernel(request, monkeypatch):
     """Which kernel plainly causal bfloat16 chunks take: cuDNN's form (on compute capability 9.0+; every chunk
     length here, not only multiples of ``CUDNN_ALIGN``), or flash (cuDNN's check answered no, as before Hopper)."""
     if request.param == "cudnn":
-        monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)
+        monkeypatch.setattr(cuda, "CUDNN_ALIGN", 1)
     else:
-        monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: False)
+        monkeypatch.setattr(cuda, "cudnn_usable", lambda device, dtype, head_dim: False)
     return request.param
 
 
@@ -180,7 +180,7 @@ def _causal_kernel(dtype: torch.dtype, head_dim: int) -> str:
     ],
 )
 def test_attention_kernels(dtype, padding, family, kernel, monkeypatch):
-    monkeypatch.setattr(kernels, "CUDNN_ALIGN", 1)  # the tiny model's chunks are no multiples of 256
+    monkeypatch.setattr(cuda, "CUDNN_ALIGN", 1)  # the tiny model's chunks are no multiples of 256
     if kernel == "causal":
         kernel = _causal_kernel(dtype, FAMILIES[family]["head_dim"])
     model = enable_streambp(
@@ -236,14 +236,14 @@ def test_cudnn_attention_on_hopper():
             return F.scaled_dot_product_attention(a, b, c, attn_mask=bias, enable_gqa=True)
 
     def cudnn_form(a, b, c):
-        return kernels._fused_attention("cudnn", a, b, c, None, None, 0.0, None)
+        return cuda._fused_attention("cudnn", a, b, c, None, None, 0.0, None)
 
     reference, flash, cudnn = (
         run(plain, torch.float64),
         run(flash_lower_right, torch.bfloat16),
         run(cudnn_form, torch.bfloat16),
     )
-    per_call = kernels.cudnn_kv_heads(8, 4)
+    per_call = cuda.cudnn_kv_heads(8, 4)
 
     def rel(a, b):
         return ((a - b).norm() / b.norm()).item()

@@ -16,7 +16,7 @@ from models import tiny_model
 from transformers import AttentionInterface
 
 from streambp_trl import enable_streambp
-from streambp_trl.attention import interface, kernels
+from streambp_trl.attention import causal_chunk, cuda, grouped, interface
 from streambp_trl.attention.causal_chunk import CPU_FLASH
 
 TOL = 1e-10
@@ -26,8 +26,8 @@ def _cuda_path_on_cpu(module, query, key, value, attention_mask, scaling=None, d
     """:func:`stream_attention` as it runs on CUDA, for CPU tensors (causal blocks: flash)."""
     block = attention_mask.block(query.shape[2], key.shape[2], query.device)
     assert block is None, "the CPU has no memory-efficient kernel: only plainly causal chunks here"
-    prefix = kernels.PrefixGrad.of(attention_mask, key, value)
-    return kernels._cuda_attention(module, query, key, value, block, None, scaling, dropout, prefix), None
+    prefix = grouped.PrefixGrad.of(attention_mask, key, value)
+    return cuda.cuda_attention(module, query, key, value, block, None, scaling, dropout, prefix), None
 
 
 @pytest.fixture(params=["flash", "cudnn"])
@@ -42,21 +42,21 @@ def cuda_path(monkeypatch, request):
     def route(align: int = 1):
         interface._register()
         monkeypatch.setitem(AttentionInterface._global_mapping, interface.IMPLEMENTATION, _cuda_path_on_cpu)
-        monkeypatch.setattr(kernels, "_FLASH_DTYPES", (torch.float64,))  # CUDA's flash has no float64; the CPU's has
+        monkeypatch.setattr(cuda, "_FLASH_DTYPES", (torch.float64,))  # CUDA's flash has no float64; the CPU's has
         if request.param == "cudnn":
-            monkeypatch.setattr(kernels, "cudnn_usable", lambda device, dtype, head_dim: True)
-            monkeypatch.setattr(kernels, "CUDNN", CPU_FLASH)
-            monkeypatch.setattr(kernels, "CUDNN_ALIGN", align)
-            chunk_attention = kernels.CausalChunkAttention.apply
+            monkeypatch.setattr(cuda, "cudnn_usable", lambda device, dtype, head_dim: True)
+            monkeypatch.setattr(cuda, "CUDNN", CPU_FLASH)
+            monkeypatch.setattr(cuda, "CUDNN_ALIGN", align)
+            chunk_attention = causal_chunk.CausalChunkAttention.apply
 
             def counted_chunk(query, key, value, scale, kernel, align):
                 calls["padded"] += query.shape[2] % align != 0
                 return chunk_attention(query, key, value, scale, kernel, align)
 
-            monkeypatch.setattr(kernels.CausalChunkAttention, "apply", counted_chunk)
+            monkeypatch.setattr(causal_chunk.CausalChunkAttention, "apply", counted_chunk)
 
     calls["route"] = route
-    apply = kernels._GroupedHeads.apply
+    apply = grouped._GroupedHeads.apply
 
     def counted(query, key, value, attend, prefix, per_call=1):
         calls["grouped"] += 1
@@ -64,7 +64,7 @@ def cuda_path(monkeypatch, request):
         calls["per_call"].add(per_call)
         return apply(query, key, value, attend, prefix, per_call)
 
-    monkeypatch.setattr(kernels._GroupedHeads, "apply", counted)
+    monkeypatch.setattr(grouped._GroupedHeads, "apply", counted)
     return calls
 
 
@@ -90,7 +90,7 @@ def test_cuda_attention_path_is_exact(cuda_path, heads, kv_heads, chunk):
     assert err < TOL, f"relative gradient error {err:.3e} at {where}"
     several_chunks = chunk < ids.shape[1]
     if cuda_path["kernel"] == "cudnn":  # a few key/value heads per call; the prefix's gradient into the sums
-        per_call = kernels.cudnn_kv_heads(kv_heads, heads // kv_heads)
+        per_call = cuda.cudnn_kv_heads(kv_heads, heads // kv_heads)
         assert (cuda_path["prefix"] > 0) == several_chunks
         assert cuda_path["per_call"] == ({per_call} if several_chunks or per_call < kv_heads else set())
         assert per_call == {(4, 2): 1, (8, 2): 2, (16, 4): 2, (4, 1): 1, (4, 4): 2}[heads, kv_heads]

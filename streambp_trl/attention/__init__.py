@@ -13,7 +13,8 @@ memory-efficient) and SDPA's math kernel, which would hold a (chunk x prefix x h
 where no fused kernel applies, a ``RuntimeError`` says why.
 
 * :mod:`.masks`: :class:`StreamMask` (the mask described, and its blocks) and the bottom-right causal bias;
-* :mod:`.kernels`: :func:`stream_attention` on the CPU and on CUDA, attention sinks;
+* :mod:`.kernels`: :func:`stream_attention`, on the CPU; :mod:`.cuda`: on CUDA (fused kernels only);
+  :mod:`.sinks`: attention sinks as one extra key;
 * :mod:`.causal_chunk`: a plainly causal chunk as its prefix and its diagonal block, merged (the CPU's flash kernel,
   cuDNN's on CUDA);
 * :mod:`.grouped`: grouped-query heads one group at a time, and :class:`PrefixGrad`;
