@@ -1,23 +1,5 @@
-"""The key/value cache a streamed layer runs each chunk against, and the full-length keys/values of one layer.
-
-:class:`CarryStore` holds every position's keys/values of each cache slot (``layer_idx``), (batch, kv_heads, T,
-head_dim) each. :class:`ChunkCache` is a ``transformers.Cache`` for one layer call on one chunk: the model's own
-attention code calls its ``update()``, which writes the chunk's keys/values into the store and returns the store's
-view of the prefix and the chunk, so no concatenated copy of the prefix is ever made. In a backward recompute the
-prefix is a gradient-carrying leaf and :class:`_Extend` joins it to the chunk's keys/values (a view again), handing
-the attention's gradient back to both as views; for the joined tensors the cache also records a :class:`PrefixGrad`
-pair (in ``prefix_grads``, which the chunk's mask shares), with which an attention kernel can add the prefix's
-gradient straight into the layer's key/value gradient sums instead.
-
-The prefix keys/values are a layer's *carry* for softmax attention: what a chunk takes from earlier positions. In
-backward a chunk receives its carry as leaves that require grad, and their gradient (``dK``, ``dV`` of the prefix
-positions) is what it hands back to the earlier chunks.
-
-A sparse indexed attention (DeepSeek Sparse Attention's indexer, which chooses each query's keys by a top-k over its
-scores of the keys) also caches *indexer keys* through ``update_indexer()``: the store keeps them for every position,
-(batch, T, index_head_dim) per slot, and serves a chunk all of them from the prefix start to T (see
-:meth:`ChunkCache.update_indexer`). The indexer's output is integer indices, so they carry no gradient.
-"""
+"""The ``transformers.Cache`` a streamed layer runs one chunk against (:class:`ChunkCache`), and the collecting
+pass's early stop after a chunk's cache update."""
 
 from __future__ import annotations
 
@@ -28,8 +10,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from ..attention import PrefixGrad
-from ..patching import forwards_replaced
+from ...attention import PrefixGrad
+from ...patching import forwards_replaced
+from .store import KV, CarryStore, States, recurrent_key
 
 
 class StopAfterCacheUpdate(Exception):  # noqa: N818 (a signal, not an error)
@@ -66,95 +49,6 @@ def _zero_output(module: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.T
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     return x.new_zeros(*x.shape[:-1], module.out_features, dtype=dtype)
-
-
-KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values
-StateKey = tuple[str, int, int]  # ("conv", "recurrent" or "indexer", cache slot (layer_idx), state index)
-INDEXER = "indexer"  # the kind of a layout entry that holds a slot's indexer keys of every position
-States = dict[StateKey, torch.Tensor]
-
-
-def recurrent_key(layer_idx: int, state_idx: int = 0) -> StateKey:
-    """The key of cache slot ``layer_idx``'s recurrent state (its ``state_idx``-th)."""
-    return ("recurrent", layer_idx, state_idx)
-
-
-class CarryStore:
-    """What one layer call's chunks take from earlier positions, filled chunk by chunk.
-
-    ``kv``: keys/values of all positions for each attention cache slot, (batch, kv_heads, T, head_dim) each,
-    allocated when a slot is first written. ``states``: for each recurrent or convolution state of the layer
-    (linear attention, Mamba, short convolution), the state entering each chunk but the first (chunk index -> state,
-    e.g. (batch, heads, d_k, d_v) or the convolution's last ``kernel`` inputs). ``indexer``: a sparse indexed
-    attention's indexer keys of all positions per slot, (batch, T, index_head_dim), zeros where not yet written.
-    """
-
-    def __init__(
-        self,
-        seq_len: int,
-        kv: KV | None = None,
-        states: dict[StateKey, dict[int, torch.Tensor]] | None = None,
-        indexer: dict[int, torch.Tensor] | None = None,
-    ):
-        self.seq_len = seq_len
-        self.kv: KV = kv or {}
-        self.states = states or {}
-        self.indexer: dict[int, torch.Tensor] = indexer or {}
-
-    def incoming(self, n: int) -> States:
-        """The states entering chunk ``n`` (none for the first)."""
-        return {key: by_chunk[n] for key, by_chunk in self.states.items() if n in by_chunk}
-
-    def record(self, n: int, outgoing: States) -> None:
-        """Keep the states chunk ``n`` left, for chunk ``n + 1``: detached copies, since a convolution tail is a view
-        of the chunk's whole joined convolution input ((chunk + kernel) x conv_dim), which a kept view would hold."""
-        for key, t in outgoing.items():
-            self.states.setdefault(key, {})[n + 1] = t.detach().clone()
-
-    def layout(self) -> list[tuple[StateKey, int]]:
-        """The order of the store's tensors after the keys/values in :meth:`flat`: (state key, chunk) of each state
-        entering a chunk, then ``(("indexer", slot, 0), 0)`` for each slot's indexer keys."""
-        states = [(key, n) for key in sorted(self.states) for n in sorted(self.states[key])]
-        return states + [((INDEXER, i, 0), 0) for i in sorted(self.indexer)]
-
-    def range(self, start: int, end: int) -> KV:
-        return {i: (k[:, :, start:end], v[:, :, start:end]) for i, (k, v) in self.kv.items()}
-
-    def slot(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slot ``i``'s full-length keys and values, allocated like ``key``/``value`` on first use."""
-        if i not in self.kv:
-            full = key.shape[:2] + (self.seq_len,) + key.shape[3:]
-            self.kv[i] = (key.new_empty(full), value.new_empty(value.shape[:2] + (self.seq_len,) + value.shape[3:]))
-        return self.kv[i]
-
-    def index_keys(self, i: int, keys: torch.Tensor) -> torch.Tensor:
-        """Slot ``i``'s indexer keys of every position, (batch, T, index_head_dim), allocated as zeros like ``keys``
-        (the chunk's, (batch, chunk, index_head_dim)) on first use. Zeros, not uninitialised memory: a chunk's indexer
-        scores the positions not yet written too, and masks them, which a NaN there would survive under an additive
-        mask."""
-        if i not in self.indexer:
-            self.indexer[i] = keys.new_zeros(keys.shape[:1] + (self.seq_len,) + keys.shape[2:])
-        return self.indexer[i]
-
-    def flat(self) -> tuple[torch.Tensor, ...]:
-        """The store's tensors: keys, values per slot, then the states and indexer keys in :meth:`layout` order."""
-        kv = tuple(t for i in sorted(self.kv) for t in self.kv[i])
-        rest = (self.indexer[key[1]] if key[0] == INDEXER else self.states[key][n] for key, n in self.layout())
-        return kv + tuple(rest)
-
-    @classmethod
-    def from_flat(
-        cls, seq_len: int, slots: list[int], layout: list[tuple[StateKey, int]], flat: tuple[torch.Tensor, ...]
-    ) -> CarryStore:
-        kv = {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)}
-        states: dict[StateKey, dict[int, torch.Tensor]] = {}
-        indexer: dict[int, torch.Tensor] = {}
-        for (key, n), t in zip(layout, flat[2 * len(slots) :], strict=True):
-            if key[0] == INDEXER:
-                indexer[key[1]] = t
-            else:
-                states.setdefault(key, {})[n] = t
-        return cls(seq_len, kv, states, indexer)
 
 
 class _Extend(torch.autograd.Function):
@@ -328,81 +222,3 @@ class ChunkCache(Cache):
         if self.stop and self.chunk:
             raise StopAfterCacheUpdate
         return full[:, self.start - self.prefix_len :]
-
-
-class LayerCarry:
-    """What chunks of one layer's backward hand each other: the layer's *carry*.
-
-    A chunk [s, e) takes from earlier positions only its carry: for attention the keys/values of the prefix [p, s)
-    (p > 0 for a sliding window); for a recurrent or convolution mixer the states at the chunk's start. In backward
-    the chunks run last to first; chunk n = [s, e):
-
-    * receives its incoming carry as leaves that require grad (:meth:`chunk_cache`: the prefix over ``store``, and
-      the states entering the chunk);
-    * returns its outgoing carry (its own keys/values, the states it leaves) with the gradient that later chunks
-      handed back for them as their grad_outputs (:meth:`outgoing`);
-    * hands the gradient of its incoming carry back to the earlier chunks (:meth:`absorb`): into the keys/values'
-      gradient sums ``grads``, and as the gradient of the states chunk n - 1 left (``state_grads``).
-
-    Holds the keys/values of every position (``store``, per cache slot) and their gradient sums, (batch, kv_heads,
-    T, head_dim) each; the states entering every chunk and the gradient of one chunk boundary's states.
-    """
-
-    def __init__(self, store: CarryStore):
-        self.store = store
-        self.grads: KV = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in store.kv.items()}
-        self.state_grads: dict[int, States] = {}  # chunk n -> gradient of the states entering it
-
-    def chunk_cache(self, n: int, s: int, p: int, resets: bool = False) -> ChunkCache:
-        """The cache of chunk ``n`` = [s, ...) in backward: the prefix [p, s) and the incoming states as leaves with
-        grad (when not empty), the prefix's gradient sums for the attention (:class:`PrefixGrad`); ``resets``: the
-        chunk starts a document of a packed row, whose mixers start from a zero state (no states enter it)."""
-        prefix = {
-            i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
-            for i, (k, v) in self.store.range(p, s).items()
-        }
-        sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in self.grads.items()}
-        incoming = {key: _leaf(t) for key, t in self.store.incoming(n).items()}
-        return ChunkCache(self.store, s, s - p, prefix, prefix_sums=sums, incoming=incoming, resets=resets)
-
-    @staticmethod
-    def incoming(cache: ChunkCache) -> list[torch.Tensor]:
-        """The leaves of ``cache``'s incoming carry, in the order :meth:`absorb` takes their gradients."""
-        kv = [t for i in sorted(cache.prefix) for t in cache.prefix[i]] if cache.prefix_len else []
-        return kv + [cache.incoming[key] for key in sorted(cache.incoming) if cache.incoming[key].requires_grad]
-
-    def outgoing(self, cache: ChunkCache, n: int, e: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The chunk's own keys/values and the states it left, with the gradient later chunks handed back for them
-        (none for the last chunk)."""
-        if e >= self.store.seq_len:
-            return [], []
-        s = cache.start
-        outputs, grads = [], []
-        for i, (k, v) in cache.chunk.items():
-            outputs += [k, v]
-            grads += [self.grads[i][0][:, :, s:e], self.grads[i][1][:, :, s:e]]
-        handed_back = self.state_grads.pop(n + 1, {})
-        for key in sorted(cache.outgoing):
-            if key in handed_back:
-                outputs.append(cache.outgoing[key])
-                grads.append(handed_back[key])
-        return outputs, grads
-
-    def absorb(self, cache: ChunkCache, n: int, grads: list[torch.Tensor | None]) -> None:
-        """Take the gradient of ``cache``'s incoming carry (what autograd gave its leaves): the prefix positions' into
-        the sums (nothing where the attention added it itself), the incoming states' for chunk ``n - 1``."""
-        p, s = cache.start - cache.prefix_len, cache.start
-        it = iter(grads)
-        for i in sorted(cache.prefix) if cache.prefix_len else []:
-            for acc in self.grads[i]:
-                g = next(it)
-                if g is not None:
-                    acc[:, :, p:s] += g
-        states = {key: next(it) for key in sorted(cache.incoming) if cache.incoming[key].requires_grad}
-        self.state_grads[n] = {key: g for key, g in states.items() if g is not None}
-
-
-def _leaf(state: torch.Tensor) -> torch.Tensor:
-    """An incoming state as a leaf with grad; an integer state (token ids a layer keeps as a "convolution state" for
-    its n-gram embedding, Qwen4-Exp) as it is: no gradient flows through integers."""
-    return state.detach().requires_grad_() if state.is_floating_point() else state
