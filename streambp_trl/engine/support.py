@@ -131,10 +131,6 @@ def check_supported(
             "output_router_logits=True",
             "Set config.output_router_logits=False.",
         )
-    if getattr(config, "num_kv_shared_layers", 0):
-        refuse(lm, "its last layers reuse the keys/values of earlier layers (num_kv_shared_layers > 0)")
-    if getattr(config, "altup_num_inputs", None):
-        refuse(lm, "its layers carry several stacked hidden-state streams (AltUp), not one sequence of hidden states")
     _check_modules(lm, decoder, layers)
 
 

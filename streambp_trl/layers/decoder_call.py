@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from .kept import EmbeddingOutputs, Segment
+from .shared_kv import SharedKV
 
 
 @dataclasses.dataclass
@@ -29,13 +30,15 @@ class DecoderCall:
     (from the token ids, or by its segment) instead of kept, when no hook watches the layer either.
     ``embeddings``: the outputs of the input embedding during the call that can be rebuilt from the token ids.
     ``segment``: with ``keep_every > 1``, the segment of the last stream layer that ran (its output may be the next
-    layer's input in the same segment).
+    layer's input in the same segment). ``shared_kv``: the keys/values layers share with later layers
+    (:mod:`.shared_kv`), which the layer calls keep until their backwards.
     """
 
     chunk_size: int | None = None
     inputs_rebuildable: bool = False
     embeddings: EmbeddingOutputs = dataclasses.field(default_factory=EmbeddingOutputs)
     segment: Segment | None = None
+    shared_kv: SharedKV = dataclasses.field(default_factory=SharedKV)
 
     def segment_to_join(self, x: torch.Tensor) -> Segment | None:
         """The segment whose last layer produced ``x``, if ``x`` can continue it (see :meth:`Segment.continued_by`)."""

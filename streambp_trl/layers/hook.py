@@ -72,7 +72,8 @@ class LayerPlan:
     :func:`~.layer_args.keeps_documents_apart`), ``False`` where they run across documents, ``None`` where they do so
     in part (or it has none). ``varlen_attention``: the model's own attention implementation (when the engine is
     installed) is a flash attention, whose variable-length kernel keeps a packed row's documents apart whatever the
-    mask (:func:`_varlen_documents`)."""
+    mask (:func:`_varlen_documents`). ``stacked``: its hidden states are stacked streams, (streams, batch, T, hidden)
+    (Gemma 3n's AltUp), which the engine streams as (batch, T, streams, hidden) views (:func:`_stacked_run`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -86,6 +87,7 @@ class LayerPlan:
     from_prefix: tuple[str, ...] = ()
     apart: bool | None = None
     varlen_attention: bool = False
+    stacked: bool = False
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
@@ -117,6 +119,7 @@ class LayerPlan:
             from_prefix,
             apart,
             any(is_flash_attention_requested(c) for c in configs),
+            any((getattr(c, "altup_num_inputs", None) or 1) > 1 for c in configs),
         )
 
 
@@ -154,7 +157,9 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     cache = cache_argument(kwargs)
     if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
-    x = args[0]
+    given = args[0]
+    # stacked hidden-state streams (Gemma 3n's AltUp, (streams, batch, T, hidden)) streamed as (batch, T, streams, ...)
+    x = given.movedim(0, 2) if plan.stacked else given
     batch, seq_len = x.shape[:2]
     attention_documents = _varlen_documents(plan, kwargs, seq_len)  # (before _documents takes the descriptors)
     starts = _documents(plan, layer, kwargs, batch, seq_len)
@@ -180,6 +185,8 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     func = functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func
     if plan.continued is not None:
         func = functools.partial(_continued_run, func, plan.continued)
+    if plan.stacked:
+        func = functools.partial(_stacked_run, func)
     call = LayerCall(
         layer,
         functools.partial(_dense_mask_run, func, plan.dynamic_masks) if plan.dense_mask else func,
@@ -195,23 +202,34 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         resets=starts,
     )
     decoder = active_call()
+    if kwargs.get("shared_kv_states") is not None:  # keys/values shared across layers (Gemma 3n, Gemma 4's E models)
+        call.shared = decoder.shared_kv
     chunk = decoder.chunk_size or settings.chunk_size
     call.chunk_size = chunk if chunk is not None else rule_of_thumb(seq_len)
     call.min_chunk = plan.min_chunk
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
-        return call.as_returned(call.forward_chunks(x, keep_kv=False, rng="none")[0], call.take_extras())
+        y = call.forward_chunks(x, keep_kv=False, rng="none")[0]
+        return call.as_returned(y.movedim(2, 0) if plan.stacked else y, call.take_extras())
     rebuildable = input_rebuildable(layer, decoder)
-    call.embedding_source = decoder.embeddings.source_of(x) if rebuildable else None
+    call.embedding_source = decoder.embeddings.source_of(given) if rebuildable else None
     if settings.keep_every > 1:  # join the segment of the previous stream layer (its output is x), or start one
-        joined = decoder.segment_to_join(x) if rebuildable else None
+        joined = decoder.segment_to_join(given) if rebuildable else None
         call.segment = joined if joined is not None else Segment(settings.keep_every)
         call.position = call.segment.join(call)
     y, *extras = _outputs(StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params))
+    if plan.stacked:
+        y = y.movedim(2, 0)
     if call.segment is not None:
         call.segment.left(y)
         decoder.segment = call.segment
     return call.as_returned(y, extras)
+
+
+def _stacked_run(func, layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """``func`` (a layer's forward whose hidden states are stacked streams, (streams, batch, chunk, hidden)) on chunk
+    ``x`` in the engine's layout, (batch, chunk, streams, hidden), and its output back in that layout (views)."""
+    return func(layer, x.movedim(2, 0), *args, **kwargs).movedim(0, 2)
 
 
 def _outputs(out: torch.Tensor | tuple) -> tuple:

@@ -23,6 +23,7 @@ from .guards import Versions
 from .kept import CheckpointOffload, EmbeddingSource, Segment
 from .layer_args import slice_arg
 from .rng import RngState, rng_fork
+from .shared_kv import ChunkShared, SharedKV
 from .unread import outputs_skipped, unread_outputs
 
 KV_MODES = ("recompute", "capture")
@@ -84,6 +85,8 @@ class LayerCall:
     state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
     unread: list[nn.Module] = dataclasses.field(default_factory=list)  # linear maps the backward recompute skips
     versions: Versions | None = None  # what the backward reads again, as the forward left it
+    shared: SharedKV | None = None  # the decoder call's keys/values shared across layers (``shared_kv_states``)
+    stores: dict[str, int] = dataclasses.field(default_factory=dict)  # layer types it shares (-> its cache slot)
 
     def record_versions(self, kept: torch.Tensor | None) -> None:
         """Record the versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
@@ -145,7 +148,13 @@ class LayerCall:
         return min(starts, default=0)
 
     def run(
-        self, x: torch.Tensor, s: int, e: int, cache: ChunkCache, leaves: dict | None = None
+        self,
+        x: torch.Tensor,
+        s: int,
+        e: int,
+        cache: ChunkCache,
+        leaves: dict | None = None,
+        shared: ChunkShared | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
         ``leaves`` replaces the chunk's slices of the gradient-carrying arguments. Returns the chunk's hidden states
@@ -153,7 +162,7 @@ class LayerCall:
         indexed attention's top-k key indices, which the next layer's shared indexer reuses) carry no gradient;
         floating ones are a second per-token stream through the layers (Zaya's router hidden states, which the next
         layer's router reads), whose gradient the backward chains beside the hidden states'. Any other second output
-        is refused."""
+        is refused. ``shared``: the chunk's view of the keys/values shared across layers, as ``shared_kv_states``."""
         p = s - cache.prefix_len
 
         def placed(v: object) -> object:
@@ -166,6 +175,8 @@ class LayerCall:
         for name, dims in self.per_token.items():
             kwargs[name] = slice_arg(kwargs[name], dims, p if name in self.from_prefix else s, e)
         kwargs.update(leaves or {})
+        if shared is not None:
+            kwargs["shared_kv_states"] = shared
         kwargs[self.cache_name] = cache
         with torch.autocast(**self.autocast), streaming(self.configs):
             out = self.func(self.layer, x, **kwargs)
@@ -199,11 +210,14 @@ class LayerCall:
                     self.rng[i].restore()
                 p = self.prefix_start(s)
                 cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i), resets=s in self.resets)
+                shared = self.shared_view(cache, p, e)
                 if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
                     with unread_outputs(self.layer) as self.unread:
-                        out, extras = self.run(x[:, s:e], s, e, cache)
+                        out, extras = self.run(x[:, s:e], s, e, cache, shared=shared)
                 else:
-                    out, extras = self.run(x[:, s:e], s, e, cache)
+                    out, extras = self.run(x[:, s:e], s, e, cache, shared=shared)
+                if shared is not None and rng != "replay":
+                    self.stores.update(shared.stored)
                 if e < self.seq_len and e not in self.resets:  # the next chunk starts a document: nothing enters it
                     kv.record(i, cache.outgoing)
                 if y is None:
@@ -222,7 +236,14 @@ class LayerCall:
                     for full, t in zip(self.extras, extras, strict=True):
                         full[:, s:e] = t
         self.slots, self.state_layout = sorted(kv.kv), kv.layout()
+        if rng != "replay":  # the keys/values later layers reuse: every position's, detached
+            for kind, slot in self.stores.items():
+                self.shared.kv[kind] = tuple(t.detach() for t in kv.kv[slot])
         return y, kv
+
+    def shared_view(self, cache: ChunkCache, p: int, e: int) -> ChunkShared | None:
+        """The chunk's ``shared_kv_states`` (keys from position ``p`` to ``e``), where the layer takes one."""
+        return ChunkShared(self.shared, cache, p, e) if self.shared is not None else None
 
     def collect_kv(self, x: torch.Tensor) -> CarryStore:
         """Keys/values of every position, each chunk replaying its recorded random state.
@@ -242,7 +263,8 @@ class LayerCall:
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()
                 try:  # stops before attention
-                    self.run(x[:, s:e], s, e, ChunkCache(kv, s, stop=True, indexed=indexed))
+                    cache = ChunkCache(kv, s, stop=True, indexed=indexed)
+                    self.run(x[:, s:e], s, e, cache, shared=self.shared_view(cache, s, e))
                 except StopAfterCacheUpdate:
                     pass
                 else:
@@ -267,6 +289,10 @@ class LayerCall:
 
     def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams):
         carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
+        for kind, slot in self.stores.items():  # what the later layers reusing these keys/values handed back
+            grads = self.shared.take_grads(kind)
+            if grads is not None:
+                carry.seed(slot, grads)
         # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
         # gradient can take its place when nothing else holds x
         dx = (x if dx_over_x else torch.empty_like(x)) if need_dx else None
@@ -307,8 +333,10 @@ class LayerCall:
             xc = x[:, s:e].detach().requires_grad_(need_dx)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
             self.rng[n].restore()
+            shared = self.shared_view(cache, s - cache.prefix_len, e)
             with torch.enable_grad(), outputs_skipped(self.unread):
-                yc, extras = self.run(xc, s, e, cache, leaves)
+                yc, extras = self.run(xc, s, e, cache, leaves, shared)
+            reused = shared.leaves_list() if shared is not None else []
             streams = [(extras[j], d[:, s:e]) for j, d in zip(self.streams, dstreams, strict=True) if d is not None]
             carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
             outputs = [yc, *(t for t, _ in streams), *carried]
@@ -317,7 +345,7 @@ class LayerCall:
             keep = [j for j, out in enumerate(outputs) if out.requires_grad]
             outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
             incoming = carry.incoming(cache)
-            inputs = ([xc] if need_dx else []) + list(leaves.values()) + incoming
+            inputs = ([xc] if need_dx else []) + list(leaves.values()) + incoming + reused
             grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
             it: Iterator = iter(grads)
             if need_dx:
@@ -329,12 +357,14 @@ class LayerCall:
             carry.absorb(
                 cache, n, [next(it) for _ in incoming]
             )  # (unless the attention added them itself: PrefixGrad)
+            if reused:
+                shared.absorb([next(it) for _ in reused])
             # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`)
             # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
             # graph go before the next chunk's backward allocates its own
             g = None
             del grads, it, g, outputs, grad_outputs, yc, extras, streams, cache, carried, carried_grads, incoming
-            del inputs, leaves, xc
+            del inputs, leaves, xc, shared, reused
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

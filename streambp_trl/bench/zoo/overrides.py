@@ -75,11 +75,14 @@ OVERRIDES: dict[str, dict] = {
         "make_ngram_vocab_size_divisible_by": 8,
         "eos_token_id": 5,
     },
+    # keys/values shared across layers, as Gemma 4's E models have them: the last two layers reuse the first two's
+    "gemma4_text": {"num_hidden_layers": 4, "layer_types": _SWA_TYPES * 2, "num_kv_shared_layers": 2},
     "got_ocr2": {"vision_config": {"image_size": 128, "global_attn_indexes": [1]}},
     "musicgen": {"decoder": {"num_codebooks": 1}},
     "musicgen_melody": {"decoder": {"num_codebooks": 1}},
 }
 OVERRIDES["qwen4_exp"] = {"text_config": OVERRIDES["qwen4_exp_text"]}
+OVERRIDES["gemma4"] = {"text_config": OVERRIDES["gemma4_text"]}
 
 
 def _dots3(d: dict) -> None:

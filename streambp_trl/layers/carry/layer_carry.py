@@ -31,6 +31,14 @@ class LayerCarry:
         self.store = store
         self.grads: KV = {i: (torch.zeros_like(k), torch.zeros_like(v)) for i, (k, v) in store.kv.items()}
         self.state_grads: dict[int, States] = {}  # chunk n -> gradient of the states entering it
+        self.seeded = False
+
+    def seed(self, slot: int, grads: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Start slot ``slot``'s gradient sums from ``grads`` (what later layers that reuse its keys/values handed
+        back: :mod:`..shared_kv`), so every chunk's own keys/values, the last one's too, are outputs of its
+        backward."""
+        self.grads[slot] = grads
+        self.seeded = True
 
     def chunk_cache(self, n: int, s: int, p: int, resets: bool = False) -> ChunkCache:
         """The cache of chunk ``n`` = [s, ...) in backward: the prefix [p, s) and the incoming states as leaves with
@@ -51,9 +59,9 @@ class LayerCarry:
         return kv + [cache.incoming[key] for key in sorted(cache.incoming) if cache.incoming[key].requires_grad]
 
     def outgoing(self, cache: ChunkCache, n: int, e: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The chunk's own keys/values and the states it left, with the gradient later chunks handed back for them
-        (none for the last chunk)."""
-        if e >= self.store.seq_len:
+        """The chunk's own keys/values and the states it left, with the gradient later chunks (and, ``seeded``, later
+        layers) handed back for them (none for the last chunk of an unseeded carry)."""
+        if e >= self.store.seq_len and not self.seeded:
             return [], []
         s = cache.start
         outputs, grads = [], []

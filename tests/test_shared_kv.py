@@ -1,0 +1,81 @@
+"""Keys/values shared across layers (Gemma 4's E models and Gemma 3n, ``num_kv_shared_layers``) streamed exactly.
+
+The last layers of such a model attend to the keys/values an earlier layer of their type stored, and their attention's
+gradient reaches that layer's key and value projections through them (:mod:`streambp_trl.layers.shared_kv`). Tiny
+float64 Gemma 4 text models of four layers (sliding, full, sliding, full; the last two reusing the first two's keys
+and values), with their float32 internals in float64, against plain autograd (relative error <= 1e-10): right and left
+padding, chunk sizes that do not divide the length, one chunk, kept keys/values and input segments. The comparison
+fails when the reusing layers' gradient does not reach the storing layers. Gemma 3n shares keys/values the same way
+and its layers carry four stacked hidden-state streams (AltUp: (streams, batch, T, hidden)), which the engine streams
+as (batch, T, streams, hidden) views: its tiny model (sliding, full, sliding reusing the first), right-padded
+(transformers' own backward gives NaN gradients on its left-padded batches).
+"""
+
+import copy
+
+import pytest
+
+from streambp_trl import enable_streambp
+from streambp_trl.attention import StreamMask
+from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
+from streambp_trl.bench.zoo import batch, tiny_causal_lm
+from streambp_trl.layers import kept
+from streambp_trl.layers.carry import LayerCarry
+
+EXACT = 1e-10
+
+
+def _error(options: dict, padding: str, family: str = "gemma4_text") -> float:
+    reference = tiny_causal_lm(family)
+    assert reference.config.kv_sharing_modes[-1] == "reuse"
+    streamed = enable_streambp(copy.deepcopy(reference), **options)
+    ids, mask, labels = batch(padding=padding)
+    with Float64Internals():
+        ref_loss = plain_loss(reference, ids, mask, labels)
+        ref_loss.backward()
+        loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0])
+
+
+@pytest.mark.parametrize("padding", ["right", "left"])
+@pytest.mark.parametrize("chunk", [1, 4, 7, 23])
+def test_shared_keys_values_are_exact(chunk, padding):
+    assert _error({"stream_chunk_size": chunk}, padding) < EXACT
+
+
+@pytest.mark.parametrize("options", [{"kv_mode": "capture"}, {"keep_every": 2}], ids=["capture", "keep_every"])
+def test_shared_keys_values_with_kept_keys_and_segments(options):
+    assert _error({"stream_chunk_size": 5, **options}, "left") < EXACT
+
+
+def test_the_reusing_layers_gradient_must_reach_the_storing_layer(monkeypatch):
+    monkeypatch.setattr(LayerCarry, "seed", lambda self, slot, grads: None)
+    assert _error({"stream_chunk_size": 5}, "right") > 1e-3
+
+
+def test_a_stream_mask_is_sliced_only_whole():
+    mask = StreamMask(batch_size=1)
+    assert mask[:, :, slice(0, None), :] is mask
+    with pytest.raises(TypeError, match="describes the whole sequence"):
+        mask[:, :, slice(-1, None), :]
+
+
+@pytest.mark.parametrize("options", [{"stream_chunk_size": 1}, {"stream_chunk_size": 5}, {"stream_chunk_size": 23}])
+def test_gemma3n_stacked_streams_and_shared_keys_values_are_exact(options):
+    assert _error(options, "right", "gemma3n_text") < EXACT
+
+
+def test_gemma3n_layers_join_input_segments(monkeypatch):
+    """With ``keep_every=2`` a layer whose input is the previous layer's stacked output joins its segment (the stacked
+    layout changes no identity the segments follow), so every second layer keeps no input."""
+    positions = []
+    join = kept.Segment.join
+
+    def counted(self, call):
+        positions.append(join(self, call))
+        return positions[-1]
+
+    monkeypatch.setattr(kept.Segment, "join", counted)
+    assert _error({"stream_chunk_size": 5, "keep_every": 2}, "right", "gemma3n_text") < EXACT
+    assert positions == [0, 1, 0]
