@@ -177,8 +177,7 @@ def phase_wrappers(sync: bool, times: dict[str, float]):
     adding into ``times``); undone on exit. Measuring code only: the engine is not changed."""
     import torch
 
-    from streambp_trl.layers.layer_call import LayerCall
-    from streambp_trl.layers.stream_layer import StreamLayerFunction
+    from streambp_trl.layers.call import LayerCall, StreamLayerFunction
     from streambp_trl.logits.eager import EagerNode
     from streambp_trl.logits.nodes import LogitNode, WeightNode
 

@@ -23,7 +23,7 @@ from models import batch, tiny_model
 from torch import nn
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import layer_call
+from streambp_trl.layers.call import layer_call
 
 LAYERS = 4
 TOL = 1e-10

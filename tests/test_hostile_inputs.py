@@ -186,7 +186,7 @@ def test_sole_holder_sees_tensor_subclasses_like_plain_tensors():
     place for them as for plain tensors, else the simulator measures one (T x hidden) buffer more than a GPU holds."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from streambp_trl.layers.guards import sole_holder
+    from streambp_trl.layers.call.guards import sole_holder
 
     with FakeTensorMode():
         x = torch.empty(4, 8)

@@ -20,7 +20,7 @@ import pytest
 from streambp_trl import enable_streambp
 from streambp_trl.bench.model_support import plain_loss, relative_errors
 from streambp_trl.bench.zoo import batch, tiny_causal_lm
-from streambp_trl.layers import layer_call
+from streambp_trl.layers.call import layer_call
 
 EXACT = 1e-10
 # three layers: the second sliding (window 6), so the router stream passes through a windowed layer's chunks

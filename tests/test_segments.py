@@ -9,7 +9,8 @@ from helpers import CopyingOffload, loss_and_grads, max_rel_grad_error, referenc
 from models import batch, tiny_model
 
 from streambp_trl import StreamSFTConfig, enable_streambp
-from streambp_trl.layers import layer_call, sharding
+from streambp_trl.layers import sharding
+from streambp_trl.layers.call import layer_call
 from streambp_trl.layers.kept import segments
 
 LAYERS = 5

@@ -1,4 +1,4 @@
-"""The chunk recompute skips the linear maps whose output no gradient reads (streambp_trl.layers.unread): which ones
+"""The chunk recompute skips the linear maps whose output no gradient reads (layers.call.unread): which ones
 qualify is seen in the layer's own forward, and the skip leaves every gradient exact."""
 
 import contextlib
@@ -11,8 +11,8 @@ from models import FLOAT64_TOLERANCE, batch, tiny_model
 from torch import nn
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import layer_call
-from streambp_trl.layers.unread import outputs_skipped, unread_outputs
+from streambp_trl.layers.call import layer_call
+from streambp_trl.layers.call.unread import outputs_skipped, unread_outputs
 
 
 def _unread_names(model, layer_index: int = 0) -> list[str]:

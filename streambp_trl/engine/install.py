@@ -3,7 +3,7 @@
 After :func:`enable_streambp`, in training mode,
 
 * every decoder layer (each ``GradientCheckpointingLayer`` of ``model.get_decoder()``) runs through the
-  stream-checkpointed Function of :mod:`streambp_trl.layers.stream_layer`, with attention and masks from
+  stream-checkpointed Function of :mod:`streambp_trl.layers.call.stream_layer`, with attention and masks from
   :mod:`streambp_trl.attention`;
 * ``model(..., labels=labels)`` computes the causal-LM loss through the chunked logit kernel of
   :mod:`streambp_trl.logits` (``logits`` is ``None``: they are never built), and

@@ -2,8 +2,8 @@
 
 * :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`, bound to its :class:`LayerPlan`), which runs
   the layer call through
-* :mod:`.stream_layer`: the autograd Function, chunk by chunk;
-* :mod:`.layer_call`: one layer call's chunk loops (forward, key/value collection, each chunk's backward);
+* :mod:`.call`: the autograd Function, chunk by chunk, and one layer call's chunk loops (forward, key/value
+  collection, each chunk's backward), random states, skipped outputs and backward guards;
 * :mod:`.decoder_call`: the state of one streamed decoder call, which the hooks read (:class:`DecoderCall`);
 * :mod:`.carry`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
   keys/values of one layer;
@@ -12,16 +12,15 @@
 * :mod:`.layer_args`: a layer call's arguments, split per chunk;
 * :mod:`.kept`: what a layer keeps between forward and backward, and how the rest is rebuilt (checkpoint offload, the
   first layer's input from the token ids, ``keep_every`` segments);
-* :mod:`.rng`: each chunk's random state, replayed by every recompute;
-* :mod:`.unread`: the linear maps whose output no gradient reads, which the chunk recompute skips;
-* :mod:`.guards`: what a backward checks first (versions, a second backward, ``create_graph``);
+* :mod:`.dynamic_mask`: a dynamic mask attention's top-k window ranked over whole rows (Doge);
+* :mod:`.shared_kv`: keys/values shared across layers (Gemma 3n, Gemma 4's E models);
 * :mod:`.sharding`: whether parameters are ZeRO-3 partitions or FSDP shards.
 """
 
+from .call import KV_MODES, StreamSettings
 from .decoder_call import DecoderCall, decoder_call
 from .hook import LayerPlan, packing_refusal, stream_checkpoint
 from .kept import CheckpointOffload
-from .layer_call import KV_MODES, StreamSettings
 
 __all__ = [
     "KV_MODES",

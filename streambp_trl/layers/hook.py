@@ -5,13 +5,13 @@ layer's ``_gradient_checkpointing_func`` (the hook transformers' ``GradientCheck
 with ``partial(layer.forward, **kwargs)`` and the hidden states). It binds the call's arguments, takes the chunk of
 the decoder call in progress (:func:`~.decoder_call.active_call`), decides what the layer keeps for its backward
 (its input; or nothing, when the input is rebuilt from the token ids or by its segment; see :mod:`.kept.rebuild` and
-:mod:`.kept.segments`) and runs the layer through :class:`~streambp_trl.layers.stream_layer.StreamLayerFunction`.
+:mod:`.kept.segments`) and runs the layer through :class:`~streambp_trl.layers.call.stream_layer.StreamLayerFunction`.
 
 Module hooks run outside this hook (transformers checkpoints ``forward``, not ``__call__``): a layer's pre-hooks see
 its input before, its forward hooks its input and output after. So the input a layer gets may be held by the
 previous layer's forward hooks, its own hooks, the caller (hidden states) or any autograd node; whether its input
 gradient may take the input's place is decided in backward, by what then holds the input's memory
-(:func:`~streambp_trl.layers.guards.sole_holder`), not by which hooks exist.
+(:func:`~streambp_trl.layers.call.guards.sole_holder`), not by which hooks exist.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from transformers.utils.generic import is_flash_attention_requested
 from ..attention import StreamMask, stream_configs
 from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
+from .call import LayerCall, StreamLayerFunction, StreamSettings
 from .carry import ChunkCache
 from .continued import Continued, continued
 from .decoder_call import DecoderCall, active_call
@@ -46,8 +47,6 @@ from .layer_args import (
     per_token,
     reads_mask_as_tensor,
 )
-from .layer_call import LayerCall, StreamSettings
-from .stream_layer import StreamLayerFunction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +148,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
 
     .. warning::
         The layer's parameters and tensor arguments must not change in place between its forward and its backward,
-        the backward runs once and is not differentiable (see :mod:`.guards`), and the layer must return one tensor.
+        the backward runs once and is not differentiable (:mod:`.call.guards`), and the layer must return one tensor.
     """
     layer = forward.args[0]
     names = plan.parameter_names

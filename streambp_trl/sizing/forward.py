@@ -1,7 +1,7 @@
 """The forward's peak of a streamed step: the first chunk of a layer's chunked forward, beside the inputs kept so far.
 
 A streamed layer's forward runs chunk by chunk under no grad. On the first chunk of every training forward the engine
-also finds which linear maps' outputs no backward reads (:mod:`streambp_trl.layers.unread`): for that chunk it keeps
+also finds which linear maps' outputs no backward reads (:mod:`..layers.call.unread`): for that chunk it keeps
 every ``nn.Linear`` output alive, with everything computed from it by a copy, a cast, a sum or a scaling (the residual
 sums, the norms' float32 upcasts), until the chunk ends. With LoRA (PEFT keeps the adapters in float32 beside a
 half-precision base) each adapted map's output comes with the adapter's float32 product, its scaled copy, their float32

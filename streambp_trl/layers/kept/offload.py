@@ -60,7 +60,7 @@ class _HostCopy:
 
     def fetch(self, side: torch.Stream | None) -> tuple[torch.Tensor, ...]:
         """The tensors back on the device, once (a second backward is refused before it asks again: see
-        :func:`~streambp_trl.layers.guards.check_backward`)."""
+        :func:`~streambp_trl.layers.call.guards.check_backward`)."""
         self.prefetch(side)
         if self.event is not None:
             torch.accelerator.current_stream(self.device).wait_event(self.event)

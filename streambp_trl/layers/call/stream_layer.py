@@ -8,7 +8,7 @@ that serves the keys/values of earlier chunks. Only the layer input ``x`` (batch
 gradient checkpointing; the forward never holds more than one chunk's activations.
 
 Backward, given dY for the whole sequence, hands each chunk its *carry* (what it takes from earlier positions; for
-softmax attention the prefix keys/values, :class:`~.carry.LayerCarry`) and sends the carry's gradient back to the
+softmax attention the prefix keys/values, :class:`~..carry.LayerCarry`) and sends the carry's gradient back to the
 earlier chunks. The keys/values K, V of every position (post-norm, post-RoPE; shape
 (batch, kv_heads, T, head_dim)) are recomputed under no grad, cheaply, by running each chunk only up to its
 cache update (or kept from the forward with ``kv_mode="capture"``). Then for chunks [s, e) from LAST to FIRST the
@@ -56,7 +56,7 @@ import functools
 
 import torch
 
-from .carry import CarryStore
+from ..carry import CarryStore
 from .guards import check_backward, saved_tensors_hooked, sole_holder
 from .layer_call import LayerCall, layer_name
 

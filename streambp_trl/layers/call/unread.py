@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..patching import forwards_replaced
+from ...patching import forwards_replaced
 
 _aten = torch.ops.aten
 # operations whose backward does not read the value of their tensor inputs (views, copies, sums)

@@ -1,0 +1,140 @@
+"""Each chunk's backward of one layer call, last chunk to first: the recompute with grad, the carry handed back to the
+earlier chunks, the parameters' gradients summed as they come (the math and memory: :mod:`.stream_layer`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..carry import CarryStore, LayerCarry
+from .rng import rng_fork
+from .unread import outputs_skipped
+
+
+class ChunkBackward:
+    """The backward of :class:`~.layer_call.LayerCall` (a mixin: it reads the call's chunks, arguments, cache slots,
+    random states and shared keys/values, and runs its :meth:`~.layer_call.LayerCall.run`)."""
+
+    def backward_chunks(
+        self,
+        x: torch.Tensor,
+        dy: torch.Tensor,
+        kv: CarryStore | None,
+        params: list[nn.Parameter],
+        need_dx: bool,
+        need_extra: tuple[bool, ...],
+        dx_over_x: bool,
+        dstreams: tuple[torch.Tensor | None, ...] = (),
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """``dx_over_x``: nothing but this backward holds ``x``'s memory, so dx may take its place. ``dstreams``: the
+        gradients of the floating per-token outputs (``streams``; ``None`` where none reached them)."""
+        with rng_fork(x):
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams)
+
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams):
+        carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
+        for kind, slot in self.stores.items():  # what the later layers reusing these keys/values handed back
+            grads = self.shared.take_grads(kind)
+            if grads is not None:
+                carry.seed(slot, grads)
+        # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
+        # gradient can take its place when nothing else holds x
+        dx = (x if dx_over_x else torch.empty_like(x)) if need_dx else None
+        extra = [
+            (n, self.kwargs[n], self.per_token[n])
+            for n, need in zip(self.grad_inputs, need_extra, strict=True)
+            if need
+        ]
+        dextra = [torch.zeros_like(t) for _, t, _ in extra]
+        dparams: list[torch.Tensor | None] = [None] * len(params)
+        # the parameters' own tensor hooks are set aside meanwhile: they run once, on the sums this Function returns
+        users = [dict(p._backward_hooks) if p._backward_hooks else {} for p in params]
+        for p, own in zip(params, users, strict=True):
+            if own:
+                p._backward_hooks.clear()
+        zeros: dict = {}  # one storage-less zero per (dtype, device), shared by every chunk's placeholders
+        hooks = [p.register_hook(functools.partial(_absorb, dparams, zeros, j)) for j, p in enumerate(params)]
+        try:
+            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params, dstreams)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for p, own in zip(params, users, strict=True):
+                p._backward_hooks.update(own)
+        return (
+            dx,
+            dextra,
+            [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)],
+        )
+
+    def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params, dstreams) -> None:
+        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
+        through the parameters' hooks, the parameter gradient sums); the chunk's outputs are its hidden states, its
+        floating per-token outputs (given ``dstreams``) and what later chunks took from it."""
+        need_dx = dx is not None
+        for n, (s, e) in reversed(list(enumerate(self.chunks()))):
+            cache = carry.chunk_cache(n, s, self.prefix_start(s), resets=s in self.resets)
+            xc = x[:, s:e].detach().requires_grad_(need_dx)
+            leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
+            self.rng[n].restore()
+            shared = self.shared_view(cache, s - cache.prefix_len, e)
+            with torch.enable_grad(), outputs_skipped(self.unread):
+                yc, extras = self.run(xc, s, e, cache, leaves, shared)
+            reused = shared.leaves_list() if shared is not None else []
+            streams = [(extras[j], d[:, s:e]) for j, d in zip(self.streams, dstreams, strict=True) if d is not None]
+            carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
+            outputs = [yc, *(t for t, _ in streams), *carried]
+            grad_outputs = [dy[:, s:e], *(d for _, d in streams), *carried_grads]
+            # keys/values computed only from frozen weights and a gradient-free input carry no gradient
+            keep = [j for j, out in enumerate(outputs) if out.requires_grad]
+            outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
+            incoming = carry.incoming(cache)
+            inputs = ([xc] if need_dx else []) + list(leaves.values()) + incoming + reused
+            grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
+            it: Iterator = iter(grads)
+            if need_dx:
+                dx[:, s:e] = next(it)
+            for (_, _, dim), acc in zip(extra, dextra, strict=True):
+                g = next(it)
+                if g is not None:
+                    acc.narrow(dim, s, e - s).copy_(g)
+            carry.absorb(
+                cache, n, [next(it) for _ in incoming]
+            )  # (unless the attention added them itself: PrefixGrad)
+            if reused:
+                shared.absorb([next(it) for _ in reused])
+            # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`)
+            # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
+            # graph go before the next chunk's backward allocates its own
+            g = None
+            del grads, it, g, outputs, grad_outputs, yc, extras, streams, cache, carried, carried_grads, incoming
+            del inputs, leaves, xc, shared, reused
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _absorb(sums: list[torch.Tensor | None], zeros: dict, j: int, grad: torch.Tensor) -> torch.Tensor:
+    """Parameter ``j``'s hook during a chunk's backward: its gradient is added to ``sums[j]`` (or becomes it) at once,
+    and autograd keeps a storage-less zero in its place (an expanded scalar from ``zeros``, made once per backward).
+    So a chunk's backward holds one parameter's fresh gradient at a time beside the sums, not a whole layer's set of
+    them until ``autograd.grad`` returns.
+
+    A bfloat16/float16 vector (a norm's scale, a bias, a per-head parameter such as a decay's ``dt_bias``) sums in
+    float32: each of its elements sums over every position, chunk sums can be far larger than the total, and the
+    plain backward rounds that total to the low precision once. The layer's backward rounds the float32 sum once too
+    (:meth:`LayerCall.backward_chunks`); a layer's vectors are a few KiB. Matrices sum in their own dtype."""
+    if sums[j] is not None:
+        sums[j].add_(grad)
+    elif grad.dtype in LOW_PRECISION and grad.dim() <= 1:
+        sums[j] = grad.float()
+    else:  # autograd's own buffer becomes the sum, unless elements share memory (an expanded scalar's gradient)
+        overlapping = any(stride == 0 and size > 1 for stride, size in zip(grad.stride(), grad.shape, strict=True))
+        sums[j] = grad.clone() if overlapping else grad
+    key = (grad.dtype, grad.device)
+    if key not in zeros:
+        zeros[key] = grad.new_zeros(())
+    return zeros[key].expand(grad.shape)
