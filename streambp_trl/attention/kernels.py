@@ -40,8 +40,9 @@ def stream_attention(
     the mask block, through PyTorch SDPA. The mask is a :class:`StreamMask`, or the dense block of a layer that reads
     its mask as a tensor (a sparse indexed attention: see :func:`_tensor_block`); ``indices`` (batch, q_len, top-k),
     the keys a sparse indexed attention chose for each query, keep only those keys of the block, as the model's own
-    eager and SDPA code does. Holds at most one (q_len x kv_len) mask block (and the top-k's selection as one) and
-    SDPA's own workspace.
+    eager and SDPA code does. ``position_bias`` (batch, heads, q_len, kv_len), a model's additive bias of the chunk's
+    scores (Inkling 2's relative-position logits, with gradient), joins the block (:func:`_biased`). Holds at most one
+    (q_len x kv_len) mask block (and the top-k's selection as one) and SDPA's own workspace.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     indices = kwargs.get("indices")
@@ -56,6 +57,8 @@ def stream_attention(
         block = _selected(block, indices)
     if block is not None:
         block = block[..., :kv_len]
+    if kwargs.get("position_bias") is not None:
+        block = _biased(block, kwargs["position_bias"], q_len, kv_len)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     query, key, value, prefix = _autocast_inputs(query, key, value, prefix)
     if kwargs.get("softcap") is not None:
@@ -96,6 +99,18 @@ def _tensor_block(module: torch.nn.Module, mask: object, q_len: int, kv_len: int
     elif attended:
         raise RuntimeError(message)
     return mask
+
+
+def _biased(block: torch.Tensor | None, bias: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """The mask block as one additive mask with the model's score bias ``bias`` (batch, heads, q_len, kv_len): the
+    bias where the block attends, the bias dtype's lowest value elsewhere (an additive block is added to it); a
+    plainly causal block (``None``) is bottom-right causal. The eager attention adds the bias and the mask to the
+    scores alike. Holds one bias-sized tensor."""
+    if block is None:
+        block = torch.ones(q_len, kv_len, dtype=torch.bool, device=bias.device).tril(kv_len - q_len)
+    if block.dtype == torch.bool:
+        return bias.masked_fill(~block, torch.finfo(bias.dtype).min)
+    return bias + block
 
 
 def _selected(block: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import transformers
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from .overrides import BASE, CONFIG_FIXUPS, DECODER_SUB_CONFIG, FIXUPS, MODEL_FIXUPS, OVERRIDES
+from .overrides import BASE, CONFIG_FIXUPS, DECODER_SUB_CONFIG, FIXUPS, FLOAT32_KEPT, MODEL_FIXUPS, OVERRIDES
 from .shrink import VOCAB, shrink
 
 __all__ = ["VOCAB", "ZOO_TYPES", "batch", "tiny_causal_lm", "tiny_config", "tiny_config_dict"]
@@ -88,7 +88,13 @@ def tiny_causal_lm(model_type: str, seed: int = 0, dtype=torch.float64, **overri
         model.set_default_language(config.languages[0])
     if model_type in MODEL_FIXUPS:
         MODEL_FIXUPS[model_type](model)
-    return model.to(dtype).train()
+    model = model.to(dtype)
+    if model_type in FLOAT32_KEPT:
+        kept = model._keep_in_fp32_modules_strict
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if any(k in name for k in kept):
+                t.data = t.data.float()
+    return model.train()
 
 
 def batch(batch_size: int = 2, seq_len: int = 23, padding: str = "right", prompt: int = 6, seed: int = 1):

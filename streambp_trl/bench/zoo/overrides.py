@@ -130,5 +130,8 @@ def _decay_dynamic_mask(model: torch.nn.Module) -> None:
 
 # applied to the built model (under the build's seed)
 MODEL_FIXUPS = {"doge": _decay_dynamic_mask}
+# model types whose float64 build keeps transformers' ``_keep_in_fp32_modules_strict`` in float32, as loading in
+# another dtype does: Inkling 2's router casts its input to float32 against its own weight, so a float64 weight fails
+FLOAT32_KEPT = {"inkling2", "inkling2_text"}
 # model types whose CausalLM class takes a sub-config (AutoModelForCausalLM maps the composite config to it)
 DECODER_SUB_CONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
