@@ -32,6 +32,7 @@ from transformers.masking_utils import causal_mask_function  # noqa: E402
 
 from streambp_trl import enable_streambp  # noqa: E402
 from streambp_trl.attention import causal_chunk, cuda, kernels, masks  # noqa: E402
+from streambp_trl.bench.zoo import tiny_config  # noqa: E402
 
 _SMALL = dict(
     vocab_size=128,
@@ -54,6 +55,14 @@ FAMILIES = {
     "doge": (transformers.DogeConfig, {"keep_window_size": 48}),  # a dynamic mask: a per-head bias with gradient
 }
 
+# families built from the sweep's tiny configs (streambp_trl.bench.zoo): the model-specific attention paths
+ZOO_FAMILIES = {
+    "gemma4_text",  # keys/values shared across layers (the last two layers reuse the first two's)
+    "gemma3n_text",  # shared keys/values and AltUp's stacked streams
+    "inkling2_text",  # a relative-position bias and a sink per query, both with gradient
+    "zaya",  # a second per-token stream (the routers' hidden states) and a mapping of masks
+}
+
 # name: (family, dtype, config overrides, batch, right padding, patch)
 CASES = {
     "causal-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, None),
@@ -70,6 +79,12 @@ CASES = {
     "float64": ("qwen3", "float64", {}, 1, 0, None),
     "dynamic-mask-gqa-bf16": ("doge", "bfloat16", {}, 1, 0, None),
     "dynamic-mask-mha-fp32": ("doge", "float32", {"num_key_value_heads": 8}, 1, 0, None),
+    "shared-kv-bf16": ("gemma4_text", "bfloat16", {}, 2, 37, None),
+    # (no activation sparsity: its cutoff is a tensor made from a Python float, which the simulator cannot fake in
+    # the autograd thread that runs a recompute)
+    "altup-shared-kv-bf16": ("gemma3n_text", "bfloat16", {"activation_sparsity_pattern": [0.0] * 3}, 2, 37, None),
+    "position-bias-bf16": ("inkling2_text", "bfloat16", {}, 2, 37, None),
+    "router-stream-bf16": ("zaya", "bfloat16", {}, 2, 37, None),
     # cuDNN's form (its check and compute capability 9.0+ assumed; the simulator has no cuDNN): chunks of 64 after
     # prefixes that are multiples of 64, the last chunk (32) padded to 64
     "cudnn-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, "cudnn"),
@@ -170,11 +185,14 @@ PATCHES = {
 
 
 def build(family: str, dtype: torch.dtype, overrides: dict, fake: FakeTensorMode):
-    config_cls, extra = FAMILIES[family]
-    config = config_cls(**{**_SMALL, **extra, **overrides})
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if family in ZOO_FAMILIES:  # the sweep's tiny config of a model type, with its own attention implementation
+        config = tiny_config(family, **overrides)
+    else:
+        config_cls, extra = FAMILIES[family]
+        config = config_cls(**{**_SMALL, **extra, **overrides})
+        config._attn_implementation = "sdpa"
+    with torch.device("meta"):  # (eager experts: the grouped kernel's check asks the real CUDA runtime)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation="eager")
     fake.allow_non_fake_inputs = True
     with fake:
         model.to_empty(device="cuda")

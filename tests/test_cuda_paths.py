@@ -63,6 +63,12 @@ EXPECTED = {
     "head-dim-512-bf16": {"efficient"},  # past flash's head_dim limit
     "dynamic-mask-gqa-bf16": {"efficient"},  # Doge: a per-head bias with gradient, all heads in one call
     "dynamic-mask-mha-fp32": {"efficient"},
+    # the sweep's tiny models, padded: keys/values shared across layers (Gemma 4), with AltUp (Gemma 3n), a
+    # relative-position bias and per-query sinks (Inkling 2), a router stream and a mapping of masks (Zaya)
+    "shared-kv-bf16": {"efficient"},
+    "altup-shared-kv-bf16": {"efficient"},
+    "position-bias-bf16": {"efficient"},
+    "router-stream-bf16": {"efficient"},
     "cudnn-gqa-bf16": set(),  # cuDNN's form: its own ops, no SDPA call
     "cudnn-mha-bf16": set(),
     "cudnn-padded-bf16": {"efficient"},  # a mask block: never cuDNN's form
@@ -75,6 +81,13 @@ def test_fused_kernels_only(cases, name):
     assert "error" not in r, r["error"]
     assert set(r["sdpa"]) == EXPECTED[name], r["sdpa"]
     assert r["grads"] > 0 and r["grad_devices"] == ["cuda"]
+
+
+@pytest.mark.parametrize(
+    "name", ["shared-kv-bf16", "altup-shared-kv-bf16", "position-bias-bf16", "router-stream-bf16"]
+)
+def test_model_specific_paths_give_every_parameter_its_gradient_on_cuda(cases, name):
+    assert cases[name]["grads"] == cases[name]["params"], cases[name]
 
 
 def test_grouped_heads_run_per_key_value_head(cases):
