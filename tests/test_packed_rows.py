@@ -14,6 +14,7 @@ does; one that passes them to some kernels only (Mamba v1: its convolution, not 
 """
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from helpers import EXACT, load_tokenizer
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
-from streambp_trl.attention import stream_configs
+from streambp_trl.attention import StreamMask, stream_configs
 from streambp_trl.bench.model_support import Float64Internals, each_document_alone, packed_row, relative_errors
 from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.engine import packed_rows_refusal
@@ -104,6 +105,18 @@ def test_flash_attention_keeps_packed_documents_apart(chunk):
     (whose kernels keep them apart) the row streams as each document alone."""
     loss_err, grad_err = _granite_hybrid_errors(chunk, "flash_attention_2")
     assert loss_err < EXACT and grad_err < EXACT, (loss_err, grad_err)
+
+
+def test_flash_keeps_documents_apart_by_restarting_position_ids():
+    """Flash attention's other packed form, one row with position ids that restart and no ``cu_seq_lens``
+    (transformers' ``prepare_fa_kwargs_from_position_ids``): the documents start where the position ids restart."""
+    plan = dataclasses.replace(hook.LayerPlan.of(tiny_causal_lm("llama").model.layers[0], None), varlen_attention=True)
+    mask = StreamMask(batch_size=1)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    assert hook._varlen_documents(plan, {"attention_mask": mask, "position_ids": positions}, 8) == (3, 5)
+    assert hook._varlen_documents(plan, {"attention_mask": mask, "position_ids": torch.arange(8)[None]}, 8) == ()
+    sdpa = dataclasses.replace(plan, varlen_attention=False)
+    assert hook._varlen_documents(sdpa, {"attention_mask": mask, "position_ids": positions}, 8) == ()
 
 
 def test_sdpa_attention_follows_a_mask_that_runs_documents_together():

@@ -14,6 +14,7 @@ as (batch, T, streams, hidden) views: its tiny model (sliding, full, sliding reu
 import copy
 
 import pytest
+import torch
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask
@@ -79,3 +80,21 @@ def test_gemma3n_layers_join_input_segments(monkeypatch):
     monkeypatch.setattr(kept.Segment, "join", counted)
     assert _error({"stream_chunk_size": 5, "keep_every": 2}, "right", "gemma3n_text") < EXACT
     assert positions == [0, 1, 0]
+
+
+def test_kept_logits_of_a_training_call_without_labels():
+    """A training-mode call without labels runs the model's own forward around the streamed decoder; with
+    ``logits_to_keep`` Gemma 4's decoder would run its KV-reusing layers on the kept positions only, through masks a
+    streamed call describes rather than holds: the streamed decoder gets every position, and the model's head keeps
+    the rows it keeps. Logits and their gradient match plain autograd."""
+    reference = tiny_causal_lm("gemma4_text")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    ids, mask, _ = batch(padding="right")
+    with Float64Internals():
+        ref_logits = reference(input_ids=ids, attention_mask=mask, logits_to_keep=4).logits
+        logits = streamed(input_ids=ids, attention_mask=mask, logits_to_keep=4).logits
+        assert logits.shape == ref_logits.shape == (2, 4, reference.config.vocab_size)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-12)
+        ref_logits.logsumexp(-1).sum().backward()
+        logits.logsumexp(-1).sum().backward()
+    assert relative_errors(reference, streamed)[0] < EXACT

@@ -74,7 +74,8 @@ def stream_attention(
 
 def _tensor_block(module: torch.nn.Module, mask: object, q_len: int, kv_len: int) -> torch.Tensor:
     """The mask of a layer handed its chunk's mask block as a tensor (a sparse indexed attention reads it in its own
-    code; :func:`~streambp_trl.layers.hook.stream_checkpoint`), as it is: (batch, 1, q_len, width) for the chunk's
+    code, a dynamic mask attention adds a per-head bias with gradient to it: (batch, heads, q_len, kv_len);
+    :func:`~streambp_trl.layers.hook.stream_checkpoint`), as it is: (batch, 1, q_len, width) for the chunk's
     queries against keys from the chunk's first key position on, width >= kv_len (it reaches to the sequence's end,
     where the indexer scores every position). The keys past the ``kv_len`` attended ones must all be masked (bool
     False, or an additive mask's lowest value), as the later positions of a causal mask are; any other tensor is

@@ -50,9 +50,12 @@ class StreamMask:
         described = self.mask_function is causal_mask_function and self.padding is None
         return self.dense is None and described and not self.documents
 
+    __iter__ = None  # (indexable for whole slices only, not a sequence)
+
     def __getitem__(self, index: object) -> StreamMask:
         """The mask itself, for an index that keeps every position (``mask[:, :, slice(0, None), :]``: Gemma 4 slices
-        its masks to the positions whose logits it keeps, all of them in training); any other index is refused."""
+        its masks to the positions whose logits it keeps, all of them in a streamed call, whose decoder is handed
+        ``logits_to_keep=0``); any other index is refused."""
         parts = index if isinstance(index, tuple) else (index,)
         if all(
             isinstance(i, slice) and i.start in (None, 0) and i.stop is None and i.step in (None, 1) for i in parts

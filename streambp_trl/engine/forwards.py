@@ -57,6 +57,8 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
         )
     kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
     kwargs["use_cache"] = False
+    if "logits_to_keep" in kwargs:  # a decoder that would run its last layers on the kept positions only (Gemma 4's
+        kwargs["logits_to_keep"] = 0  # KV-shared layers): every position, whose kept rows the head takes as before
     check_segmentable(decoder, state.settings.keep_every)  # FSDP/ZeRO-3 may have come after enabling
     hidden_states_kept = bool(kwargs.get("output_hidden_states") or decoder.config.output_hidden_states)
     chunk = chunk_size if chunk_size is not None else state.stream_chunk(_inputs(args, kwargs))

@@ -148,7 +148,8 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
 
     .. warning::
         The layer's parameters and tensor arguments must not change in place between its forward and its backward,
-        the backward runs once and is not differentiable (:mod:`.call.guards`), and the layer must return one tensor.
+        the backward runs once and is not differentiable (:mod:`.call.guards`), and the layer must return its hidden
+        states, alone or with per-token tensors (:meth:`~.call.LayerCall.run`).
     """
     layer = forward.args[0]
     names = plan.parameter_names
@@ -239,15 +240,19 @@ def _outputs(out: torch.Tensor | tuple) -> tuple:
 def _varlen_documents(plan: LayerPlan, kwargs: dict, seq_len: int) -> tuple[int, ...]:
     """Where a packed row's documents start (but the first), for a layer whose own attention is a flash attention
     given the row's sequence descriptors and a :class:`StreamMask` without padding: ``()`` otherwise. The model's
-    own flash attention then runs its variable-length kernel over the documents (``cu_seq_lens``), keeping them
-    apart whatever the mask says (a model whose mask ignores packing, as Granite 4 hybrid's, built without the
+    own flash attention then runs its variable-length kernel over the documents (``cu_seq_lens``, or a single row's
+    position ids where they restart: transformers' ``prepare_fa_kwargs_from_position_ids``), keeping them apart
+    whatever the mask says (a model whose mask ignores packing, as Granite 4 hybrid's, built without the
     position ids, does; with SDPA or eager the model's attention follows that mask, and so does the stream's)."""
     mask = kwargs.get("attention_mask")
     if not plan.varlen_attention or not isinstance(mask, StreamMask) or mask.padding is not None:
         return ()
-    if any(kwargs.get(k) is None for k in PASS_THROUGH):
-        return ()
-    return document_starts(kwargs["cu_seq_lens_q"], seq_len)
+    if all(kwargs.get(k) is not None for k in PASS_THROUGH):
+        return document_starts(kwargs["cu_seq_lens_q"], seq_len)
+    positions = kwargs.get("position_ids")  # flash's other packed form: position ids that restart, one row
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape == (1, seq_len):
+        return tuple(int(i) for i in (positions[0] == positions.min()).nonzero().flatten().tolist() if i > 0)
+    return ()
 
 
 def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple[int, ...]:

@@ -72,6 +72,11 @@ class ChunkShared(UserDict):
         self.leaves: dict[str, KV] = {}
 
     def __setitem__(self, kind: str, kv: KV) -> None:
+        if not self.cache.chunk:
+            raise RuntimeError(
+                f"StreamBP: a layer stores keys/values of layer type {kind!r} for later layers without having "
+                "updated its key/value cache; only keys/values the cache returned can be shared."
+            )
         self.stored[kind] = next(reversed(self.cache.chunk))  # the slot of the keys/values just written
 
     def __getitem__(self, kind: str) -> KV:

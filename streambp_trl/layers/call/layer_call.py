@@ -251,9 +251,12 @@ class LayerCall(ChunkBackward):
         indexer keys are recomputed, like the keys/values, rather than kept: each chunk's come from its own input
         alone, a projection and a norm). Several slots (a later one depends on an earlier one's attention), or
         recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad chunked forward.
+        None (a layer that carries nothing between chunks): an empty store, without running the layer.
         """
         states = [key for key, _ in self.state_layout if key[0] != INDEXER]
         indexed = len(states) < len(self.state_layout)
+        if not self.slots and not self.state_layout:  # nothing to collect (an MLP-only layer, a KV-reusing one)
+            return CarryStore(self.seq_len)
         if len(self.slots) != 1 or states:
             return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
         kv = CarryStore(self.seq_len)

@@ -5,7 +5,8 @@ the model's own layer code runs, unpatched, on one chunk of the sequence at a ti
 
 Forward (no grad): the layer runs chunk by chunk, first to last, as a prefill against a :class:`ChunkCache`
 that serves the keys/values of earlier chunks. Only the layer input ``x`` (batch, T, hidden) is saved, as with
-gradient checkpointing; the forward never holds more than one chunk's activations.
+gradient checkpointing (and, for a layer whose keys/values later layers reuse, those keys/values:
+:mod:`..shared_kv`); the forward never holds more than one chunk's activations.
 
 Backward, given dY for the whole sequence, hands each chunk its *carry* (what it takes from earlier positions; for
 softmax attention the prefix keys/values, :class:`~..carry.LayerCarry`) and sends the carry's gradient back to the
@@ -37,7 +38,7 @@ Randomness: each chunk's random state (CPU and the input's device) is kept from 
 recompute of that chunk, so dropout, LoRA dropout, sampled routing and jitter draw what the forward drew.
 
 Memory of one layer's backward beyond the saved inputs: dY and dx (batch, T, hidden; dx is written over the saved
-or rebuilt input when nothing else holds its memory, see :func:`~streambp_trl.layers.guards.sole_holder`), K, V,
+or rebuilt input when nothing else holds its memory, see :func:`~streambp_trl.layers.call.guards.sole_holder`), K, V,
 dK_acc, dV_acc (batch, T, kv_dim each, per slot), the parameter gradient sums and one parameter's fresh gradient, one
 chunk's activations and one (chunk x prefix) attention block (with grouped heads, one group's key/value gradients
 over the prefix: the attention adds them into dK_acc, dV_acc itself; see :class:`~streambp_trl.attention.PrefixGrad`).
@@ -47,7 +48,7 @@ The first layer's input, when it is the input embedding's output, is not kept bu
 
 What the backward reads again besides its saved tensors (the layer's parameters, trainable or frozen, its tensor
 arguments) must be as the forward left it, and a layer's backward runs once per forward and is not differentiable:
-:mod:`streambp_trl.layers.guards` checks both before anything else runs.
+:mod:`streambp_trl.layers.call.guards` checks both before anything else runs.
 """
 
 from __future__ import annotations
