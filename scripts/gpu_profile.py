@@ -178,6 +178,7 @@ def phase_wrappers(sync: bool, times: dict[str, float]):
     import torch
 
     from streambp_trl.layers.call import LayerCall, StreamLayerFunction
+    from streambp_trl.layers.call.backward import ChunkBackward
     from streambp_trl.logits.eager import EagerNode
     from streambp_trl.logits.nodes import LogitNode, WeightNode
 
@@ -201,7 +202,7 @@ def phase_wrappers(sync: bool, times: dict[str, float]):
         (StreamLayerFunction, "forward", "layer_forward", True),
         (StreamLayerFunction, "backward", "layer_backward", True),
         (LayerCall, "collect_kv", "collect_kv", False),
-        (LayerCall, "_chunk_backwards", "chunk_backwards", False),
+        (ChunkBackward, "_chunk_backwards", "chunk_backwards", False),
         (LogitNode, "forward", "logit_forward", True),
         (LogitNode, "backward", "logit_backward", True),
         (WeightNode, "backward", "weight_backward", True),
