@@ -97,8 +97,8 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
     norm_name = final_norm_name(decoder)
     norm = getattr(decoder, norm_name) if norm_name else None
     baseline = None
-    probe.check_weights(lm, layers, functools.partial(refuse, lm))  # (cheap: with or without the probe)
     if options.verify:  # a sequence classifier's score head is applied as the model applies it: no logits to check
+        probe.check_weights(lm, layers, functools.partial(refuse, lm))
         logits = None if classifier else functools.partial(head_logits, lm)
         baseline = probe.baseline(lm, decoder, logits, functools.partial(refuse, lm), norm)
     if baseline is not None and not baseline.norm_last:

@@ -106,7 +106,8 @@ def check_weights(lm: PreTrainedModel, layers: list[nn.Module], refuse: Callable
     """Refuse weights whose values make the model's own result depend on a sort's tie order over whole rows, which a
     chunk cannot reproduce: a dynamic mask attention (Doge's ``prepare_dynamic_mask``) whose per-head decay ``A`` is
     exactly 0 in a head gives every key of that head the bias ``exp(0 * dt) = 1``, so its top-k window keeps the
-    keys the sort happens to put first. Checked at every enable, where the weights are materialised and whole."""
+    keys the sort happens to put first. Checked with the probe (``verify=True``: it reads the weights' values), where
+    they are materialised and whole."""
     if not _probe_able(lm):
         return
     for layer in layers:
