@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import plain_loss, relative_errors
+from streambp_trl.bench.model_support import plain_loss, streamed_error
 from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import hook
 
@@ -44,14 +44,7 @@ def _batch(padding: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _error(reference, streamed, padding: str) -> float:
-    ids, mask, labels = _batch(padding)
-    reference.zero_grad()
-    streamed.zero_grad()
-    ref_loss = plain_loss(reference, ids, mask, labels)
-    ref_loss.backward()
-    loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-    loss.backward()
-    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0])
+    return streamed_error(reference, streamed, *_batch(padding))[0]
 
 
 VARIANTS = {

@@ -28,7 +28,7 @@ from streambp_trl import (
     StreamSFTTrainer,
     enable_streambp,
 )
-from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
+from streambp_trl.bench.model_support import Float64Internals, relative_errors, streamed_error
 from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers import carry
 
@@ -84,14 +84,7 @@ def _float64_model(family: str, **overrides):
 
 
 def _error(reference, streamed, padding: str) -> float:
-    ids, mask, labels = batch(padding=padding)
-    with Float64Internals():
-        ref_loss = plain_loss(reference, ids, mask, labels)
-        ref_loss.backward()
-        loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-    loss_error = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    return max(loss_error, relative_errors(reference, streamed)[0])
+    return streamed_error(reference, streamed, *batch(padding=padding), Float64Internals)[0]
 
 
 @pytest.mark.parametrize("padding", ["right", "left", "none"])

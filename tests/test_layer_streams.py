@@ -18,7 +18,7 @@ import copy
 import pytest
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import plain_loss, relative_errors
+from streambp_trl.bench.model_support import streamed_error
 from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers.call import layer_call
 
@@ -28,14 +28,7 @@ THREE_LAYERS = {"num_hidden_layers": 3, "layer_types": ["hybrid", "hybrid_slidin
 
 
 def _error(reference, streamed, padding: str) -> float:
-    ids, mask, labels = batch(padding=padding)
-    reference.zero_grad()
-    streamed.zero_grad()
-    ref_loss = plain_loss(reference, ids, mask, labels)
-    ref_loss.backward()
-    loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-    loss.backward()
-    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0])
+    return streamed_error(reference, streamed, *batch(padding=padding))[0]
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])

@@ -18,7 +18,7 @@ import torch
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask
-from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
+from streambp_trl.bench.model_support import Float64Internals, relative_errors, streamed_error
 from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers import kept
 from streambp_trl.layers.carry import LayerCarry
@@ -30,13 +30,7 @@ def _error(options: dict, padding: str, family: str = "gemma4_text") -> float:
     reference = tiny_causal_lm(family)
     assert reference.config.kv_sharing_modes[-1] == "reuse"
     streamed = enable_streambp(copy.deepcopy(reference), **options)
-    ids, mask, labels = batch(padding=padding)
-    with Float64Internals():
-        ref_loss = plain_loss(reference, ids, mask, labels)
-        ref_loss.backward()
-        loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0])
+    return streamed_error(reference, streamed, *batch(padding=padding), Float64Internals)[0]
 
 
 @pytest.mark.parametrize("padding", ["right", "left"])

@@ -231,22 +231,22 @@ def _packed_rows(model_type: str, reference, streamed, mode, bound: float) -> di
     return {"packed": "exact"} if error <= bound else {"packed": "inexact", "packed_error": error}
 
 
+def streamed_error(reference, streamed, ids, mask, labels, mode=contextlib.nullcontext) -> tuple[float, str]:
+    """The larger of the relative loss error and the worst relative gradient error of ``streamed`` against plain
+    autograd on one batch (gradients zeroed first, both runs under ``mode()``), and the parameter where the gradient
+    error is worst."""
+    reference.zero_grad()
+    streamed.zero_grad()
+    with mode():
+        ref_loss = plain_loss(reference, ids, mask, labels)
+        ref_loss.backward()
+        loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+    assert torch.isfinite(ref_loss), f"{type(reference).__name__}: plain transformers gives {ref_loss.item()}"
+    grad_err, at = relative_errors(reference, streamed)
+    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), grad_err), at
+
+
 def _worst_error(reference, streamed, paddings, mode) -> tuple[float, str]:
-    """The worst relative loss or gradient error of ``streamed`` against plain autograd, over ``paddings``, with
-    both runs under ``mode()``."""
-    worst, where = 0.0, ""
-    for padding in paddings:
-        ids, mask, labels = batch(padding=padding)
-        reference.zero_grad()
-        streamed.zero_grad()
-        with mode():
-            ref_loss = plain_loss(reference, ids, mask, labels)
-            ref_loss.backward()
-            loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-            loss.backward()
-        assert torch.isfinite(ref_loss), f"{type(reference).__name__}: plain transformers gives {ref_loss.item()}"
-        loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-        grad_err, at = relative_errors(reference, streamed)
-        if max(loss_err, grad_err) > worst:
-            worst, where = max(loss_err, grad_err), at
-    return worst, where
+    """The worst :func:`streamed_error` over ``paddings``."""
+    return max((streamed_error(reference, streamed, *batch(padding=p), mode) for p in paddings), key=lambda r: r[0])
