@@ -87,9 +87,13 @@ def device_slug(device_name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_")
 
 
-def estimated_peak_mb(model: str, mode: Mode, seq_len: int, dtype: str, chunk: int) -> float | None:
-    """The memory model's peak (MiB, weights and gradients included) of ``mode`` at ``seq_len``; None for a model
-    that is not a named shape (no config is read) and for ``plain`` (which the memory model has no name for)."""
+def estimated_peak_mb(
+    model: str, mode: Mode, seq_len: int, dtype: str, chunk: int, head_form: str | None = None
+) -> float | None:
+    """The memory model's peak (MiB, weights and gradients included) of ``mode`` at ``seq_len``, stream modes with
+    the logit gradient form the step took (``head_form``; None: the two-node form); None for a model that is not a
+    named shape (no config is read) and for ``plain`` (which the memory model has no name for). The model holds every
+    parameter's gradient through the step (gradients accumulated from an earlier micro-batch)."""
     name = canonical_model_name(model)
     if name not in NAMED_MODELS or mode is Mode.PLAIN:
         return None
@@ -98,6 +102,7 @@ def estimated_peak_mb(model: str, mode: Mode, seq_len: int, dtype: str, chunk: i
         dtype_bytes=DTYPE_BYTES[dtype],
         chunk=chunk if mode.streams else None,
         logits_chunk=chunk if mode.streams else None,
+        head_form=head_form or "two-node",
     )
     return mm.estimate_peak_bytes(mm.ModelShape.from_name(name), setup, seq_len) / 2**20
 
@@ -242,7 +247,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"- stream chunk = logit tile = {s['chunk']} tokens; TRL's default keeps its own token tile",
         f"- run: {s['elapsed_s']:.0f} s of the {s['time_budget_s']:.0f} s time budget",
         "",
-        f"Peak {unit} (the memory model's estimate in parentheses) and ms per 1k tokens:",
+        f"Peak {unit} and ms per 1k tokens. In parentheses the memory model's estimate, which holds every parameter's "
+        "gradient through the step (as when gradients accumulate over micro-batches); each step here starts without "
+        "them (as after the Trainer's `zero_grad`), so a full fine-tuning step peaks below it "
+        "(`tests/test_cuda.py` measures with the gradients held):",
         "",
     ]
     lengths = s["seq_lens"]
@@ -440,7 +448,8 @@ class Run:
             record["first_step_s"] = record.get("times_s", [record["time_s"]])[0]
             record["time_s"] = record.get("time_min_s", record["time_s"])
             record["ms_per_1k_tokens"] = 1e6 * record["time_s"] / (record["batch_size"] * seq_len)
-        record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, a.chunk)
+        form = record.get("head_form")
+        record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, a.chunk, form)
         return record
 
     def grid(self) -> None:

@@ -6,8 +6,10 @@ takes, checkpoint offload overlapping compute, and peak memory against the memor
   internals computed in float64, :class:`Float64Internals`). The streamed loss and each parameter's gradient must
   be as close to it as the plain step's are, up to a factor 2 and a slack of one unit of the dtype's rounding
   (``2**-7`` for bfloat16, ``1e-6`` for float32, relative). A missing prefix term or a dropped carry gradient is off
-  by orders of magnitude more. The recurrent mixers' carry (Gated DeltaNet, Mamba2, short convolution) also runs in
-  float64 on the GPU, where it must agree with plain autograd to ``1e-10``.
+  by orders of magnitude more. The paths served for one model type each (Gemma 4's and Gemma 3n's shared
+  keys/values, Doge's dynamic mask, Zaya's router stream, Inkling 2's position bias) are held to 4x. The recurrent
+  mixers' carry (Gated DeltaNet, Mamba2, short convolution) also runs in float64 on the GPU, where it must agree
+  with plain autograd to ``1e-10``.
 * **Kernels.** The profiler's operator names show cuDNN attention (compute capability 9.0+; flash before) for
   unpadded bfloat16 chunks, the memory-efficient kernel for float32 and masked chunks, and never SDPA's math kernel
   (a chunk x prefix score tensor). cuDNN's form (prefix and diagonal merged) is as close to a float64 reference as
@@ -38,12 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+from trace_waits import copy_waits
 
 from streambp_trl import disable_streambp, enable_streambp
 from streambp_trl.attention import cuda
 from streambp_trl.attention.causal_chunk import cudnn_usable
+from streambp_trl.bench import zoo
 from streambp_trl.bench.model_support import Float64Internals
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
+from streambp_trl.bench.zoo import FLOAT32_KEPT, batch, tiny_causal_lm
+from streambp_trl.engine import last_head_form
 from streambp_trl.sizing import memory_model as mm
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -60,6 +65,18 @@ FAMILIES = {
     "qwen3_5_text": {},  # Gated DeltaNet beside full attention (transformers' torch path without the fla kernels)
     "nemotron_h": {},  # Mamba2, MoE, attention and MLP layers
 }
+# model type -> paddings compared (Gemma 3n: right only, transformers' own backward gives NaN on its left padding)
+MODEL_SPECIFIC = {
+    "gemma4_text": ("none", "left"),
+    "gemma3n_text": ("right",),
+    "doge": ("none", "right"),
+    "zaya": ("right",),
+    "inkling2_text": ("left",),
+}
+# Doge's top-k window over per-key biases flips its choice under bf16 rounding: plain's own bf16 gradients are up to
+# 4x off float64's (H200, 2026-11-27), so a bf16 comparison says nothing; float32 (plain's and streamed's errors
+# within 0.2% of each other there) and float64 (tests/test_dynamic_mask.py) do
+FLOAT32_ONLY = {"doge"}
 ONE_MIXER = {
     "gated_deltanet": ("qwen3_5_text", {"num_hidden_layers": 1, "layer_types": ["linear_attention"]}),
     "mamba2": ("mamba2", {"num_hidden_layers": 1}),
@@ -137,6 +154,50 @@ def test_streamed_is_as_exact_as_plain_on_cuda(family, dtype, padding, causal_ke
     )  # fmt: skip
     for name, err in streamed.items():
         assert err <= 2 * plain[name] + SLACK[dtype], f"{name}: streamed {err:.2e}, plain {plain[name]:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("family", "padding", "dtype"),
+    [
+        pytest.param(f, p, d, id=f"{f}-{p}-{name}")
+        for f, paddings in MODEL_SPECIFIC.items()
+        for p in paddings
+        for d, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"))
+        if not (f in FLOAT32_ONLY and d == torch.bfloat16)
+    ],
+)
+def test_model_specific_paths_are_as_exact_as_plain_on_cuda(family, padding, dtype, monkeypatch):
+    """The paths the engine serves for one model type each (the sweep's tiny configs, eager experts), against the
+    same float64 CPU reference as above: keys/values shared across layers (Gemma 4; Gemma 3n with AltUp's stacked
+    streams), a dynamic mask with a per-key bias and a top-k window (Doge: its mask blocks and their gradient in one
+    memory-efficient call), a second per-token stream with gradient (Zaya), a relative-position bias and a sink per
+    query (Inkling 2: its float32 router kept float32 on the GPU, as loading keeps it). Within 4x the plain step's
+    error (and the dtype's slack): Doge's ``A`` gradient, a sum over every key, is ill-conditioned (plain's own error
+    4e-5 in float32 on the CPU, streamed's 2.3x that; in float64 both agree to 3e-13, tests/test_dynamic_mask.py)."""
+    monkeypatch.setattr(zoo, "FLOAT32_KEPT", set())  # the reference: every weight float64
+    model = tiny_causal_lm(family)
+    inputs = batch(2, SEQ_LEN, padding=padding)
+    reference = _step(copy.deepcopy(model), inputs, "cpu", reference=True)
+    kept = (getattr(model, "_keep_in_fp32_modules_strict", None) or []) if family in FLOAT32_KEPT else []
+
+    def on_gpu():
+        gpu = copy.deepcopy(model).to("cuda", dtype)
+        for name, t in [*gpu.named_parameters(), *gpu.named_buffers()]:
+            if any(k in name for k in kept):
+                t.data = t.data.float()
+        return gpu
+
+    plain = _errors(_step(on_gpu(), inputs, "cuda"), reference)
+    streamed = _errors(_step(enable_streambp(on_gpu(), stream_chunk_size=CHUNK, logits_chunk_size=LOGITS_CHUNK),
+                             inputs, "cuda"), reference)  # fmt: skip
+    worst = max(streamed, key=lambda n: streamed[n] / (4 * plain[n] + SLACK[dtype]))
+    _report(
+        test="exactness_model_specific", family=family, dtype=str(dtype), padding=padding, worst=worst,
+        streamed_error=streamed[worst], plain_error=plain[worst],
+        max_streamed_error=max(streamed.values()), max_plain_error=max(plain.values()),
+    )  # fmt: skip
+    for name, err in streamed.items():
+        assert err <= 4 * plain[name] + SLACK[dtype], f"{name}: streamed {err:.2e}, plain {plain[name]:.2e}"
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 23])
@@ -277,13 +338,14 @@ def _overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]], 
 
 
 def test_offload_copies_overlap_compute():
-    """The saved layer inputs' copies (device to host in forward, back in backward) run on the side stream while
-    the compute stream works on a layer: most of their time falls inside the compute stream's work, its kernels
-    joined across gaps shorter than 100 us (the host's launches between kernels, longer under the profiler). A copy
-    the compute stream waited for would leave a gap of the copy's length (0.6 ms each here on an H200). Kernel-level
-    overlap alone is reported too: on an H100 it was 4% and on an H200 10% of the copy time (the copies land
-    between kernels of a launch-bound profiled step), while the step with offload took 1.002x the time without
-    (benchmarks/gpu_nvidia_h200_profile.md)."""
+    """The saved layer inputs' copies (device to host in forward, back in backward) run on a side stream, and the
+    compute stream does not wait for them: in a profiler trace of a step, the time the compute stream sat with a
+    kernel launched but not started while a copy ran (:func:`trace_waits.copy_waits`) is at most one copy's length
+    (the first layer backward needs: no layer ahead of it hides its fetch). Fetched without the one-layer-ahead
+    prefetch, each backward layer would wait for its copy. How much copy time falls inside the compute stream's work
+    is reported too: in this launch-bound small step much of it falls in gaps the host leaves between kernels (28%
+    inside kernels joined across gaps under 100 us on an H200, 2026-11-27), while Qwen3-8B's 16k step took 1.049x the
+    time without offload (benchmarks/gpu_nvidia_h200.md)."""
     overrides = dict(hidden_size=2048, intermediate_size=8192, head_dim=128, num_attention_heads=16,
                      num_key_value_heads=8, num_hidden_layers=4, layer_types=["full_attention"] * 4,
                      vocab_size=4096)  # fmt: skip
@@ -297,7 +359,8 @@ def test_offload_copies_overlap_compute():
     ids = torch.randint(3, 4096, (1, seq_len), device="cuda")
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]  # launches: the CPU's
+    with torch.profiler.profile(activities=activities) as prof:
         model(input_ids=ids, labels=ids).loss.backward()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
@@ -320,12 +383,15 @@ def test_offload_copies_overlap_compute():
     in_work = _overlap(copies, busy, gap=100.0) / copy_time if copy_time else 0.0
     copy_streams = {e["args"]["stream"] for e in to_host + to_device}
     compute_time = sum(end - start for start, end in busy)
+    waits = copy_waits(events, compute, copies)
+    longest = max((end - start for start, end in copies), default=0.0)
     _report(test="offload_overlap", copies=len(copies), copy_ms=copy_time / 1e3, compute_ms=compute_time / 1e3,
-            overlapped=overlapped, in_work=in_work, compute_stream=compute,
-            copy_streams=sorted(copy_streams))  # fmt: skip
+            overlapped=overlapped, in_work=in_work, compute_stream=compute, copy_streams=sorted(copy_streams),
+            waited_ms=waits["waited"] / 1e3, host_bound_ms=waits["host_bound"] / 1e3,
+            longest_copy_ms=longest / 1e3)  # fmt: skip
     assert len(to_host) >= overrides["num_hidden_layers"] - 1 and to_device, (len(to_host), len(to_device))
     assert compute not in copy_streams, (compute, copy_streams)
-    assert in_work >= 0.5, f"only {in_work:.0%} of the copy time falls inside the compute stream's work"
+    assert waits["waited"] <= longest, f"the compute stream waited {waits['waited']:.0f} us for copies"
 
 
 @pytest.mark.parametrize(("model_name", "seq_len", "chunk"), [("qwen3-4b", 16384, 4096), ("qwen3-8b", 32768, 4096)])
@@ -356,7 +422,7 @@ def test_peak_memory_within_5_percent_of_the_model(model_name, seq_len, chunk):
     step()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
-    form = model._streambp.head_form  # the logit kernel's gradient form the engine chose for the free memory
+    form = last_head_form(model)  # the logit kernel's gradient form the engine chose for the free memory
     estimate = mm.estimate_peak_bytes(shape, dataclasses.replace(setup, head_form=form), seq_len)
     error = abs(peak - estimate) / peak
     _report(test="memory_model", model=model_name, seq_len=seq_len, chunk=chunk, head_form=form, peak_gib=mm.gib(peak),

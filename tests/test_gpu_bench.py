@@ -205,3 +205,16 @@ def test_cpu_run(tmp_path):
     assert section["total_peak_mb_at_longest_fit"] * 2**20 <= 24 * 2**20, section
     md = (tmp_path / "cpu_fallback.md").read_text()
     assert "| stream |" in md and "Stream's longest length" in md and md in proc.stdout
+
+
+def test_the_worker_records_the_logit_form_it_ran_and_its_budget():
+    """A stream measurement says which gradient form the logit kernel took (a budget given, or the free memory):
+    the memory model's estimate depends on it (the eager form holds a (rows x hidden) accumulator more)."""
+    from streambp_trl.bench.spec import MeasureSpec
+    from streambp_trl.bench.worker import run_worker
+    from streambp_trl.sizing.memory_model import HEAD_FORMS
+
+    spec = dict(mode="stream", seq_len=64, model="qwen3-tiny", device="cpu", dtype="float32", stream_chunk_size=32)
+    record = run_worker(MeasureSpec(**spec, memory_budget="1GiB"))
+    assert record["status"] == "ok" and record["head_form"] in HEAD_FORMS and record["memory_budget"] == "1GiB"
+    assert "head_form" not in run_worker(MeasureSpec(**{**spec, "mode": "checkpoint"}))

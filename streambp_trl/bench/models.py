@@ -55,6 +55,7 @@ def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
         "offload_checkpoints": spec.mode is Mode.STREAM_OFFLOAD,
         "keep_every": spec.keep_every,
         "token_mean_loss": spec.objective == "sft",  # as StreamSFTTrainer sets it for TRL's nll loss
+        "memory_budget": spec.memory_budget,
     }
 
 

@@ -94,6 +94,7 @@ class MeasureSpec:
     phases: bool = False  # also record each phase's peak and time (streambp_trl.bench.memory_meter.PhaseMarks)
     reserve_bytes: int = 0  # a tensor held through the step like optimizer states, counted with the model
     warmup_seq_len: int | None = None  # the warm-up step's length (fresh random ids); None: seq_len
+    memory_budget: str | None = None  # stream modes: enable_streambp's memory_budget ("78GiB"); None: free memory
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))

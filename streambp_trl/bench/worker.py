@@ -37,7 +37,7 @@ from streambp_trl.bench.memory_meter import MemoryMeter, PhaseMarks
 from streambp_trl.bench.metadata import engine_hash
 from streambp_trl.bench.models import build_model, prepare_model, trl_token_chunk
 from streambp_trl.bench.spec import TEMPERATURE, MeasureSpec, Mode
-from streambp_trl.engine import chunk_sizes
+from streambp_trl.engine import chunk_sizes, last_head_form
 from streambp_trl.sizing.auto import AUTO
 
 RESULT_PREFIX = "BENCH_BP_RESULT "
@@ -163,6 +163,8 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
             policy.zero_grad(set_to_none=True)
         if spec.mode.streams and AUTO in (spec.stream_chunk_size, spec.logits_chunk_size):
             record["stream_chunk_size"], record["logits_chunk_size"] = chunk_sizes(policy)  # what "auto" chose
+        if spec.mode.streams:  # the logit kernel's gradient form, chosen for the budget (or the free memory)
+            record.update(head_form=last_head_form(policy), memory_budget=spec.memory_budget)
     except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
         if not is_oom(exc):
             raise

@@ -2,7 +2,7 @@
 
 * :mod:`.options`: :class:`StreamOptions`, the engine's options, validated once;
 * :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`,
-  :func:`packed_rows_refusal`;
+  :func:`last_head_form`, :func:`packed_rows_refusal`;
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
 * :mod:`.model_parts`: finding the decoder, its layers, its final norm and the LM head;
@@ -10,7 +10,14 @@
 * :mod:`.zero3`: DeepSpeed ZeRO-3 leaf layers and parameter gathers.
 """
 
-from .install import chunk_sizes, disable_streambp, enable_streambp, is_streaming, packed_rows_refusal
+from .install import (
+    chunk_sizes,
+    disable_streambp,
+    enable_streambp,
+    is_streaming,
+    last_head_form,
+    packed_rows_refusal,
+)
 from .model_parts import lm_head_linear
 from .options import StreamOptions
 from .zero3 import mark_zero3_leaves, zero3_enabled
@@ -20,6 +27,7 @@ __all__ = [
     "chunk_sizes",
     "disable_streambp",
     "enable_streambp",
+    "last_head_form",
     "is_streaming",
     "packed_rows_refusal",
     "lm_head_linear",

@@ -197,3 +197,10 @@ def chunk_sizes(model: nn.Module) -> tuple[int | None, int | None]:
     ``None`` before any call or without StreamBP)."""
     state = getattr(causal_lm(model), "_streambp", None)
     return (None, None) if state is None else state.last_chunk_sizes()
+
+
+def last_head_form(model: nn.Module) -> str | None:
+    """The logit kernel's gradient form (``"two-node"``, ``"fused"`` or ``"eager"``) of ``model``'s latest streamed
+    call, as chosen for its memory budget or the free memory (``None`` before any call or without StreamBP)."""
+    state = getattr(causal_lm(model), "_streambp", None)
+    return None if state is None else state.head_form
