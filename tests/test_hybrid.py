@@ -69,6 +69,8 @@ REFUSED = {
     "blt": "byte-to-patch cross-attention runs between the decoder layers.*BltModel calls "
     "_prepare_patch_cross_attention_mask",
     "git": "does not go through transformers' AttentionInterface \\(GitSelfAttention adds the mask to its scores",
+    "deepseek_v4": "layer types \\['compressed_sparse_attention', 'heavily_compressed_attention'\\].*DeepSeek-V4's "
+    "compressed attention: its compressors keep window buffers",
 }
 
 

@@ -19,6 +19,13 @@ from ..layers.layer_args import CACHE_KWARGS, names_called
 # sparse indexed attention also the indexer keys of every position), the recurrent and convolution mixers of
 # transformers' linear-attention cache interface (their states at the chunk boundary); "mlp" / "moe" layers mix no
 # tokens. Whether a model's layers really do so is what the probe checks.
+# what a known unserved layer type keeps across positions, for its refusal
+_UNSERVED_WHY = {
+    "compressed_sparse_attention": "DeepSeek-V4's compressed attention: its compressors keep window buffers, "
+    "overlapping windows' states and compressed keys with gradient across positions in their own cache layers, "
+    "and its indexer picks among the compressed keys",
+}
+_UNSERVED_WHY["heavily_compressed_attention"] = _UNSERVED_WHY["compressed_sparse_attention"]
 _SUPPORTED_LAYER_TYPES = {
     "full_attention",
     "indexed_attention",
@@ -104,6 +111,14 @@ def check_supported(
         refuse(lm, "it has no LM head (get_output_embeddings() is None)")
     if decoder is None:
         refuse(lm, "get_decoder() does not return a separate transformers decoder model")
+    unserved = sorted(set(getattr(config, "layer_types", None) or ()) - _SUPPORTED_LAYER_TYPES)
+    if unserved:  # before the layers: a layer that takes its cache through **kwargs is not found as one
+        why = "".join(f" ({w})" for w in dict.fromkeys(_UNSERVED_WHY[t] for t in unserved if t in _UNSERVED_WHY))
+        refuse(
+            lm,
+            f"layer types {unserved} are neither softmax attention nor a recurrent or convolution mixer served "
+            f"through transformers' cache interface{why}",
+        )
     if not layers:
         refuse(
             lm,
@@ -117,13 +132,6 @@ def check_supported(
             lm,
             "its softcapped attention would need attention dropout, which the softcap kernel has not; set "
             "attention_dropout=0.0",
-        )
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - _SUPPORTED_LAYER_TYPES:
-        refuse(
-            lm,
-            f"layer types {sorted(layer_types - _SUPPORTED_LAYER_TYPES)} are neither softmax attention nor a "
-            "recurrent or convolution mixer served through transformers' cache interface",
         )
     if getattr(config, "output_router_logits", False):
         raise router_loss_refusal(
