@@ -61,6 +61,7 @@ ZOO_FAMILIES = {
     "gemma3n_text",  # shared keys/values and AltUp's stacked streams
     "inkling2_text",  # a relative-position bias and a sink per query, both with gradient
     "zaya",  # a second per-token stream (the routers' hidden states) and a mapping of masks
+    "blt",  # byte and patch stacks, with whole-sequence cross-attention between them (not streamed)
 }
 
 # name: (family, dtype, config overrides, batch, right padding, patch)
@@ -85,6 +86,8 @@ CASES = {
     "altup-shared-kv-bf16": ("gemma3n_text", "bfloat16", {"activation_sparsity_pattern": [0.0] * 3}, 2, 37, None),
     "position-bias-bf16": ("inkling2_text", "bfloat16", {}, 2, 37, None),
     "router-stream-bf16": ("zaya", "bfloat16", {}, 2, 37, None),
+    # (static patches: entropy patching's boundaries are data-dependent shapes, which fake tensors cannot compute)
+    "byte-patch-bf16": ("blt", "bfloat16", {"patching_mode": "static"}, 2, 37, None),
     # cuDNN's form (its check and compute capability 9.0+ assumed; the simulator has no cuDNN): chunks of 64 after
     # prefixes that are multiples of 64, the last chunk (32) padded to 64
     "cudnn-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, "cudnn"),

@@ -69,6 +69,9 @@ EXPECTED = {
     "altup-shared-kv-bf16": {"efficient"},
     "position-bias-bf16": {"efficient"},
     "router-stream-bf16": {"efficient"},
+    # BLT: the byte stacks' padded chunks and the whole-sequence cross-attention (a dense patch mask) take the
+    # memory-efficient kernel, the patch stack's chunks (its causal mask is built without padding) flash
+    "byte-patch-bf16": {"efficient", "flash"},
     "cudnn-gqa-bf16": set(),  # cuDNN's form: its own ops, no SDPA call
     "cudnn-mha-bf16": set(),
     "cudnn-padded-bf16": {"efficient"},  # a mask block: never cuDNN's form
@@ -84,7 +87,7 @@ def test_fused_kernels_only(cases, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["shared-kv-bf16", "altup-shared-kv-bf16", "position-bias-bf16", "router-stream-bf16"]
+    "name", ["shared-kv-bf16", "altup-shared-kv-bf16", "position-bias-bf16", "router-stream-bf16", "byte-patch-bf16"]
 )
 def test_model_specific_paths_give_every_parameter_its_gradient_on_cuda(cases, name):
     assert cases[name]["grads"] == cases[name]["params"], cases[name]

@@ -66,8 +66,6 @@ ZAMBA2_SHARED = {
 }
 # families whose token mixing no chunk can continue from what the previous chunk left, and what the refusal says
 REFUSED = {
-    "blt": "byte-to-patch cross-attention runs between the decoder layers.*BltModel calls "
-    "_prepare_patch_cross_attention_mask",
     "git": "does not go through transformers' AttentionInterface \\(GitSelfAttention adds the mask to its scores",
     "deepseek_v4": "layer types \\['compressed_sparse_attention', 'heavily_compressed_attention'\\].*DeepSeek-V4's "
     "compressed attention: its compressors keep window buffers",

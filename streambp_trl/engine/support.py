@@ -42,11 +42,7 @@ _SUPPORTED_LAYER_TYPES = {
 # What a decoder's modules do that no chunk can reproduce from what it receives, told by a name their code calls (a
 # cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
 # the support table (tests/causal_lm_support.json) lists
-_REFUSED_CALLS = {
-    "_prepare_patch_cross_attention_mask": "its byte-to-patch cross-attention runs between the decoder layers on the "
-    "whole sequence, with a dense patch mask it builds itself, under the attention implementation it shares with "
-    "the streamed layers",
-}
+_REFUSED_CALLS: dict[str, str] = {}
 _WITHOUT_STREAMBP = (
     "train it with plain autograd and Hugging Face gradient checkpointing (gradient_checkpointing=True) instead"
 )
