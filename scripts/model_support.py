@@ -43,8 +43,9 @@ def _table(results: dict[str, dict]) -> str:
         f"| exact, relative error < 1e-10 ({len(exact)}) | {', '.join(exact)} |",
         f"| exact, < 1e-5: the model computes in float32 inside a float64 model ({len(float32)}) | "
         f"{', '.join(float32)} |",
-        f"| exact, < 1e-10 with the model's float32 internals computed in float64 (in float32 its gated recurrences "
-        f"amplify the rounding of another summation order past 1e-5) ({len(promoted)}) | {', '.join(promoted)} |",
+        f"| exact, < 1e-10 with the model's float32 internals computed in float64 (in float32 its gated recurrences, "
+        f"or DeepSeek-V4's hyper-connection normalisation, amplify the rounding of another summation order past 1e-5) "
+        f"({len(promoted)}) | {', '.join(promoted)} |",
     ]
     for reason, classes in sorted(refused.items(), key=lambda kv: (-len(kv[1]), kv[0])):
         lines.append(f"| refused: {reason} ({len(set(classes))}) | {', '.join(sorted(set(classes)))} |")

@@ -62,6 +62,7 @@ ZOO_FAMILIES = {
     "inkling2_text",  # a relative-position bias and a sink per query, both with gradient
     "zaya",  # a second per-token stream (the routers' hidden states) and a mapping of masks
     "blt",  # byte and patch stacks, with whole-sequence cross-attention between them (not streamed)
+    "deepseek_v4",  # compressed attention: window buffers, overlaps and compressed entries carried, an indexer
 }
 
 # name: (family, dtype, config overrides, batch, right padding, patch)
@@ -88,6 +89,19 @@ CASES = {
     "router-stream-bf16": ("zaya", "bfloat16", {}, 2, 37, None),
     # (static patches: entropy patching's boundaries are data-dependent shapes, which fake tensors cannot compute)
     "byte-patch-bf16": ("blt", "bfloat16", {"patching_mode": "static"}, 2, 37, None),
+    "compressed-bf16": (
+        "deepseek_v4",
+        "bfloat16",
+        # (top-k routed experts: hash routing reads the token ids' values, which fake tensors do not have)
+        {
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            "index_topk": 4,
+            "mlp_layer_types": ["moe", "moe"],
+        },
+        2,
+        37,
+        None,
+    ),
     # cuDNN's form (its check and compute capability 9.0+ assumed; the simulator has no cuDNN): chunks of 64 after
     # prefixes that are multiples of 64, the last chunk (32) padded to 64
     "cudnn-gqa-bf16": ("qwen3", "bfloat16", {}, 1, 0, "cudnn"),
@@ -225,6 +239,7 @@ def run_case(name: str) -> dict:
             out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
             out.loss.backward()
         grads = [p for p in model.parameters() if p.grad is not None]
+        result["no_grad"] = [n for n, p in model.named_parameters() if p.grad is None]
         result["grads"] = len(grads)
         result["params"] = sum(p.requires_grad for p in model.parameters())
         result["grad_devices"] = sorted({p.grad.device.type for p in grads})

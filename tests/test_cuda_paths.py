@@ -72,6 +72,8 @@ EXPECTED = {
     # BLT: the byte stacks' padded chunks and the whole-sequence cross-attention (a dense patch mask) take the
     # memory-efficient kernel, the patch stack's chunks (its causal mask is built without padding) flash
     "byte-patch-bf16": {"efficient", "flash"},
+    # DeepSeek-V4: its sliding-window chunks with the compressed entries' block bias appended (a dense mask)
+    "compressed-bf16": {"efficient"},
     "cudnn-gqa-bf16": set(),  # cuDNN's form: its own ops, no SDPA call
     "cudnn-mha-bf16": set(),
     "cudnn-padded-bf16": {"efficient"},  # a mask block: never cuDNN's form
@@ -91,6 +93,13 @@ def test_fused_kernels_only(cases, name):
 )
 def test_model_specific_paths_give_every_parameter_its_gradient_on_cuda(cases, name):
     assert cases[name]["grads"] == cases[name]["params"], cases[name]
+
+
+def test_compressed_attention_gives_every_trained_parameter_its_gradient_on_cuda(cases):
+    """All but the lightning indexer's parameters, which no gradient reaches in the plain model either (its output is
+    the chosen entries' indices)."""
+    r = cases["compressed-bf16"]
+    assert r["no_grad"] and all(".indexer." in n for n in r["no_grad"]), r["no_grad"]
 
 
 def test_grouped_heads_run_per_key_value_head(cases):

@@ -67,8 +67,6 @@ ZAMBA2_SHARED = {
 # families whose token mixing no chunk can continue from what the previous chunk left, and what the refusal says
 REFUSED = {
     "git": "does not go through transformers' AttentionInterface \\(GitSelfAttention adds the mask to its scores",
-    "deepseek_v4": "layer types \\['compressed_sparse_attention', 'heavily_compressed_attention'\\].*DeepSeek-V4's "
-    "compressed attention: its compressors keep window buffers",
 }
 
 

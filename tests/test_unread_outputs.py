@@ -115,7 +115,7 @@ def test_skipping_a_product_whose_value_is_read_is_caught(monkeypatch):
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
 
     @contextlib.contextmanager
-    def every_down_proj(layer):
+    def every_down_proj(layer, carried=tuple):
         yield [layer.mlp.down_proj]
 
     monkeypatch.setattr(layer_call, "unread_outputs", every_down_proj)

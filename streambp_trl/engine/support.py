@@ -13,20 +13,15 @@ import inspect
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..layers.layer_args import CACHE_KWARGS, names_called
+from ..layers.layer_args import CACHE_KWARGS, names_called, passes_keywords
 
 # Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values; for a
 # sparse indexed attention also the indexer keys of every position), the recurrent and convolution mixers of
 # transformers' linear-attention cache interface (their states at the chunk boundary); "mlp" / "moe" layers mix no
 # tokens. Whether a model's layers really do so is what the probe checks.
-# what a known unserved layer type keeps across positions, for its refusal
-_UNSERVED_WHY = {
-    "compressed_sparse_attention": "DeepSeek-V4's compressed attention: its compressors keep window buffers, "
-    "overlapping windows' states and compressed keys with gradient across positions in their own cache layers, "
-    "and its indexer picks among the compressed keys",
-}
-_UNSERVED_WHY["heavily_compressed_attention"] = _UNSERVED_WHY["compressed_sparse_attention"]
 _SUPPORTED_LAYER_TYPES = {
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
     "full_attention",
     "indexed_attention",
     "sliding_attention",
@@ -39,21 +34,19 @@ _SUPPORTED_LAYER_TYPES = {
     "mlp",
     "moe",
 }
-# What a decoder's modules do that no chunk can reproduce from what it receives, told by a name their code calls (a
-# cache method, a scan or mask function), and the reason; its first clause, before any parenthesis, is the short reason
-# the support table (tests/causal_lm_support.json) lists
-_REFUSED_CALLS: dict[str, str] = {}
-_WITHOUT_STREAMBP = (
-    "train it with plain autograd and Hugging Face gradient checkpointing (gradient_checkpointing=True) instead"
-)
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
 # PEFT methods whose trained tokens reach the decoder as a filled key/value cache (past_key_values)
 _PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
 
 
 def takes_cache(layer: nn.Module) -> bool:
-    """Whether ``layer``'s forward takes a key/value cache: what marks a causal self-attention decoder layer."""
-    return _forward_takes_cache(type(layer))
+    """Whether ``layer``'s forward takes a key/value cache: what marks a causal self-attention decoder layer. A layer
+    whose forward passes its keyword arguments on (``**kwargs``) to a module that takes one does (DeepSeek-V4)."""
+    if _forward_takes_cache(type(layer)):
+        return True
+    return passes_keywords(type(layer)) and any(
+        _forward_takes_cache(type(m)) for m in layer.modules() if m is not layer and hasattr(m, "forward")
+    )
 
 
 @functools.cache
@@ -109,11 +102,10 @@ def check_supported(
         refuse(lm, "get_decoder() does not return a separate transformers decoder model")
     unserved = sorted(set(getattr(config, "layer_types", None) or ()) - _SUPPORTED_LAYER_TYPES)
     if unserved:  # before the layers: a layer that takes its cache through **kwargs is not found as one
-        why = "".join(f" ({w})" for w in dict.fromkeys(_UNSERVED_WHY[t] for t in unserved if t in _UNSERVED_WHY))
         refuse(
             lm,
             f"layer types {unserved} are neither softmax attention nor a recurrent or convolution mixer served "
-            f"through transformers' cache interface{why}",
+            "through transformers' cache interface",
         )
     if not layers:
         refuse(
@@ -135,16 +127,13 @@ def check_supported(
             "output_router_logits=True",
             "Set config.output_router_logits=False.",
         )
-    _check_modules(lm, decoder, layers)
+    _check_modules(lm, layers)
 
 
-def _check_modules(lm: PreTrainedModel, decoder: PreTrainedModel, layers: list[nn.Module]) -> None:
-    """Refuse a decoder whose modules mix tokens in a way no chunk reproduces: a call of :data:`_REFUSED_CALLS`
-    anywhere in the decoder; in a streamed layer, a module that is not causal, or an attention that updates the cache
-    and takes its softmax itself (not through transformers' AttentionInterface, so it never sees the chunk's mask)."""
-    for module in decoder.modules():
-        for called in sorted(names_called(type(module)) & _REFUSED_CALLS.keys()):
-            refuse(lm, f"{_REFUSED_CALLS[called]} ({type(module).__name__} calls {called}); {_WITHOUT_STREAMBP}")
+def _check_modules(lm: PreTrainedModel, layers: list[nn.Module]) -> None:
+    """Refuse a decoder whose streamed layers mix tokens in a way no chunk reproduces: a module that is not causal, or
+    an attention that updates the cache and takes its softmax itself (not through transformers' AttentionInterface, so
+    it never sees the chunk's mask)."""
     for layer in layers:
         for name, module in layer.named_modules():
             if any(part in name for part in _CROSS_ATTENTION):

@@ -30,6 +30,7 @@ from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
 from .call import LayerCall, StreamLayerFunction, StreamSettings
 from .carry import ChunkCache
+from .carry.compressed import compress_rates
 from .continued import Continued, continued
 from .decoder_call import DecoderCall, active_call
 from .dynamic_mask import dynamic_mask_modules, full_rows
@@ -44,6 +45,7 @@ from .layer_args import (
     document_starts,
     keeps_documents_apart,
     parameter_names,
+    passes_keywords,
     per_token,
     reads_mask_as_tensor,
 )
@@ -87,6 +89,7 @@ class LayerPlan:
     apart: bool | None = None
     varlen_attention: bool = False
     stacked: bool = False
+    compress_rates: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
@@ -94,6 +97,8 @@ class LayerPlan:
         position (:func:`~.layer_args.keeps_position_history`)."""
         names = tuple(parameter_names(layer))
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
+        if cache_name is None and passes_keywords(type(layer)):  # the cache passed on through **kwargs (DeepSeek-V4)
+            cache_name = "past_key_values"
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
         mixers = {type(m) for m in layer.modules() if carries_state(type(m))}
@@ -102,7 +107,9 @@ class LayerPlan:
         apart = kinds.pop() if len(kinds) == 1 else None  # (None also where a mixer resets its convolution alone)
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
         dense_mask = any(reads_mask_as_tensor(type(m)) for m in layer.modules())
-        min_chunk = 2 if recurrent else 1
+        rates = compress_rates(layer)
+        # (a one-token call is a compressed attention's decoding path: it attends to every compressed entry)
+        min_chunk = 2 if recurrent or rates else 1
         from_prefix = HISTORY_ARGUMENTS if position_history else ()
         configs, continued = stream_configs(layer), Continued.of(layer)
         return cls(
@@ -119,6 +126,7 @@ class LayerPlan:
             apart,
             any(is_flash_attention_requested(c) for c in configs),
             any((getattr(c, "altup_num_inputs", None) or 1) > 1 for c in configs),
+            rates,
         )
 
 
@@ -200,6 +208,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         grad_inputs,
         from_prefix=plan.from_prefix,
         resets=starts,
+        compress_rates=plan.compress_rates,
     )
     decoder = active_call()
     if kwargs.get("shared_kv_states") is not None:  # keys/values shared across layers (Gemma 3n, Gemma 4's E models)
@@ -263,7 +272,7 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     (which describe the whole row). Attention keeps documents apart by its mask; a mixer that ignores the
     descriptors runs across documents, in the plain model and here alike."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if plan.min_chunk == 1 or plan.apart is False:
+    if plan.apart is False or not _recurrent(layer):
         return ()
     if cu_seq_lens is None:
         if kwargs.get("seq_idx") is not None:
@@ -285,10 +294,15 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     return document_starts(cu_seq_lens, seq_len)
 
 
+def _recurrent(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds a recurrent or convolution mixer (:func:`~.layer_args.carries_state`)."""
+    return any(carries_state(type(m)) for m in layer.modules())
+
+
 def packing_refusal(plan: LayerPlan, layer: nn.Module) -> str | None:
     """Why ``layer`` (streamed by ``plan``) cannot take packed rows with sequence descriptors, or ``None``: its
     recurrent mixers keep the documents apart in part."""
-    if plan.min_chunk == 1 or plan.apart is not None:
+    if plan.apart is not None or not _recurrent(layer):
         return None
     return (
         f"StreamBP cannot stream packed rows (cu_seq_lens) through {type(layer).__name__}: its recurrent mixers keep "
@@ -328,7 +342,15 @@ def _dense_mask_run(func, dynamic: tuple[nn.Module, ...], layer: nn.Module, x: t
     seq_len, kv_start = cache.store.seq_len, 0
     for name, mask in list(kwargs.items()):
         if isinstance(mask, StreamMask):
-            kwargs[name] = mask.materialise(x.shape[1], seq_len - mask.kv_start, x.device)
+            # a compressed attention extends the block with its compressed entries' additive bias: keys [p, e)
+            # only, additive too (a bool block would read that bias cast to bool, its -inf as "attend")
+            end = cache.start + x.shape[1] if cache.compressed else seq_len
+            block = mask.materialise(x.shape[1], end - mask.kv_start, x.device)
+            if cache.compressed and block.dtype == torch.bool:
+                block = torch.zeros(block.shape, dtype=x.dtype, device=x.device).masked_fill(
+                    ~block, torch.finfo(x.dtype).min
+                )
+            kwargs[name] = block
             kv_start = mask.kv_start
     with full_rows(dynamic, kv_start, seq_len):
         return func(layer, x, **kwargs)

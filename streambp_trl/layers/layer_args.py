@@ -130,7 +130,19 @@ def reads_mask_as_tensor(cls: type) -> bool:
     cache's ``update_indexer`` and masks its scores with the mask (DeepSeek Sparse Attention), or a dynamic mask
     attention, which builds a per-head additive bias from the mask and its keys' values (Doge's
     ``prepare_dynamic_mask``)."""
-    return bool({"update_indexer", "prepare_dynamic_mask"} & names_called(cls))
+    return bool({"update_indexer", "prepare_dynamic_mask", "update_compressor_states"} & names_called(cls))
+
+
+def compresses_keys(cls: type) -> bool:
+    """Whether transformers module class ``cls`` compresses windows of keys into extra entries through its cache layer
+    (``store_compression_weights`` / ``update_compressor_states``: DeepSeek-V4's compressed attention)."""
+    return "update_compressor_states" in names_called(cls)
+
+
+@functools.cache
+def passes_keywords(cls: type) -> bool:
+    """Whether ``cls.forward`` takes ``**kwargs`` (and so may pass a cache on to its modules)."""
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
 
 
 @functools.cache
@@ -184,12 +196,17 @@ def per_token(layer: nn.Module, kwargs: dict, batch: int, seq_len: int) -> tuple
     for name, value in kwargs.items():
         if name in CACHE_KWARGS or name in PASS_THROUGH:
             continue  # (a StreamMask is no tensor: each chunk gets its own view; a (batch, T) padding mask is sliced)
-        if isinstance(value, dict):  # a mapping of masks (the causal StreamMask beside a convolution's (batch, T))
-            dims = {k: sequence_dim(f"{name}[{k!r}]", t, batch, seq_len) for k, t in value.items() if _tensor(t)}
-            if any(t.requires_grad for t in value.values() if _tensor(t)):
+        if isinstance(value, dict):  # a mapping of masks (the causal StreamMask beside a convolution's (batch, T)), of
+            # rotary embeddings by layer type ((cos, sin) each: DeepSeek-V4)
+            entries = {k: v if isinstance(v, (tuple, list)) else (v,) for k, v in value.items()}
+            if any(t.requires_grad for v in entries.values() for t in v if _tensor(t)):
                 raise ValueError(f"StreamBP: {type(layer).__name__} receives `{name}` with gradient inside a mapping.")
-            if any(d is not None for d in dims.values()):
-                per_token[name] = dims
+            dims = {
+                k: tuple(sequence_dim(name, t, batch, seq_len) if _tensor(t) else None for t in v)
+                for k, v in entries.items()
+            }
+            if any(d is not None for v in dims.values() for d in v):
+                per_token[name] = {k: d if isinstance(value[k], (tuple, list)) else d[0] for k, d in dims.items()}
             continue
         tensors = value if isinstance(value, (tuple, list)) else (value,)
         dims = []

@@ -85,6 +85,7 @@ class LayerCall(ChunkBackward):
     versions: Versions | None = None  # what the backward reads again, as the forward left it
     shared: SharedKV | None = None  # the decoder call's keys/values shared across layers (``shared_kv_states``)
     stores: dict[str, int] = dataclasses.field(default_factory=dict)  # layer types it shares (-> its cache slot)
+    compress_rates: dict[int, int] = dataclasses.field(default_factory=dict)  # compressed attentions' slots
 
     def record_versions(self, kept: torch.Tensor | None) -> None:
         """Record the versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
@@ -199,7 +200,7 @@ class LayerCall(ChunkBackward):
         ``rng``: ``"record"`` each chunk's random state, ``"replay"`` the recorded ones, or ``"none"``.
         """
         y = None
-        kv = CarryStore(self.seq_len)
+        kv = CarryStore(self.seq_len, rates=self.compress_rates)
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if rng == "record":
@@ -210,7 +211,7 @@ class LayerCall(ChunkBackward):
                 cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i), resets=s in self.resets)
                 shared = self.shared_view(cache, p, e)
                 if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
-                    with unread_outputs(self.layer) as self.unread:
+                    with unread_outputs(self.layer, cache.outgoing.values) as self.unread:
                         out, extras = self.run(x[:, s:e], s, e, cache, shared=shared)
                 else:
                     out, extras = self.run(x[:, s:e], s, e, cache, shared=shared)
@@ -256,10 +257,10 @@ class LayerCall(ChunkBackward):
         states = [key for key, _ in self.state_layout if key[0] != INDEXER]
         indexed = len(states) < len(self.state_layout)
         if not self.slots and not self.state_layout:  # nothing to collect (an MLP-only layer, a KV-reusing one)
-            return CarryStore(self.seq_len)
+            return CarryStore(self.seq_len, rates=self.compress_rates)
         if len(self.slots) != 1 or states:
             return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
-        kv = CarryStore(self.seq_len)
+        kv = CarryStore(self.seq_len, rates=self.compress_rates)
         with torch.no_grad(), queries_skipped(self.layer):
             for i, (s, e) in enumerate(self.chunks()):
                 self.rng[i].restore()

@@ -127,7 +127,9 @@ class StreamLayerFunction(torch.autograd.Function):
             x, flat = call.embedding_source.rebuild(call.autocast), saved
         else:
             x, *flat = saved
-        kv = CarryStore.from_flat(call.seq_len, call.slots, call.state_layout, tuple(flat)) if ctx.capture else None
+        kv = None
+        if ctx.capture:
+            kv = CarryStore.from_flat(call.seq_len, call.slots, call.state_layout, tuple(flat), call.compress_rates)
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
         dx_over_x = not ctx.packed and sole_holder(x)

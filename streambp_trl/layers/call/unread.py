@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -102,10 +102,14 @@ def _marked_forward(tracker: _Tracker, module: nn.Linear, x: torch.Tensor) -> to
 
 
 @contextlib.contextmanager
-def unread_outputs(layer: nn.Module) -> Iterator[list[nn.Module]]:
+def unread_outputs(
+    layer: nn.Module, carried: Callable[[], Iterable[torch.Tensor]] = tuple
+) -> Iterator[list[nn.Module]]:
     """For a ``with`` block running ``layer`` (one chunk of its forward): yields a list that, when the block ends,
     holds the layer's leaf ``nn.Linear`` maps that ran and whose output no backward reads (see the module's
-    docstring). Nothing the block computes changes."""
+    docstring). ``carried()``, asked when the block ends: the states the chunk hands later chunks, whose code may read
+    what this chunk only stored (a compressor's window buffer, read by the chunk that closes the window): a map whose
+    output reaches them is read. Nothing the block computes changes."""
     candidates = _candidates(layer)
     result: list[nn.Module] = []
     if not candidates:
@@ -115,6 +119,8 @@ def unread_outputs(layer: nn.Module) -> Iterator[list[nn.Module]]:
     marked = {m: functools.partial(_marked_forward, tracker, m) for m in candidates}
     with forwards_replaced(marked), tracker:
         yield result
+    for t in carried():
+        tracker.read |= tracker.derived.get(id(t), frozenset())
     ran = set().union(*tracker.derived.values()) if tracker.derived else set()
     result.extend(m for m in candidates if m in ran and m not in tracker.read)
 

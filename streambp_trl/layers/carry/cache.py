@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 
 from ...attention import PrefixGrad
 from ...patching import forwards_replaced
+from .compressed import CompressorStates
 from .store import KV, CarryStore, States, recurrent_key
 
 
@@ -127,6 +128,12 @@ class ChunkCache(Cache):
         self.incoming: States = incoming or {}
         self.outgoing: States = {}
         self.scan_starts: list[list] | None = None  # set for a layer whose scans continue (see .continued)
+        self.layers = _CompressorLayers(self)  # a compressed attention's cache layers (see .compressed)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the layer's attention compresses windows of keys into extra entries (:mod:`.compressed`)."""
+        return bool(self.store.rates)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self.incoming.get(("conv", layer_idx, state_idx))
@@ -222,3 +229,28 @@ class ChunkCache(Cache):
         if self.stop and self.chunk:
             raise StopAfterCacheUpdate
         return full[:, self.start - self.prefix_len :]
+
+
+class _CompressorLayers:
+    """``cache.layers[layer_idx]`` of a chunk cache: the compressor states of a compressed attention's slot."""
+
+    def __init__(self, cache: ChunkCache):
+        self.cache = cache
+        self.slots: dict[int, CompressorStates] = {}
+
+    def __getitem__(self, layer_idx: int) -> CompressorStates:
+        cache = self.cache
+        if layer_idx not in cache.store.rates:
+            raise IndexError(f"StreamBP: cache slot {layer_idx} has no compressed attention's states.")
+        if layer_idx not in self.slots:
+            rate, seq_len = cache.store.rates[layer_idx], cache.store.seq_len
+            self.slots[layer_idx] = CompressorStates(
+                cache.incoming, cache.outgoing, layer_idx, cache.start, seq_len, rate
+            )
+        return self.slots[layer_idx]
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())

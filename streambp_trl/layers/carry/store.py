@@ -9,6 +9,7 @@ import torch
 KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # cache slot (layer_idx) -> keys, values
 StateKey = tuple[str, int, int]  # ("conv", "recurrent" or "indexer", cache slot (layer_idx), state index)
 INDEXER = "indexer"  # the kind of a layout entry that holds a slot's indexer keys of every position
+COMPRESSED = "compressed"  # the kind of a compressed attention's entries so far (a running list: see .compressed)
 States = dict[StateKey, torch.Tensor]
 
 
@@ -33,11 +34,14 @@ class CarryStore:
         kv: KV | None = None,
         states: dict[StateKey, dict[int, torch.Tensor]] | None = None,
         indexer: dict[int, torch.Tensor] | None = None,
+        rates: dict[int, int] | None = None,
     ):
         self.seq_len = seq_len
         self.kv: KV = kv or {}
         self.states = states or {}
         self.indexer: dict[int, torch.Tensor] = indexer or {}
+        self.rates = rates or {}  # cache slot -> compress rate of a compressed attention (:mod:`.compressed`)
+        self.entries: States = {}  # a compressed attention's entries of every window, per (kind, slot, name) key
 
     def incoming(self, n: int) -> States:
         """The states entering chunk ``n`` (none for the first)."""
@@ -45,9 +49,24 @@ class CarryStore:
 
     def record(self, n: int, outgoing: States) -> None:
         """Keep the states chunk ``n`` left, for chunk ``n + 1``: detached copies, since a convolution tail is a view
-        of the chunk's whole joined convolution input ((chunk + kernel) x conv_dim), which a kept view would hold."""
+        of the chunk's whole joined convolution input ((chunk + kernel) x conv_dim), which a kept view would hold. A
+        compressed attention's entries so far grow by extension: each chunk's are a view of one buffer of all T // m
+        (written as they come), not a copy per chunk boundary."""
         for key, t in outgoing.items():
-            self.states.setdefault(key, {})[n + 1] = t.detach().clone()
+            if key[0] == COMPRESSED:
+                t = self._entries(key, t)
+            else:
+                t = t.detach().clone()
+            self.states.setdefault(key, {})[n + 1] = t
+
+    def _entries(self, key: StateKey, running: torch.Tensor) -> torch.Tensor:
+        full = self.entries.get(key)
+        if full is None:
+            total = self.seq_len // self.rates[key[1]]
+            full = self.entries[key] = running.new_empty(running.shape[:1] + (total,) + running.shape[2:])
+        with torch.no_grad():
+            full[:, : running.shape[1]] = running
+        return full[:, : running.shape[1]]
 
     def layout(self) -> list[tuple[StateKey, int]]:
         """The order of the store's tensors after the keys/values in :meth:`flat`: (state key, chunk) of each state
@@ -82,7 +101,12 @@ class CarryStore:
 
     @classmethod
     def from_flat(
-        cls, seq_len: int, slots: list[int], layout: list[tuple[StateKey, int]], flat: tuple[torch.Tensor, ...]
+        cls,
+        seq_len: int,
+        slots: list[int],
+        layout: list[tuple[StateKey, int]],
+        flat: tuple[torch.Tensor, ...],
+        rates: dict[int, int] | None = None,
     ) -> CarryStore:
         kv = {i: (flat[2 * n], flat[2 * n + 1]) for n, i in enumerate(slots)}
         states: dict[StateKey, dict[int, torch.Tensor]] = {}
@@ -92,4 +116,4 @@ class CarryStore:
                 indexer[key[1]] = t
             else:
                 states.setdefault(key, {})[n] = t
-        return cls(seq_len, kv, states, indexer)
+        return cls(seq_len, kv, states, indexer, rates)
