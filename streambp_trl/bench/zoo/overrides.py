@@ -128,8 +128,20 @@ def _decay_dynamic_mask(model: torch.nn.Module) -> None:
             torch.nn.init.normal_(module.A)
 
 
+def _hash_routes(model: torch.nn.Module) -> None:
+    """DeepSeek-V4's hash-routed experts: each token's experts (``tid2eid``, a buffer a checkpoint brings) drawn at
+    random, distinct per token. Left at their initial zeros every token takes expert 0 twice, its normalised routing
+    weights are constants, and the router gets no gradient at all (rounding noise, 1e-20)."""
+    for module in model.modules():
+        table = getattr(module, "tid2eid", None)
+        weight = getattr(module, "weight", None)
+        if isinstance(table, torch.Tensor) and isinstance(weight, torch.Tensor):
+            experts = torch.rand(table.shape[0], weight.shape[0]).argsort(dim=-1)[:, : table.shape[1]]
+            table.copy_(experts.to(table.dtype))
+
+
 # applied to the built model (under the build's seed)
-MODEL_FIXUPS = {"doge": _decay_dynamic_mask}
+MODEL_FIXUPS = {"doge": _decay_dynamic_mask, "deepseek_v4": _hash_routes}
 # model types whose float64 build keeps transformers' ``_keep_in_fp32_modules_strict`` in float32, as loading in
 # another dtype does: Inkling 2's router casts its input to float32 against its own weight, so a float64 weight fails
 FLOAT32_KEPT = {"inkling2", "inkling2_text"}
