@@ -128,7 +128,18 @@ class ChunkCache(Cache):
         self.incoming: States = incoming or {}
         self.outgoing: States = {}
         self.scan_starts: list[list] | None = None  # set for a layer whose scans continue (see .continued)
-        self.layers = _CompressorLayers(self)  # a compressed attention's cache layers (see .compressed)
+        self.compressors: dict[int, CompressorStates] = {}  # a compressed attention's cache layers (.compressed)
+
+    @property
+    def layers(self) -> _CompressorLayers:
+        """``cache.layers[layer_idx]``: a compressed attention's cache layer for slot ``layer_idx``. (A new view on
+        each access: kept on the cache, it would make a reference cycle that keeps every chunk's cache, and the
+        prefix and gradients it holds, alive until the garbage collector runs.)"""
+        return _CompressorLayers(self)
+
+    @layers.setter
+    def layers(self, value: list) -> None:  # transformers' Cache.__init__ sets its own list: not used here
+        pass
 
     @property
     def compressed(self) -> bool:
@@ -236,18 +247,17 @@ class _CompressorLayers:
 
     def __init__(self, cache: ChunkCache):
         self.cache = cache
-        self.slots: dict[int, CompressorStates] = {}
 
     def __getitem__(self, layer_idx: int) -> CompressorStates:
         cache = self.cache
         if layer_idx not in cache.store.rates:
             raise IndexError(f"StreamBP: cache slot {layer_idx} has no compressed attention's states.")
-        if layer_idx not in self.slots:
+        if layer_idx not in cache.compressors:  # (one per slot and chunk: it passes the overlap state on once)
             rate, seq_len = cache.store.rates[layer_idx], cache.store.seq_len
-            self.slots[layer_idx] = CompressorStates(
+            cache.compressors[layer_idx] = CompressorStates(
                 cache.incoming, cache.outgoing, layer_idx, cache.start, seq_len, rate
             )
-        return self.slots[layer_idx]
+        return cache.compressors[layer_idx]
 
     def __len__(self) -> int:
         return 0
