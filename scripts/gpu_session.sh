@@ -1,0 +1,51 @@
+#!/bin/bash
+# The GPU kit for one short lease (about 9 minutes on an H200): its checks in priority order, each under its own time
+# limit, everything written under OUT (default: gpu_session/) and packed into OUT.tgz at the end.
+#
+#   bash scripts/gpu_session.sh [OUT]
+#
+# 1. tests/test_cuda.py with its JSON-lines report (exactness, kernels, offload, memory model): about 110 s;
+# 2. scripts/gpu_bench.py at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
+# 3. scripts/gpu_profile.py at 16,000 tokens (a length no multiple of the chunk: cuDNN's padded last chunk): 80 s;
+# 4. Qwen3.5-9B with LoRA, one stream step at the simulator's longest length in 78 GiB (234,496 tokens, chunk 2048,
+#    memory_budget 78GiB: the two-node logit form the simulation ran), with the time left (about 4 minutes).
+# Wheels under .whl/ (transformers, trl, datasets, peft and their needs: README's GPU section) are installed first.
+OUT=${1:-gpu_session}
+T0=$SECONDS
+mkdir -p "$OUT"
+trap 'tar -czf "$OUT.tgz" -C "$OUT" . ; ls -la "$OUT"' EXIT
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import sys, torch, transformers, trl; print(sys.version.split()[0], torch.__version__, transformers.__version__, trl.__version__, torch.backends.cudnn.version())"
+} > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+echo "== tests/test_cuda.py"
+STREAMBP_CUDA_REPORT="$OUT/test_cuda.jsonl" timeout 175 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_cuda.py \
+  > "$OUT/test_cuda.log" 2>&1
+echo "rc=$?"; tail -15 "$OUT/test_cuda.log"
+
+echo "== scripts/gpu_bench.py at $((SECONDS - T0)) s"
+timeout 175 python3 scripts/gpu_bench.py --device cuda --seq-len 16384 --repeats 2 --no-max-len --time-budget 150 \
+  --out-dir "$OUT" > "$OUT/gpu_bench.log" 2>&1
+echo "rc=$?"; tail -12 "$OUT/gpu_bench.log"
+
+echo "== scripts/gpu_profile.py at $((SECONDS - T0)) s"
+timeout 110 python3 scripts/gpu_profile.py --configs trl stream:4096 --seq-len 16000 --repeats 2 --timeout 52 \
+  --out-dir "$OUT" --name gpu_profile_16000 > "$OUT/gpu_profile.log" 2>&1
+echo "rc=$?"; tail -8 "$OUT/gpu_profile.log"
+
+rest=$((555 - (SECONDS - T0)))
+echo "== Qwen3.5-9B, LoRA, 234,496 tokens in 78 GiB ($rest s left)"
+if [ "$rest" -gt 60 ]; then
+  spec='{"mode": "stream", "seq_len": 234496, "model": "qwen3.5-9b", "device": "cuda", "dtype": "bfloat16",
+         "lora": true, "stream_chunk_size": 2048, "logits_chunk_size": 2048, "warmup_seq_len": 2048,
+         "memory_budget": "78GiB"}'
+  timeout "$rest" python3 streambp_trl/bench/worker.py "$spec" > "$OUT/qwen3_5_9b_lora_234496.log" 2>&1
+  echo "rc=$?"; grep BENCH_BP_RESULT "$OUT/qwen3_5_9b_lora_234496.log" | cut -c1-1200
+fi
+echo "== done at $((SECONDS - T0)) s"
