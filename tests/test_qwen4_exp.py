@@ -22,7 +22,7 @@ import torch
 from helpers import ShapeRecorder
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
+from streambp_trl.bench.model_support import Float64Internals, plain_loss, streamed_errors
 from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import carry
 
@@ -60,14 +60,7 @@ def _errors(reference, chunk: int, mutate=None) -> tuple[float, float]:
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk, logits_chunk_size=7)
     if mutate is not None:
         mutate()
-    ids, mask, labels = _batch()
-    reference.zero_grad()
-    with Float64Internals():
-        ref_loss = plain_loss(reference, ids, mask, labels)
-        ref_loss.backward()
-        loss = streamed(input_ids=ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
-    return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), relative_errors(reference, streamed)[0]
+    return streamed_errors(reference, streamed, *_batch(), Float64Internals)[:2]
 
 
 def test_the_selection_and_the_ngrams_matter():

@@ -233,8 +233,14 @@ def _packed_rows(model_type: str, reference, streamed, mode, bound: float) -> di
 
 def streamed_error(reference, streamed, ids, mask, labels, mode=contextlib.nullcontext) -> tuple[float, str]:
     """The larger of the relative loss error and the worst relative gradient error of ``streamed`` against plain
-    autograd on one batch (gradients zeroed first, both runs under ``mode()``), and the parameter where the gradient
-    error is worst."""
+    autograd on one batch (:func:`streamed_errors`), and the parameter where the gradient error is worst."""
+    loss_err, grad_err, at = streamed_errors(reference, streamed, ids, mask, labels, mode)
+    return max(loss_err, grad_err), at
+
+
+def streamed_errors(reference, streamed, ids, mask, labels, mode=contextlib.nullcontext) -> tuple[float, float, str]:
+    """The relative loss error, the worst relative gradient error of ``streamed`` against plain autograd on one batch
+    (gradients zeroed first, both runs under ``mode()``) and the parameter where the gradient error is worst."""
     reference.zero_grad()
     streamed.zero_grad()
     with mode():
@@ -244,7 +250,7 @@ def streamed_error(reference, streamed, ids, mask, labels, mode=contextlib.nullc
         loss.backward()
     assert torch.isfinite(ref_loss), f"{type(reference).__name__}: plain transformers gives {ref_loss.item()}"
     grad_err, at = relative_errors(reference, streamed)
-    return max(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), grad_err), at
+    return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), grad_err, at
 
 
 def _worst_error(reference, streamed, paddings, mode) -> tuple[float, str]:
