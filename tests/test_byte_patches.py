@@ -53,3 +53,20 @@ def test_byte_and_patch_stacks_stream_exactly(chunk, padding):
     errors = _errors(chunk, padding)
     worst = max(errors, key=errors.get)
     assert errors[worst] < EXACT, f"{errors[worst]:.2e} at {worst}"
+
+
+def test_its_whole_sequence_masks_are_warned_at_enable(monkeypatch):
+    """The cross-attention masks BLT builds outside its layers are (patches x bytes), patches padded to the bytes: the
+    streamed step still holds tensors with two dimensions of the sequence length (seen here), so enabling says so."""
+    from helpers import ShapeRecorder
+
+    from streambp_trl.engine import support
+
+    said = []
+    monkeypatch.setattr(support.logger, "warning", said.append)
+    streamed = enable_streambp(tiny_causal_lm("blt", max_patch_length=4), stream_chunk_size=16)
+    assert len(said) == 1 and "_prepare_patch_cross_attention_mask" in said[0] and "not saved" in said[0]
+    ids, mask, labels = batch(seq_len=160, padding="right")
+    with ShapeRecorder() as shapes:
+        streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert shapes.full_size(160)

@@ -12,8 +12,11 @@ import inspect
 
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from ..layers.layer_args import CACHE_KWARGS, names_called, passes_keywords
+
+logger = logging.get_logger(__name__)
 
 # Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values; for a
 # sparse indexed attention also the indexer keys of every position), the recurrent and convolution mixers of
@@ -35,6 +38,12 @@ _SUPPORTED_LAYER_TYPES = {
     "moe",
 }
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
+# What a decoder's own code builds over the whole sequence outside its streamed layers, told by a name it calls: exact,
+# but memory the streamed layers do not save (warned at enable, never silent)
+_WHOLE_SEQUENCE_CALLS = {
+    "_prepare_patch_cross_attention_mask": "its byte/patch cross-attention masks, (patches x bytes) each with the "
+    "patch count padded to the byte count, so quadratic in the sequence length",
+}
 # PEFT methods whose trained tokens reach the decoder as a filled key/value cache (past_key_values)
 _PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
 
@@ -128,6 +137,14 @@ def check_supported(
             "Set config.output_router_logits=False.",
         )
     _check_modules(lm, layers)
+    for module in decoder.modules():
+        for called in sorted(names_called(type(module)) & _WHOLE_SEQUENCE_CALLS.keys()):
+            logger.warning(
+                f"StreamBP streams {type(lm).__name__}'s decoder layers exactly, but {type(module).__name__} builds "
+                f"{_WHOLE_SEQUENCE_CALLS[called]} ({called}), on the whole sequence outside those layers, as the "
+                'plain model does: that memory is not saved, and the memory model behind "auto" and max-len does '
+                "not count it."
+            )
 
 
 def _check_modules(lm: PreTrainedModel, layers: list[nn.Module]) -> None:
