@@ -92,3 +92,33 @@ def test_kept_logits_of_a_training_call_without_labels():
         ref_logits.logsumexp(-1).sum().backward()
         logits.logsumexp(-1).sum().backward()
     assert relative_errors(reference, streamed)[0] < EXACT
+
+
+def test_gemma4_assistant_attends_to_later_positions_and_is_refused():
+    """Gemma 4's speculative-decoding assistant: every layer reads the target model's keys/values
+    (``shared_kv_states``) through the masks its forward builds with ``create_bidirectional_mask``. The zoo builds its
+    layers unshared (transformers 5.23 cannot build a config whose layers all reuse), so here they are set to reuse,
+    as the real assistant's are. Changing the target's key at the last position changes the logits at the first:
+    a position's output depends on later positions, and ``enable_streambp`` refuses it, saying so."""
+    model = tiny_causal_lm("gemma4_assistant")
+    for layer in model.model.layers:
+        layer.self_attn.is_kv_shared_layer = True
+    g = torch.Generator().manual_seed(0)
+    attention = model.model.layers[0].self_attn
+    kv_shape = (1, attention.k_proj.out_features // attention.head_dim, 6, attention.head_dim)
+    states = {
+        kind: tuple(torch.randn(kv_shape, generator=g, dtype=torch.float64) for _ in "kv")
+        for kind in ("full_attention", "sliding_attention")
+    }
+    embeds = torch.randn(1, 6, 2 * model.config.backbone_hidden_size, generator=g, dtype=torch.float64)
+
+    def first_logits(shared: dict) -> torch.Tensor:
+        with torch.no_grad():
+            return model(inputs_embeds=embeds, shared_kv_states=shared, attention_mask=torch.ones(1, 6)).logits[0, 0]
+
+    later = {kind: (k.clone(), v) for kind, (k, v) in states.items()}
+    for k, _ in later.values():
+        k[:, :, -1] += 1.0
+    assert (first_logits(later) - first_logits(states)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"Gemma4AssistantForCausalLM exactly: its forward builds bidirectional"):
+        enable_streambp(model, stream_chunk_size=2)

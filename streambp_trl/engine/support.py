@@ -38,6 +38,10 @@ _SUPPORTED_LAYER_TYPES = {
     "moe",
 }
 _CROSS_ATTENTION = ("encoder_attn", "crossattention", "cross_attn")
+# transformers' builders of masks that let every position attend to every key: an LM class whose own code calls one
+# (Gemma 4's speculative-decoding assistants, whose queries read the target model's keys/values through them) has
+# outputs that depend on later positions
+_BIDIRECTIONAL_MASKS = {"create_bidirectional_mask", "create_bidirectional_sliding_window_mask"}
 # What a decoder's own code builds over the whole sequence outside its streamed layers, told by a name it calls: exact,
 # but memory the streamed layers do not save (warned at enable, never silent)
 _WHOLE_SEQUENCE_CALLS = {
@@ -105,6 +109,13 @@ def check_supported(
         refuse(lm, "encoder-decoder models are not supported, only decoder-only causal LMs")
     if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", False):
         refuse(lm, "its attention is bidirectional, so a chunk would need keys from later positions")
+    bidirectional = sorted(names_called(type(lm)) & _BIDIRECTIONAL_MASKS)
+    if bidirectional:
+        refuse(
+            lm,
+            f"its forward builds bidirectional attention masks ({', '.join(bidirectional)}): every position attends "
+            "to the keys at later positions, so a chunk would need keys from later positions",
+        )
     if lm_head and lm.get_output_embeddings() is None:
         refuse(lm, "it has no LM head (get_output_embeddings() is None)")
     if decoder is None:
