@@ -14,6 +14,8 @@ Without an fla / causal-conv1d install the Gated DeltaNet layers run transformer
 what is measured (the CUDA kernels hold fewer). Usage::
 
     python scripts/sim_step.py --model qwen3.5-9b --lora --mode streambp --seq-len 65536 --chunk 2048 --grads-ready
+
+``--model`` also takes a local config directory (``benchmarks/sim_configs/``: Qwen3.5-MoE's widths in 4 layers).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def simulate(a: argparse.Namespace) -> dict:
     import torch.utils.checkpoint as cp
 
     cp.get_device_states = lambda *args: ([], [])
+    # the simulated GPU is sm80+ (the peak above): transformers' grouped experts ask for the capability, which a
+    # CPU build cannot read
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
     dtype = getattr(torch, a.dtype)
     model = build(a.model, dtype, fake, a.lora, a.config)
     loss_fn = prepare(model, a.mode, a.chunk, a.stream_kwargs or {})

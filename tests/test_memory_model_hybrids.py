@@ -17,7 +17,7 @@ import transformers
 from streambp_trl import enable_streambp
 from streambp_trl.bench.simulator import record_setup
 from streambp_trl.bench.zoo import batch, tiny_causal_lm, tiny_config
-from streambp_trl.sizing import auto, mixers
+from streambp_trl.sizing import auto, layer_kinds, mixers
 from streambp_trl.sizing import memory_model as mm
 
 # family: (attention, Gated/Kimi DeltaNet, Mamba2, Mamba2 with attention, Mamba v1, Mamba v1 with attention, short
@@ -197,7 +197,8 @@ def test_mamba_v1_shapes_from_the_default_configs(config):
     assert shape.mamba_layers == shape.mamba_attention_layers == () and shape.mamba_heads == 0
     expand = getattr(config, "mamba_expand", None)
     assert shape.ssm_inner == (expand * config.hidden_size if expand else config.intermediate_size)
-    assert shape.intermediate == (config.intermediate_size if expand else 0)
+    experts = getattr(config, "num_experts_per_tok", 1) if getattr(config, "num_experts", 1) > 1 else 1
+    assert shape.intermediate == (experts * config.intermediate_size if expand else 0)  # Jamba: its top-2 experts
     assert shape.ssm_state == getattr(config, "mamba_d_state", getattr(config, "state_size", None))
     assert shape.ssm_dt_rank == getattr(config, "mamba_dt_rank", getattr(config, "time_step_rank", None))
     assert shape.ssm_kernel == getattr(config, "mamba_d_conv", getattr(config, "conv_kernel", None))
@@ -371,3 +372,94 @@ def test_indexed_attention_and_hyper_connection_streams_against_the_simulator():
         assert (shape.streams, shape.index_heads, shape.shared_topk) == (config.hc_mult, 4, 256)
         estimate = mm.gib(mm.estimate_peak_bytes(shape, record_setup(r), r["seq_len"]))
         assert r["peak_gib"] <= estimate <= r["peak_gib"] * 1.10, (r["command"], estimate, r["peak_gib"])
+
+
+QWEN3_5_MOE = Path(__file__).resolve().parent.parent / "benchmarks" / "sim_qwen3_5_moe.jsonl"
+
+
+def test_mixture_of_experts_model_against_the_simulator():
+    """Qwen3.5-MoE's widths in 4 layers (benchmarks/sim_qwen3_5_moe.jsonl: 256 experts of 512, top 8, a shared expert
+    of 512, transformers' grouped experts; LoRA and full fine-tuning, 4096 and 8192 tokens, chunks 1024 and 2048):
+    the model at most 1% under and 10% over. Its config has no ``intermediate_size``: the MLP width a token passes
+    through is its 8 experts' and the shared one's, 4608. Before, no shape was built and "auto" took the rule of
+    thumb."""
+    runs = [json.loads(line) for line in QWEN3_5_MOE.read_text().splitlines()]
+    assert len(runs) == 4
+    for r in runs:
+        config = transformers.AutoConfig.from_pretrained(Path(__file__).resolve().parent.parent / r["model"])
+        with torch.device("meta"):
+            shape = mm.ModelShape.from_model(transformers.AutoModelForCausalLM.from_config(config))
+        assert shape.intermediate == 8 * 512 + 512
+        setup = dataclasses.replace(record_setup(r), logits_chunk=r["chunk"], head_form="fused")
+        estimate = mm.gib(mm.estimate_peak_bytes(shape, setup, r["seq_len"]))
+        assert r["peak_gib"] * 0.99 <= estimate <= r["peak_gib"] * 1.10, (r["command"], estimate, r["peak_gib"])
+
+
+@pytest.mark.parametrize(
+    ("family", "width"),
+    [
+        ("qwen3_5_moe_text", 8 * 512 + 512),  # top 8 experts and the shared expert, no intermediate_size
+        ("qwen2_moe", 4 * 1408 + 5632),  # its shared expert twice as wide as the dense width
+        ("mixtral", 2 * 14336),  # experts as wide as intermediate_size, two per token
+        ("olmoe", 8 * 2048),
+        ("dbrx", 3584),  # ffn_config: one expert per token
+        ("deepseek_v3", 18432),  # its dense first layers as wide as its 8 experts and shared one
+        ("doge", 2048),  # is_moe=False: its expert fields unused
+        ("gemma3n_text", 16384),  # a width per layer: the widest
+        ("gpt2", 4 * 768),  # no n_inner: four times the hidden size
+        ("opt", 3072),  # ffn_dim
+        ("llama4_text", 16384),  # its dense layers' intermediate_size_mlp beside one expert of 8192
+    ],
+)
+def test_mlp_width_under_its_many_spellings(family, width):
+    assert layer_kinds.mlp_width(transformers.AutoConfig.for_model(family).get_text_config()) == width
+
+
+def test_every_streamed_model_type_has_a_shape():
+    """Each model type the sweep trains exactly has a shape for the memory model ("auto", max-len), from its default
+    config and from the sweep's tiny one. A heterogeneous config (per-layer head dims: Gemma 4) is read as its widest
+    layer; Gemma 3n's four AltUp streams are its layers' width. BLT alone (a byte encoder and decoder around a patch
+    transformer) has none, and "auto" says so at enable."""
+    table = json.loads((Path(__file__).resolve().parent / "causal_lm_support.json").read_text())
+    exact = sorted(t for t, row in table.items() if row["status"] != "refused")
+    shapeless = []
+    for model_type in exact:
+        try:
+            mm.ModelShape.from_config(transformers.AutoConfig.for_model(model_type))
+            mm.ModelShape.from_config(tiny_config(model_type))
+        except (AttributeError, TypeError):
+            shapeless.append(model_type)
+    assert shapeless == ["blt"]
+    gemma4 = mm.ModelShape.from_config(transformers.AutoConfig.for_model("gemma4_text"))
+    assert gemma4.head_dim == 512  # its full-attention layers' (256 on the sliding ones)
+    assert mm.ModelShape.from_config(transformers.AutoConfig.for_model("gemma3n_text")).streams == 4
+
+
+def test_auto_says_when_it_cannot_size_a_model(monkeypatch):
+    said: list[str] = []
+    monkeypatch.setattr(auto.logger, "warning", said.append)
+    auto.AutoChunks(tiny_causal_lm("blt"), budget=None, offload=False)
+    assert len(said) == 1 and 'stream_chunk_size="auto" cannot size BltForCausalLM' in said[0]
+
+
+def test_max_len_counts_every_expert(tmp_path):
+    """A local config of a mixture of experts (what max-len reads for a Hub name): its parameters counted on meta
+    tensors, every expert, not the formula's one dense MLP."""
+    config = transformers.AutoConfig.for_model("qwen3_moe", num_hidden_layers=2)
+    config.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert mm.ModelShape.from_name(str(tmp_path)).params == counted > mm.ModelShape.from_config(config).params
+
+
+@pytest.mark.parametrize("family", ["zaya", "gemma4_text", "doge"])
+def test_auto_names_what_its_memory_model_leaves_out(family, monkeypatch):
+    """A model whose streamed step holds tensors the memory model does not count: "auto" sizes it and says which."""
+    said: list[str] = []
+    monkeypatch.setattr(auto.logger, "warning", said.append)
+    chunks = auto.AutoChunks(tiny_causal_lm(family), budget=None, offload=False)
+    assert chunks.shape is not None
+    assert len(said) == 1 and "which the memory model does not count" in said[0]
+    said.clear()
+    auto.AutoChunks(tiny_causal_lm("qwen3"), budget=None, offload=False)
+    assert said == []

@@ -26,10 +26,23 @@ import weakref
 import psutil
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from . import memory_model as mm
 
+logger = logging.get_logger(__name__)
+
 AUTO = "auto"
+# what the memory model leaves out of a model type it sizes, tensors the streamed step holds (said at enable, never
+# silent; by the text config's model type)
+_UNCOUNTED = {
+    "deepseek_v4": "its compressed attention's carried entries",
+    "doge": "its dynamic mask's blocks",
+    "gemma3n_text": "its per-layer inputs and the keys/values its last layers share",
+    "gemma4_text": "its per-layer inputs and the keys/values its last layers share (where it has them)",
+    "inkling2_text": "its relative-position bias and attention sinks",
+    "zaya": "its float32 residual stream, its router stream and its CCA convolutions",
+}
 _FALLBACK = (512, 4096)
 
 
@@ -52,8 +65,22 @@ class AutoChunks:
         self.last: int | None = None  # the latest choice (what the trainers log)
         try:
             self.shape: mm.ModelShape | None = mm.ModelShape.from_model(model)
-        except (AttributeError, TypeError):  # a config without the usual size fields: no model, the rule of thumb
+        except (AttributeError, TypeError) as error:  # a config without the usual size fields: the rule of thumb
             self.shape = None
+            logger.warning(
+                f'stream_chunk_size="auto" cannot size {type(model).__name__} from its config ({error}), so it takes '
+                "an eighth of each sequence within [512, 4096] whatever the memory: pass stream_chunk_size (tokens) "
+                "to choose the chunk yourself."
+            )
+            return
+        config = model.config.get_text_config() if hasattr(model, "config") else None
+        uncounted = _UNCOUNTED.get(getattr(config, "model_type", None))
+        if uncounted:
+            logger.warning(
+                f'stream_chunk_size="auto" sizes {type(model).__name__} without {uncounted}, which the memory model '
+                "does not count, so its chunks may take more memory than it has: pass stream_chunk_size (tokens) to "
+                "choose the chunk yourself."
+            )
 
     def __deepcopy__(self, memo) -> AutoChunks:
         copy = AutoChunks.__new__(AutoChunks)

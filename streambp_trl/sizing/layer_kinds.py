@@ -100,3 +100,63 @@ def layer_kinds(config) -> dict:
     if fields["conv_layers"]:
         fields["conv_kernel"] = _first(config, "conv_L_cache")
     return {k: v for k, v in fields.items() if v or k in ("intermediate", "head_dim")}
+
+
+# a dense MLP's width under its names (GPT-2's ``n_inner``, OPT's ``ffn_dim``, the Bart family's decoder, Llama 4's
+# dense layers beside its experts, LongCat's ``ffn_hidden_size``); a list (Gemma 3n) gives one per layer
+_DENSE_WIDTHS = (
+    "intermediate_size",
+    "intermediate_size_mlp",
+    "ffn_dim",
+    "decoder_ffn_dim",
+    "ffn_hidden_size",
+    "n_inner",
+)
+_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_EXPERT_WIDTHS = ("moe_intermediate_size", "expert_ffn_hidden_size", "ffn_hidden_size", "intermediate_size")
+_SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+
+
+def mlp_width(config) -> int:
+    """The MLP width one token takes in its widest layer, the unit of the memory model's MLP terms: a dense MLP's
+    width, or a mixture of experts' routed experts (top-k of them, each of the expert width) plus its shared experts,
+    whichever is larger. A config without a dense width (GPT-2 without ``n_inner``) and without experts: 4 x hidden,
+    the convention of those models. DBRX keeps its expert sizes in ``ffn_config``."""
+    sources = [config] + ([config.ffn_config] if getattr(config, "ffn_config", None) is not None else [])
+
+    def first(names: tuple[str, ...]) -> int:
+        return next((v for s in sources if (v := _first(s, *names))), 0)
+
+    dense = max(
+        (max(v) if isinstance(v, list) else v for n in _DENSE_WIDTHS if (v := getattr(config, n, None))), default=0
+    )
+    top_k = first(_TOP_K) if getattr(config, "is_moe", True) else 0
+    routed = 0
+    if top_k and first(_EXPERTS) > 1:
+        width = first(_EXPERT_WIDTHS)
+        shared = _first(config, "shared_expert_intermediate_size") or first(_SHARED_EXPERTS) * width
+        routed = top_k * width + shared
+    return max(dense, routed) or 4 * config.hidden_size
+
+
+class WidestLayer:
+    """A heterogeneous config (sizes that differ per layer, ``per_layer_config``: Gemma 4's full-attention head dim,
+    dots3's heads) read as its widest layer: each per-layer size the largest any layer has; anything else the
+    config's own. So the memory model sizes every layer as large as the largest (never under)."""
+
+    def __init__(self, config):
+        self._config = config
+        self._widest: dict[str, int] = {}
+        for name in config.per_layer_attributes:
+            values = [getattr(layer, name) for layer in config.per_layer_config]
+            if all(isinstance(v, int) for v in values):
+                self._widest[name] = max(values)
+
+    def __getattr__(self, name: str):
+        return self._widest[name] if name in self._widest else getattr(self._config, name)
+
+
+def widest_layer(config):
+    """``config``, or its :class:`WidestLayer` view when its sizes differ per layer."""
+    return WidestLayer(config) if getattr(config, "is_heterogeneous", False) else config

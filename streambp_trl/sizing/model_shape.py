@@ -8,8 +8,11 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from .layer_kinds import layer_kinds
+from .layer_kinds import layer_kinds, mlp_width, widest_layer
 from .shapes import NAMED_MODELS, canonical_model_name
+
+# the hidden-state streams a layer's input holds: hyper-connections (Qwen4-Exp, DeepSeek-V4), Gemma 3n's AltUp
+_STREAMS = ("hc_count", "hc_mult", "altup_num_inputs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +52,9 @@ class ModelShape:
     the softmax-attention layers: every layer not of another kind is one.
 
     ``streams``: the residual streams a layer's input and output hold (hyper-connections: Qwen4-Exp's ``hc_count``,
-    HY-V4's ``hc_mult``), each ``hidden`` wide; the layers mix them into one ``hidden``-wide input of their attention
-    and MLP. So the tensors kept per layer and handed between layers are :attr:`residual` wide.
+    HY-V4's ``hc_mult``; Gemma 3n's AltUp predictions, ``altup_num_inputs``), each ``hidden`` wide; the layers mix them
+    into one ``hidden``-wide input of their attention and MLP. So the tensors kept per layer and handed between layers
+    are :attr:`residual` wide.
 
     ``index_heads``: the heads of a sparse indexed attention's indexer (DeepSeek Sparse Attention's
     ``index_n_heads``), which scores each query of a chunk against the indexer keys of every position in float32.
@@ -262,7 +266,7 @@ class ModelShape:
     def from_config(cls, config) -> ModelShape:
         """From a transformers config (its text config for a multimodal one). A pure state-space model (Mamba,
         FalconMamba, Mamba2) has no attention heads: 0, and no MLP (:func:`.layer_kinds.layer_kinds` says so)."""
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = widest_layer(config.get_text_config() if hasattr(config, "get_text_config") else config)
         kinds = layer_kinds(config)
         heads = getattr(config, "num_attention_heads", None) or 0
         head_dim = (
@@ -277,14 +281,14 @@ class ModelShape:
         fields = dict(
             layers=len(getattr(config, "layer_types", None) or ()) or config.num_hidden_layers,
             hidden=config.hidden_size,
-            intermediate=kinds["intermediate"] if "intermediate" in kinds else config.intermediate_size,
+            intermediate=kinds["intermediate"] if "intermediate" in kinds else mlp_width(config),
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             vocab=config.vocab_size,
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             rotary_dim=int(head_dim * partial) if partial < 1 else 0,
-            streams=getattr(config, "hc_count", None) or getattr(config, "hc_mult", None) or 1,
+            streams=next((v for n in _STREAMS if (v := getattr(config, n, None))), 1),
             index_heads=getattr(config, "index_n_heads", None) or 0,
             shared_topk=(getattr(config, "index_topk", None) or 0) if getattr(config, "indexer_types", None) else 0,
         )
@@ -303,15 +307,17 @@ class ModelShape:
         key = canonical_model_name(name)
         if key in NAMED_MODELS and "model_type" not in NAMED_MODELS[key]:  # a Qwen3 shape: the formula's count
             return cls.from_config(types.SimpleNamespace(**NAMED_MODELS[key]))
-        from transformers import AutoConfig
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        if key in NAMED_MODELS:  # another architecture (the Qwen3.5 hybrids): its parameters counted on meta tensors
-            import torch
-            from transformers import AutoModelForCausalLM
-
+        if key in NAMED_MODELS:  # another architecture (the Qwen3.5 hybrids)
             kwargs = dict(NAMED_MODELS[key])
             config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(name)
+        try:  # its parameters counted on meta tensors: a mixture of experts' every expert, which the formula omits
             with torch.device("meta"):
-                return cls.from_model(AutoModelForCausalLM.from_config(config))
-
-        return cls.from_config(AutoConfig.from_pretrained(name))
+                model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no causal LM class for this config: the formula's count
+            return cls.from_config(config)
+        return cls.from_model(model)
