@@ -30,10 +30,13 @@ from .zero3 import zero3_gathered
 
 def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
     """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call
-    (:func:`streamed_decoder_call`). Other calls, and those that bring a key/value cache without grad (generation),
-    are the model's own, with the layers as they were before the engine (no checkpoint hook: they fill the cache)."""
+    (:func:`streamed_decoder_call`). Other calls, and those that bring a key/value cache or ask for one
+    (``use_cache=True``) without grad (generation: a model that builds its own cache in the first step, as xLSTM, asks
+    for one; TRL's scoring calls pass ``use_cache=False``), are the model's own, with the layers as they were before
+    the engine (no checkpoint hook: they fill the cache)."""
     cache = cache_argument(kwargs)
-    if not (self.training or state.options.stream_eval) or (cache is not None and not torch.is_grad_enabled()):
+    generating = (cache is not None or kwargs.get("use_cache") is True) and not torch.is_grad_enabled()
+    if not (self.training or state.options.stream_eval) or generating:
         with unpatched(state.layers):
             return original(self, "forward")(*args, **kwargs)
     return streamed_decoder_call(state, args, kwargs)
@@ -87,7 +90,7 @@ def _inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _logit_transform(config) -> tuple[float | None, float]:
     """The model's final-logit softcapping and logit scale, as its own forward applies them."""
-    softcap = getattr(config, "final_logit_softcapping", None)
+    softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "output_logit_soft_cap", None)
     scale = getattr(config, "logit_scale", None)
     if scale is None and getattr(config, "logits_scaling", None) is not None:
         scale = 1.0 / config.logits_scaling

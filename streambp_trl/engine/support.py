@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..layers.layer_args import CACHE_KWARGS, names_called, passes_keywords
+from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT, names_called, passes_keywords
 
 logger = logging.get_logger(__name__)
 
@@ -65,7 +65,7 @@ def takes_cache(layer: nn.Module) -> bool:
 @functools.cache
 def _forward_takes_cache(cls: type) -> bool:  # read on every decoder call: once per class
     parameters = inspect.signature(cls.forward).parameters
-    return any(name in parameters for name in CACHE_KWARGS)
+    return any(name in parameters for name in (*CACHE_KWARGS, STATE_ARGUMENT))
 
 
 def refuse(model: nn.Module, why: str) -> None:

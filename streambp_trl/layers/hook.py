@@ -40,6 +40,7 @@ from .layer_args import (
     HISTORY_ARGUMENTS,
     PACKING_KWARGS,
     PASS_THROUGH,
+    STATE_ARGUMENT,
     cache_argument,
     carries_state,
     document_starts,
@@ -99,6 +100,8 @@ class LayerPlan:
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
         if cache_name is None and passes_keywords(type(layer)):  # the cache passed on through **kwargs (DeepSeek-V4)
             cache_name = "past_key_values"
+        if cache_name is None and STATE_ARGUMENT in names:  # its state as an argument (xLSTM): served by the cache
+            cache_name = STATE_ARGUMENT
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
         mixers = {type(m) for m in layer.modules() if carries_state(type(m))}
@@ -171,7 +174,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     batch, seq_len = x.shape[:2]
     attention_documents = _varlen_documents(plan, kwargs, seq_len)  # (before _documents takes the descriptors)
     starts = _documents(plan, layer, kwargs, batch, seq_len)
-    for k in CACHE_KWARGS:
+    for k in (*CACHE_KWARGS, plan.cache_name):
         kwargs.pop(k, None)
     mask = kwargs.get("attention_mask")
     # a StreamMask (attention layers), a user-given 4D mask (sliced per chunk as one), a (batch, T) padding mask or
@@ -195,6 +198,8 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         func = functools.partial(_continued_run, func, plan.continued)
     if plan.stacked:
         func = functools.partial(_stacked_run, func)
+    if plan.cache_name == STATE_ARGUMENT:
+        func = functools.partial(_state_argument_run, func)
     call = LayerCall(
         layer,
         functools.partial(_dense_mask_run, func, plan.dynamic_masks) if plan.dense_mask else func,
@@ -239,6 +244,22 @@ def _stacked_run(func, layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> to
     """``func`` (a layer's forward whose hidden states are stacked streams, (streams, batch, chunk, hidden)) on chunk
     ``x`` in the engine's layout, (batch, chunk, streams, hidden), and its output back in that layout (views)."""
     return func(layer, x.movedim(2, 0), *args, **kwargs).movedim(0, 2)
+
+
+def _state_argument_run(func, layer: nn.Module, x: torch.Tensor, *, state: ChunkCache, **kwargs) -> tuple:
+    """``func`` (the forward of a layer that takes its recurrent state as an argument and returns its last state
+    beside its output: xLSTM's blocks, ``(y, (C, n, m))``) on chunk ``x`` with that state served by the chunk cache
+    ``state``, as cache slot 0: the states entering the chunk in (``None`` for the first chunk, as the plain call
+    passes), the states it leaves recorded in the cache (:meth:`~.carry.ChunkCache.update_recurrent_state`, one
+    state index each). Returns ``(y, None)``: the plain call's last state is what only a cache would keep, and a
+    streamed call has none."""
+    incoming: list[torch.Tensor] = []
+    while (t := state.get_recurrent_state(0, len(incoming))) is not None:
+        incoming.append(t)
+    y, last = func(layer, x, state=tuple(incoming) if incoming else None, **kwargs)
+    for i, t in enumerate(last):
+        state.update_recurrent_state(t, 0, i)
+    return y, None
 
 
 def _outputs(out: torch.Tensor | tuple) -> tuple:

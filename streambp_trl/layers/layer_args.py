@@ -41,6 +41,9 @@ PER_TOKEN_LAST = {"position_ids", "seq_idx", "cache_position"}
 # The names a call passes its cache under: ``cache`` since transformers 5.24 (decoder layers and every mixer), the
 # older names before it (``cache_params``: the recurrent and convolution mixers of transformers < 5.24)
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+# the argument a decoder layer takes its recurrent state in, and returns its last state beside its output, where it
+# has no cache (xLSTM's blocks: ``forward(x, state) -> (y, state)``)
+STATE_ARGUMENT = "state"
 # transformers' linear-attention cache interface: the methods a recurrent or convolution mixer reads its state with
 _STATE_METHODS = frozenset({"get_conv_state", "get_recurrent_state", "update_conv_state", "update_recurrent_state"})
 

@@ -42,6 +42,7 @@ _UNCOUNTED = {
     "gemma4_text": "its per-layer inputs and the keys/values its last layers share (where it has them)",
     "inkling2_text": "its relative-position bias and attention sinks",
     "zaya": "its float32 residual stream, its router stream and its CCA convolutions",
+    "xlstm": "its mLSTM cells' chunk backward (counted as softmax attention)",
 }
 _FALLBACK = (512, 4096)
 

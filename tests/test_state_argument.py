@@ -1,0 +1,88 @@
+"""A decoder layer that takes its recurrent state as an argument and returns its last state beside its output, with no
+cache (xLSTM's mLSTM blocks: ``forward(x, state) -> (y, (C, n, m))``), streamed exactly.
+
+Each chunk's state enters through that argument, served by the chunk cache (``hook._state_argument_run``): the
+cell state C (heads x d_qk x d_v), the normaliser n and the stabiliser m the previous chunk left, as leaves with
+gradient in backward, whose gradient goes back to that chunk. Tiny float64 xLSTM models against plain autograd
+(relative error <= 1e-10): right, left and no padding, chunks of one token, chunks that do not divide the length,
+and chunks across the mLSTM kernel's own 64-token blocks. The comparison fails when the states' gradient is dropped,
+and a chunk that starts from a zero state is refused at enable.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from streambp_trl import enable_streambp
+from streambp_trl.bench.model_support import Float64Internals, streamed_error
+from streambp_trl.bench.zoo import batch, tiny_causal_lm
+from streambp_trl.layers import hook
+
+EXACT = 1e-10
+
+
+def _error(chunk: int, padding: str, rows: int = 2, seq_len: int | None = None) -> float:
+    reference = tiny_causal_lm("xlstm")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=chunk)
+    inputs = batch(rows, seq_len, padding=padding) if seq_len else batch(padding=padding)
+    return streamed_error(reference, streamed, *inputs, Float64Internals)[0]
+
+
+@pytest.mark.parametrize("padding", ["none", "right", "left"])
+@pytest.mark.parametrize("chunk", [1, 5, 23])
+def test_xlstm_states_are_carried_exactly(chunk, padding):
+    assert _error(chunk, padding) < EXACT
+
+
+@pytest.mark.parametrize("chunk", [50, 100])
+def test_xlstm_chunks_across_its_kernel_blocks(chunk):
+    """300 tokens: the mLSTM kernel runs 64-token blocks, then a step-by-step remainder, in each chunk and in the
+    plain call alike, from different starting positions."""
+    assert _error(chunk, "left", seq_len=300) < EXACT
+
+
+def test_the_states_gradient_must_reach_the_earlier_chunk(monkeypatch):
+    """The incoming states served without gradient: the forward is unchanged (enable's probe passes), and the
+    gradient is wrong."""
+    run = hook._state_argument_run
+
+    def detached(func, layer, x, *, state, **kwargs):
+        get = state.get_recurrent_state
+        monkeypatch.setattr(
+            state, "get_recurrent_state", lambda i, j=0: None if (t := get(i, j)) is None else t.detach()
+        )
+        return run(func, layer, x, state=state, **kwargs)
+
+    monkeypatch.setattr(hook, "_state_argument_run", detached)
+    assert _error(5, "right") > 1e-3
+
+
+def test_a_chunk_from_a_zero_state_is_refused(monkeypatch):
+    run = hook._state_argument_run
+
+    def fresh(func, layer, x, *, state, **kwargs):
+        monkeypatch.setattr(state, "get_recurrent_state", lambda i, j=0: None)
+        return run(func, layer, x, state=state, **kwargs)
+
+    monkeypatch.setattr(hook, "_state_argument_run", fresh)
+    with pytest.raises(ValueError, match="different result when streamed chunk by chunk"):
+        enable_streambp(tiny_causal_lm("xlstm"), stream_chunk_size=4)
+
+
+def test_greedy_generation_in_training_mode_is_the_models_own():
+    """xLSTM builds its cache in generation's first call (``use_cache=True``, no cache given): without grad that call
+    is the model's own, so later steps continue from its states. A streamed training call, whose blocks return
+    ``None`` for the state the model's loop unpacks, trains after it."""
+    reference = tiny_causal_lm("xlstm")
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
+    ids, mask, labels = batch(1, 12, padding="none")
+    generated = []
+    for m in (reference, model):
+        m.train()
+        with torch.no_grad():
+            generated.append(m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    assert torch.equal(*generated)
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
