@@ -415,6 +415,13 @@ def test_mlp_width_under_its_many_spellings(family, width):
     assert layer_kinds.mlp_width(transformers.AutoConfig.for_model(family).get_text_config()) == width
 
 
+def test_gemma4_experts_run_beside_its_dense_mlp():
+    config = transformers.AutoConfig.for_model(
+        "gemma4_text", enable_moe_block=True, num_experts=16, top_k_experts=4, moe_intermediate_size=256
+    )
+    assert layer_kinds.mlp_width(config) == config.intermediate_size + 4 * 256
+
+
 def test_every_streamed_model_type_has_a_shape():
     """Each model type the sweep trains exactly has a shape for the memory model ("auto", max-len), from its default
     config and from the sweep's tiny one. A heterogeneous config (per-layer head dims: Gemma 4) is read as its widest

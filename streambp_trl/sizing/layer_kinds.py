@@ -112,7 +112,7 @@ _DENSE_WIDTHS = (
     "ffn_hidden_size",
     "n_inner",
 )
-_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "top_k_experts")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _EXPERT_WIDTHS = ("moe_intermediate_size", "expert_ffn_hidden_size", "ffn_hidden_size", "intermediate_size")
 _SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
@@ -121,7 +121,8 @@ _SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_exp
 def mlp_width(config) -> int:
     """The MLP width one token takes in its widest layer, the unit of the memory model's MLP terms: a dense MLP's
     width, or a mixture of experts' routed experts (top-k of them, each of the expert width) plus its shared experts,
-    whichever is larger. A config without a dense width (GPT-2 without ``n_inner``) and without experts: 4 x hidden,
+    whichever is larger (both, where a layer runs its experts beside its dense MLP: Gemma 4). A config without a
+    dense width (GPT-2 without ``n_inner``) and without experts: 4 x hidden,
     the convention of those models. DBRX keeps its expert sizes in ``ffn_config``."""
     sources = [config] + ([config.ffn_config] if getattr(config, "ffn_config", None) is not None else [])
 
@@ -137,6 +138,8 @@ def mlp_width(config) -> int:
         width = first(_EXPERT_WIDTHS)
         shared = _first(config, "shared_expert_intermediate_size") or first(_SHARED_EXPERTS) * width
         routed = top_k * width + shared
+    if getattr(config, "enable_moe_block", False):  # Gemma 4's MoE layers run their experts beside the dense MLP
+        return dense + routed
     return max(dense, routed) or 4 * config.hidden_size
 
 
