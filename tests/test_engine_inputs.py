@@ -240,3 +240,26 @@ def test_generation_in_training_mode_is_the_models_own(monkeypatch):
     assert torch.equal(tokens, ref_tokens) and model.training
     assert caches[1].get_seq_length() == caches[0].get_seq_length() == ids.shape[1] + 4 - 1
     assert is_streaming(model)
+
+
+@pytest.mark.parametrize(
+    ("family", "field", "value"),
+    [
+        ("hyperclovax", "logits_scaling", 0.37),
+        ("granite", "logits_scaling", 4.0),
+        ("falcon_h1", "lm_head_multiplier", 0.37),
+        ("cohere", "logit_scale", 0.37),
+    ],
+)
+def test_a_scaled_head_streams_exactly(family, field, value):
+    """A head whose logits the model scales, read as TRL's fused head reads it: ``logits_scaling`` multiplies
+    HyperCLOVA X's logits and divides Granite's; ``lm_head_multiplier`` multiplies Falcon-H1's. Before, HyperCLOVA X's
+    was read as a divisor and Falcon-H1's not at all, and the probe refused both as non-linear heads (the zoo's tiny
+    configs have 1.0, which hid it)."""
+    from streambp_trl.bench.model_support import Float64Internals, streamed_error
+    from streambp_trl.bench.zoo import batch as zoo_batch
+    from streambp_trl.bench.zoo import tiny_causal_lm
+
+    reference = tiny_causal_lm(family, **{field: value})
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    assert streamed_error(reference, streamed, *zoo_batch(padding="right"), Float64Internals)[0] < 1e-10

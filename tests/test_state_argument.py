@@ -86,3 +86,29 @@ def test_greedy_generation_in_training_mode_is_the_models_own():
     loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_the_sft_trainer_trains_the_models_own_capped_logits(tmp_path, caplog):
+    """xLSTM caps its logits (``output_logit_soft_cap``), which TRL's fused LM head does not read: StreamSFTTrainer
+    trains the model's own loss, says so at construction, and its step's loss is the plain model's on that batch."""
+    from helpers import args, load_tokenizer, tiny_dataset
+
+    from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+
+    tokenizer = load_tokenizer()
+    model = tiny_causal_lm("xlstm", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    plain = copy.deepcopy(model)
+    with caplog.at_level("WARNING", logger="streambp_trl.trainers.mixin"):
+        trainer = StreamSFTTrainer(
+            model=model,
+            args=args(StreamSFTConfig, tmp_path),
+            train_dataset=tiny_dataset("chat", 4),
+            processing_class=tokenizer,
+        )
+    assert "output_logit_soft_cap" in caplog.text and "TRL's own trainer differs" in caplog.text
+    inputs = next(iter(trainer.get_train_dataloader()))
+    with Float64Internals():
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        labels = inputs["labels"] if "labels" in inputs else inputs["input_ids"]
+        expected = plain(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels).loss
+    assert abs(loss.item() - expected.item()) < 1e-10 * abs(expected.item())

@@ -88,19 +88,25 @@ def _inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return inputs
 
 
-def _logit_transform(config) -> tuple[float | None, float]:
-    """The model's final-logit softcapping and logit scale, as its own forward applies them."""
+def logit_transform(config) -> tuple[float | None, float]:
+    """``(softcap, scale)`` of a model's logits as its own forward applies them, from its text config: the first of
+    ``logit_scale`` (Cohere), ``output_multiplier`` (Muse) and ``lm_head_multiplier`` (Falcon-H1) that is set
+    multiplies them; else ``logits_scaling`` divides them (Granite, MiniCPM3; HyperCLOVA X multiplies), as TRL's fused
+    LM head reads them; then ``final_logit_softcapping`` (Gemma) or ``output_logit_soft_cap`` (xLSTM, which TRL's
+    fused head does not read) caps them."""
+    scales = [getattr(config, k, None) for k in ("logit_scale", "output_multiplier", "lm_head_multiplier")]
+    scale = next((s for s in scales if s is not None), None)
+    scaling = getattr(config, "logits_scaling", None)
+    if scale is None and scaling is not None:
+        scale = scaling if config.model_type == "hyperclovax" else 1.0 / scaling
     softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "output_logit_soft_cap", None)
-    scale = getattr(config, "logit_scale", None)
-    if scale is None and getattr(config, "logits_scaling", None) is not None:
-        scale = 1.0 / config.logits_scaling
     return softcap, 1.0 if scale is None else float(scale)
 
 
 def head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The logits the logit kernel computes from ``hidden`` (temperature 1), as one tensor: for the probe only."""
     head = lm_head_linear(lm)
-    softcap, scale = _logit_transform(lm.config.get_text_config())
+    softcap, scale = logit_transform(lm.config.get_text_config())
     logits = torch.nn.functional.linear(hidden.to(head.weight.device), head.weight, head.bias) * scale
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
@@ -227,7 +233,7 @@ def stream_forward(
     mask = labels != -100
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
         raise ValueError("Every label is -100: there is no token to compute the loss on.")
-    softcap, scale = _logit_transform(self.config.get_text_config())
+    softcap, scale = logit_transform(self.config.get_text_config())
     # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
     rows = scored[mask]
     tile = state.logits_tile(hidden)

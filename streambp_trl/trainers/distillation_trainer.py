@@ -11,6 +11,7 @@ from torch import nn
 from trl import DistillationTrainer
 
 from ..engine import enable_streambp, lm_head_linear
+from ..engine.forwards import logit_transform
 from ..engine.model_parts import causal_lm
 from ..engine.zero3 import zero3_gathered
 from ..logits import chunked_divergence
@@ -29,19 +30,6 @@ _MULTIMODAL_INPUTS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-
-
-def logit_transform(config) -> tuple[float | None, float]:
-    """``(softcap, scale)`` of a model's logits, from its text config, as TRL's ``DistillationTrainer`` reads them:
-    the first of ``logit_scale`` (Cohere), ``output_multiplier`` (Muse) and ``lm_head_multiplier`` (Falcon-H1) that
-    is set multiplies the logits; else ``logits_scaling`` divides them (Granite, MiniCPM3; HyperCLOVA X multiplies);
-    ``final_logit_softcapping`` (Gemma) caps them after the scale."""
-    scales = [getattr(config, k, None) for k in ("logit_scale", "output_multiplier", "lm_head_multiplier")]
-    scale = next((s for s in scales if s is not None), None)
-    scaling = getattr(config, "logits_scaling", None)
-    if scale is None and scaling is not None:
-        scale = scaling if config.model_type == "hyperclovax" else 1.0 / scaling
-    return getattr(config, "final_logit_softcapping", None), 1.0 if scale is None else float(scale)
 
 
 def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:

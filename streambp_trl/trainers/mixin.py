@@ -59,6 +59,22 @@ def _refuse_unsupported_parallelism(trainer) -> None:
             )
 
 
+def _say_where_trl_differs(trainer) -> None:
+    """Warn where this trainer's step differs from TRL's on purpose: TRL's fused LM head (its trainers' default) reads
+    a model's logit softcap from ``final_logit_softcapping`` only, so TRL trains a model that caps its logits under
+    another name (xLSTM's ``output_logit_soft_cap``) on uncapped ones; the stream engine caps them as the model's own
+    forward does (:func:`~streambp_trl.engine.forwards.logit_transform`)."""
+    model = getattr(trainer, "model", None)
+    config = model.config.get_text_config() if hasattr(model, "config") else None
+    cap = getattr(config, "output_logit_soft_cap", None)
+    if cap and getattr(config, "final_logit_softcapping", None) is None:
+        logger.warning(
+            f"{type(trainer).__name__} trains {type(model).__name__} on its logits capped at {cap} "
+            "(output_logit_soft_cap), as the model's own forward computes them. TRL's fused LM head does not read "
+            "that setting, so TRL's own trainer differs here: it trains on uncapped logits."
+        )
+
+
 def _zero3_run(args) -> bool:
     """Whether ``args`` (the trainer's config) trains under DeepSpeed ZeRO-3: a ``deepspeed`` config, or accelerate's
     DeepSpeed plugin (``accelerate launch`` with a ZeRO-3 config, with or without ``zero3_init_flag``)."""
@@ -143,6 +159,7 @@ class StreamTrainerMixin:
         if _zero3_run(self.args) and not zero3_enabled(self.model):  # enable_streambp marks them when it can tell
             _mark_zero3_leaves([self.model])
         policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
+        _say_where_trl_differs(self)
         enable_streambp(self.model, policy)
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
