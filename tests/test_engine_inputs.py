@@ -249,13 +249,26 @@ def test_generation_in_training_mode_is_the_models_own(monkeypatch):
         ("granite", "logits_scaling", 4.0),
         ("falcon_h1", "lm_head_multiplier", 0.37),
         ("cohere", "logit_scale", 0.37),
+        # the other factors the sweep's tiny configs leave at 1 (or their default): the first layer's input is rebuilt
+        # from the token ids through the embedding's factor, the layers apply theirs in their own code
+        ("falcon_h1", "embedding_multiplier", 0.37),
+        ("falcon_h1", "key_multiplier", 0.37),
+        ("falcon_h1", "attention_out_multiplier", 0.37),
+        ("falcon_h1", "ssm_in_multiplier", 0.37),
+        ("falcon_h1", "ssm_out_multiplier", 0.37),
+        ("granite", "embedding_multiplier", 0.37),
+        ("granite", "residual_multiplier", 0.37),
+        ("granite", "attention_multiplier", 0.37),
+        ("hyperclovax", "embedding_multiplier", 0.37),
+        ("hrm_text", "embedding_scale", 0.37),
+        ("minicpm3", "scale_depth", 0.37),
     ],
 )
-def test_a_scaled_head_streams_exactly(family, field, value):
-    """A head whose logits the model scales, read as TRL's fused head reads it: ``logits_scaling`` multiplies
-    HyperCLOVA X's logits and divides Granite's; ``lm_head_multiplier`` multiplies Falcon-H1's. Before, HyperCLOVA X's
-    was read as a divisor and Falcon-H1's not at all, and the probe refused both as non-linear heads (the zoo's tiny
-    configs have 1.0, which hid it)."""
+def test_scaled_heads_embeddings_and_residuals_stream_exactly(family, field, value):
+    """A model's factors away from 1, which the sweep's tiny configs leave at 1. A head whose logits the model scales
+    is read as TRL's fused head reads it: ``logits_scaling`` multiplies HyperCLOVA X's logits and divides Granite's;
+    ``lm_head_multiplier`` multiplies Falcon-H1's. Before, HyperCLOVA X's was read as a divisor and Falcon-H1's not at
+    all, and the probe refused both as non-linear heads."""
     from streambp_trl.bench.model_support import Float64Internals, streamed_error
     from streambp_trl.bench.zoo import batch as zoo_batch
     from streambp_trl.bench.zoo import tiny_causal_lm
