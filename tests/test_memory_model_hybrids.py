@@ -396,23 +396,28 @@ def test_mixture_of_experts_model_against_the_simulator():
 
 
 @pytest.mark.parametrize(
-    ("family", "width"),
+    ("family", "width", "overrides"),
     [
-        ("qwen3_5_moe_text", 8 * 512 + 512),  # top 8 experts and the shared expert, no intermediate_size
-        ("qwen2_moe", 4 * 1408 + 5632),  # its shared expert twice as wide as the dense width
-        ("mixtral", 2 * 14336),  # experts as wide as intermediate_size, two per token
-        ("olmoe", 8 * 2048),
-        ("dbrx", 3584),  # ffn_config: one expert per token
-        ("deepseek_v3", 18432),  # its dense first layers as wide as its 8 experts and shared one
-        ("doge", 2048),  # is_moe=False: its expert fields unused
-        ("gemma3n_text", 16384),  # a width per layer: the widest
-        ("gpt2", 4 * 768),  # no n_inner: four times the hidden size
-        ("opt", 3072),  # ffn_dim
-        ("llama4_text", 16384),  # its dense layers' intermediate_size_mlp beside one expert of 8192
+        ("qwen3_5_moe_text", 8 * 512 + 512, None),  # top 8 experts and the shared expert, no intermediate_size
+        ("qwen2_moe", 4 * 1408 + 5632, None),  # its shared expert twice as wide as the dense width
+        ("mixtral", 2 * 14336, None),  # experts as wide as intermediate_size, two per token
+        ("olmoe", 8 * 2048, None),
+        ("dbrx", 3584, None),  # ffn_config: one expert per token
+        ("deepseek_v3", 18432, None),  # its dense first layers as wide as its 8 experts and shared one
+        ("doge", 2048, None),  # is_moe=False: its expert fields unused
+        ("gemma3n_text", 16384, None),  # a width per layer: the widest
+        ("gpt2", 4 * 768, None),  # no n_inner: four times the hidden size
+        ("opt", 3072, None),  # ffn_dim
+        ("llama4_text", 16384, None),  # its dense layers' intermediate_size_mlp beside one expert of 8192
+        ("granitemoehybrid", 2 * 11008 + 1024, None),  # shared_intermediate_size
+        ("minimax_m3_vl_text", 4 * 3072 + 3072, None),  # shared_intermediate_size (its dense layers': 12288)
+        ("ernie4_5_moe", 8 * 1536 + 2 * 1536, {"moe_k": 8}),  # moe_k, moe_num_shared_experts
+        ("nemotron_h", 2 * 7688 + 8192, {"moe_shared_expert_intermediate_size": 8192}),  # (dense: 21504)
     ],
 )
-def test_mlp_width_under_its_many_spellings(family, width):
-    assert layer_kinds.mlp_width(transformers.AutoConfig.for_model(family).get_text_config()) == width
+def test_mlp_width_under_its_many_spellings(family, width, overrides):
+    config = transformers.AutoConfig.for_model(family, **(overrides or {})).get_text_config()
+    assert layer_kinds.mlp_width(config) == width
 
 
 def test_gemma4_experts_run_beside_its_dense_mlp():
@@ -446,7 +451,7 @@ def test_auto_says_when_it_cannot_size_a_model(monkeypatch):
     said: list[str] = []
     monkeypatch.setattr(auto.logger, "warning", said.append)
     auto.AutoChunks(tiny_causal_lm("blt"), budget=None, offload=False)
-    assert len(said) == 1 and 'stream_chunk_size="auto" cannot size BltForCausalLM' in said[0]
+    assert len(said) == 1 and '"auto" chunk sizes cannot size BltForCausalLM' in said[0]
 
 
 def test_max_len_counts_every_expert(tmp_path):

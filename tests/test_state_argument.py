@@ -105,10 +105,43 @@ def test_the_sft_trainer_trains_the_models_own_capped_logits(tmp_path, caplog):
             train_dataset=tiny_dataset("chat", 4),
             processing_class=tokenizer,
         )
-    assert "output_logit_soft_cap" in caplog.text and "TRL's own trainer differs" in caplog.text
+    assert (
+        "(model)" in caplog.text
+        and "output_logit_soft_cap" in caplog.text
+        and "TRL's own trainer differs" in caplog.text
+    )
     inputs = next(iter(trainer.get_train_dataloader()))
     with Float64Internals():
         loss = trainer.compute_loss(trainer.model, dict(inputs))
         labels = inputs["labels"] if "labels" in inputs else inputs["input_ids"]
         expected = plain(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], labels=labels).loss
     assert abs(loss.item() - expected.item()) < 1e-10 * abs(expected.item())
+
+
+def test_its_own_eval_loop_over_long_sequences_runs_as_it_is():
+    """In eval xLSTM runs a sequence longer than ``max_inference_chunksize`` piece by piece itself, without grad,
+    handing each block the state the last piece left: with ``stream_eval`` those calls give a state, and run the
+    block as it is (as a call with a real cache does). The logits equal the plain model's called as the engine calls
+    the decoder, without a cache (``use_cache=False``: the model's loop then keeps the states in a float32 cache of
+    its own, where a call with ``use_cache=True`` keeps them in the model's dtype)."""
+    reference = tiny_causal_lm("xlstm", max_inference_chunksize=8)
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, stream_eval=True)
+    ids = batch(1, 20, padding="none")[0]
+    logits = []
+    for m in (reference, model):
+        m.eval()
+        with torch.no_grad():
+            logits.append(m(input_ids=ids, use_cache=False).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-12, atol=1e-12)
+
+
+def test_a_state_argument_the_layer_does_not_return_is_refused():
+    """A layer that takes ``state`` but returns its output alone: its state could not be carried, and unpacking the
+    output as ``(y, state)`` would split a batch of two. Refused, with the reason."""
+    from streambp_trl.layers.carry import CarryStore, ChunkCache
+
+    x = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="takes `state` but does not return"):
+        hook._state_argument_run(
+            lambda layer, x, state=None: x, torch.nn.Identity(), x, state=ChunkCache(CarryStore(3), start=0)
+        )

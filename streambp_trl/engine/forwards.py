@@ -18,7 +18,7 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
-from ..layers.layer_args import CACHE_KWARGS, cache_argument
+from ..layers.layer_args import CACHE_KWARGS, cache_argument, takes_state_argument
 from ..layers.sharding import check_segmentable, sharded
 from ..logits import chunked_logprobs
 from ..patching import bypassed, hooked_without_grad, original, temporarily, unpatched
@@ -30,12 +30,13 @@ from .zero3 import zero3_gathered
 
 def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
     """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call
-    (:func:`streamed_decoder_call`). Other calls, and those that bring a key/value cache or ask for one
-    (``use_cache=True``) without grad (generation: a model that builds its own cache in the first step, as xLSTM, asks
-    for one; TRL's scoring calls pass ``use_cache=False``), are the model's own, with the layers as they were before
-    the engine (no checkpoint hook: they fill the cache)."""
+    (:func:`streamed_decoder_call`). Other calls, and those without grad that bring a key/value cache or, for a
+    decoder that builds its cache itself in generation's first call (xLSTM, whose layers take their state as an
+    argument), ask for one (``use_cache=True``), are the model's own, with the layers as they were before the engine
+    (no checkpoint hook: they fill the cache)."""
     cache = cache_argument(kwargs)
-    generating = (cache is not None or kwargs.get("use_cache") is True) and not torch.is_grad_enabled()
+    builds_cache = kwargs.get("use_cache") is True and any(takes_state_argument(type(layer)) for layer in state.layers)
+    generating = (cache is not None or builds_cache) and not torch.is_grad_enabled()
     if not (self.training or state.options.stream_eval) or generating:
         with unpatched(state.layers):
             return original(self, "forward")(*args, **kwargs)

@@ -46,8 +46,9 @@ class StreamOptions:
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
             ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; ``log_probs`` is always
             computed and comes first.
-        stream_eval: stream the decoder in eval mode too (calls without a key/value cache), as the no-grad passes of
-            a frozen reference model need to reach the training length; otherwise eval mode is the model's own.
+        stream_eval: stream the decoder in eval mode too (calls without a key/value cache; for xLSTM also without
+            ``use_cache=True``, which asks it to build one), as the no-grad passes of a frozen reference model need to
+            reach the training length; otherwise eval mode is the model's own.
         verify: run the probe (two forward passes of 11 tokens) before enabling.
         offload_checkpoints: keep each layer's saved input (and kept keys/values) in pinned host memory between
             forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.kept.offload`); a

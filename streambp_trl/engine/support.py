@@ -53,8 +53,9 @@ _PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
 
 
 def takes_cache(layer: nn.Module) -> bool:
-    """Whether ``layer``'s forward takes a key/value cache: what marks a causal self-attention decoder layer. A layer
-    whose forward passes its keyword arguments on (``**kwargs``) to a module that takes one does (DeepSeek-V4)."""
+    """Whether ``layer``'s forward takes a key/value cache, or its recurrent state as an argument (``state``: xLSTM):
+    what marks a decoder layer to stream. A layer whose forward passes its keyword arguments on (``**kwargs``) to a
+    module that takes a cache does too (DeepSeek-V4)."""
     if _forward_takes_cache(type(layer)):
         return True
     return passes_keywords(type(layer)) and any(

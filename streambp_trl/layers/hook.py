@@ -98,10 +98,10 @@ class LayerPlan:
         position (:func:`~.layer_args.keeps_position_history`)."""
         names = tuple(parameter_names(layer))
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
-        if cache_name is None and passes_keywords(type(layer)):  # the cache passed on through **kwargs (DeepSeek-V4)
-            cache_name = "past_key_values"
         if cache_name is None and STATE_ARGUMENT in names:  # its state as an argument (xLSTM): served by the cache
             cache_name = STATE_ARGUMENT
+        if cache_name is None and passes_keywords(type(layer)):  # the cache passed on through **kwargs (DeepSeek-V4)
+            cache_name = "past_key_values"
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
         mixers = {type(m) for m in layer.modules() if carries_state(type(m))}
@@ -153,9 +153,10 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     Returns:
         The layer's output hidden states, computed chunk by chunk; its backward is the exact gradient.
 
-    A call that brings a real key/value cache without grad (generation while the model is in training mode) runs
-    the layer as it is, filling the cache. Every other training call is streamed; a cache is then dropped, as
-    Hugging Face gradient checkpointing does.
+    A call that brings a real key/value cache, or a recurrent state to continue from (``state``: xLSTM's own eval loop
+    over long sequences), without grad (generation while the model is in training mode) runs the layer as it is,
+    filling the cache. Every other training call is streamed; a cache or state is then dropped, as Hugging Face
+    gradient checkpointing does.
 
     .. warning::
         The layer's parameters and tensor arguments must not change in place between its forward and its backward,
@@ -166,6 +167,8 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     names = plan.parameter_names
     kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
     cache = cache_argument(kwargs)
+    if plan.cache_name == STATE_ARGUMENT and kwargs.get(STATE_ARGUMENT) is not None:
+        cache = kwargs[STATE_ARGUMENT]  # a state given (xLSTM's own eval loop over long sequences, generation)
     if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
     given = args[0]
@@ -251,12 +254,24 @@ def _state_argument_run(func, layer: nn.Module, x: torch.Tensor, *, state: Chunk
     beside its output: xLSTM's blocks, ``(y, (C, n, m))``) on chunk ``x`` with that state served by the chunk cache
     ``state``, as cache slot 0: the states entering the chunk in (``None`` for the first chunk, as the plain call
     passes), the states it leaves recorded in the cache (:meth:`~.carry.ChunkCache.update_recurrent_state`, one
-    state index each). Returns ``(y, None)``: the plain call's last state is what only a cache would keep, and a
-    streamed call has none."""
+    state index each). Returns ``(y, None)``: in a streamed call the model keeps no cache (the engine calls its
+    decoder without one), so nothing reads the last state; a call that gives a state runs the layer as it is
+    (:func:`stream_checkpoint`)."""
     incoming: list[torch.Tensor] = []
     while (t := state.get_recurrent_state(0, len(incoming))) is not None:
         incoming.append(t)
-    y, last = func(layer, x, state=tuple(incoming) if incoming else None, **kwargs)
+    out = func(layer, x, state=tuple(incoming) if incoming else None, **kwargs)
+    if not (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and isinstance(out[1], (tuple, list))
+        and all(isinstance(t, torch.Tensor) for t in out[1])
+    ):
+        raise ValueError(
+            f"StreamBP: {type(layer).__name__}.forward takes `state` but does not return (output, state): a state "
+            "it neither returns nor continues cannot be carried from chunk to chunk."
+        )
+    y, last = out
     for i, t in enumerate(last):
         state.update_recurrent_state(t, 0, i)
     return y, None

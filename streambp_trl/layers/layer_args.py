@@ -143,6 +143,12 @@ def compresses_keys(cls: type) -> bool:
 
 
 @functools.cache
+def takes_state_argument(cls: type) -> bool:
+    """Whether ``cls.forward`` takes its recurrent state as an argument (:data:`STATE_ARGUMENT`: xLSTM's blocks)."""
+    return STATE_ARGUMENT in inspect.signature(cls.forward).parameters
+
+
+@functools.cache
 def passes_keywords(cls: type) -> bool:
     """Whether ``cls.forward`` takes ``**kwargs`` (and so may pass a cache on to its modules)."""
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())

@@ -42,7 +42,7 @@ _UNCOUNTED = {
     "gemma4_text": "its per-layer inputs and the keys/values its last layers share (where it has them)",
     "inkling2_text": "its relative-position bias and attention sinks",
     "zaya": "its float32 residual stream, its router stream and its CCA convolutions",
-    "xlstm": "its mLSTM cells' chunk backward (counted as softmax attention)",
+    "xlstm": "its mLSTM layers (their chunk backward and carried states)",
 }
 _FALLBACK = (512, 4096)
 
@@ -69,18 +69,18 @@ class AutoChunks:
         except (AttributeError, TypeError) as error:  # a config without the usual size fields: the rule of thumb
             self.shape = None
             logger.warning(
-                f'stream_chunk_size="auto" cannot size {type(model).__name__} from its config ({error}), so it takes '
-                "an eighth of each sequence within [512, 4096] whatever the memory: pass stream_chunk_size (tokens) "
-                "to choose the chunk yourself."
+                f'"auto" chunk sizes cannot size {type(model).__name__} from its config ({error}), so a stream chunk '
+                "takes an eighth of each sequence within [512, 4096] whatever the memory: pass stream_chunk_size "
+                "(tokens) to choose it yourself."
             )
             return
         config = model.config.get_text_config() if hasattr(model, "config") else None
         uncounted = _UNCOUNTED.get(getattr(config, "model_type", None))
         if uncounted:
             logger.warning(
-                f'stream_chunk_size="auto" sizes {type(model).__name__} without {uncounted}, which the memory model '
-                "does not count, so its chunks may take more memory than it has: pass stream_chunk_size (tokens) to "
-                "choose the chunk yourself."
+                f'"auto" chunk sizes size {type(model).__name__} without {uncounted}, which the memory model does not '
+                "count, so its chunks may take more memory than there is: pass stream_chunk_size and "
+                "logits_chunk_size (tokens) to choose them yourself."
             )
 
     def __deepcopy__(self, memo) -> AutoChunks:

@@ -106,24 +106,26 @@ def layer_kinds(config) -> dict:
 # dense layers beside its experts, LongCat's ``ffn_hidden_size``); a list (Gemma 3n) gives one per layer
 _DENSE_WIDTHS = (
     "intermediate_size",
+    "dense_intermediate_size",
     "intermediate_size_mlp",
     "ffn_dim",
     "decoder_ffn_dim",
     "ffn_hidden_size",
     "n_inner",
 )
-_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "top_k_experts")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_top_k", "top_k_experts", "moe_k")
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _EXPERT_WIDTHS = ("moe_intermediate_size", "expert_ffn_hidden_size", "ffn_hidden_size", "intermediate_size")
 _SHARED_EXPERTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+_SHARED_WIDTHS = ("shared_expert_intermediate_size", "shared_intermediate_size", "moe_shared_expert_intermediate_size")
 
 
 def mlp_width(config) -> int:
     """The MLP width one token takes in its widest layer, the unit of the memory model's MLP terms: a dense MLP's
     width, or a mixture of experts' routed experts (top-k of them, each of the expert width) plus its shared experts,
     whichever is larger (both, where a layer runs its experts beside its dense MLP: Gemma 4). A config without a
-    dense width (GPT-2 without ``n_inner``) and without experts: 4 x hidden,
-    the convention of those models. DBRX keeps its expert sizes in ``ffn_config``."""
+    dense width and without experts: 4 x hidden (GPT-2's convention without ``n_inner``; above xLSTM's
+    ``ffn_proj_factor`` x hidden). DBRX keeps its expert sizes in ``ffn_config``."""
     sources = [config] + ([config.ffn_config] if getattr(config, "ffn_config", None) is not None else [])
 
     def first(names: tuple[str, ...]) -> int:
@@ -136,7 +138,7 @@ def mlp_width(config) -> int:
     routed = 0
     if top_k and first(_EXPERTS) > 1:
         width = first(_EXPERT_WIDTHS)
-        shared = _first(config, "shared_expert_intermediate_size") or first(_SHARED_EXPERTS) * width
+        shared = _first(config, *_SHARED_WIDTHS) or first(_SHARED_EXPERTS) * width
         routed = top_k * width + shared
     if getattr(config, "enable_moe_block", False):  # Gemma 4's MoE layers run their experts beside the dense MLP
         return dense + routed
@@ -157,6 +159,8 @@ class WidestLayer:
                 self._widest[name] = max(values)
 
     def __getattr__(self, name: str):
+        if name.startswith("_"):  # (its own fields, before __init__ set them: copy, pickle)
+            raise AttributeError(name)
         return self._widest[name] if name in self._widest else getattr(self._config, name)
 
 

@@ -64,15 +64,16 @@ def _say_where_trl_differs(trainer) -> None:
     a model's logit softcap from ``final_logit_softcapping`` only, so TRL trains a model that caps its logits under
     another name (xLSTM's ``output_logit_soft_cap``) on uncapped ones; the stream engine caps them as the model's own
     forward does (:func:`~streambp_trl.engine.forwards.logit_transform`)."""
-    model = getattr(trainer, "model", None)
-    config = model.config.get_text_config() if hasattr(model, "config") else None
-    cap = getattr(config, "output_logit_soft_cap", None)
-    if cap and getattr(config, "final_logit_softcapping", None) is None:
-        logger.warning(
-            f"{type(trainer).__name__} trains {type(model).__name__} on its logits capped at {cap} "
-            "(output_logit_soft_cap), as the model's own forward computes them. TRL's fused LM head does not read "
-            "that setting, so TRL's own trainer differs here: it trains on uncapped logits."
-        )
+    for role in ("model", "ref_model", "teacher_model"):
+        model = getattr(trainer, role, None)
+        config = model.config.get_text_config() if hasattr(model, "config") else None
+        cap = getattr(config, "output_logit_soft_cap", None)
+        if cap and getattr(config, "final_logit_softcapping", None) is None:
+            logger.warning(
+                f"{type(trainer).__name__} scores {type(model).__name__} ({role}) by its logits capped at {cap} "
+                "(output_logit_soft_cap), as the model's own forward computes them. TRL's fused LM head does not read "
+                "that setting, so TRL's own trainer differs here: it uses uncapped logits."
+            )
 
 
 def _zero3_run(args) -> bool:
