@@ -195,6 +195,30 @@ def test_stream_eval_streams_reference_passes_in_eval_mode():
         assert torch.equal(model.generate(ids[:1], max_new_tokens=3), reference.generate(ids[:1], max_new_tokens=3))
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_vision_language_models_own_forward_streams_its_decoder(mode):
+    """``model(input_ids, attention_mask)`` without labels runs the model's own forward, whose decoder call streams
+    (in training, or in eval with stream_eval): Gemma 3's vision-language model builds its masks before its language
+    model, and got plain masks (``None`` where the padding is all ones), which no chunk can read. Those masks are the
+    stream's too now; the logits equal the plain model's, chunk by chunk."""
+    from streambp_trl.bench.zoo import batch as zoo_batch
+    from streambp_trl.bench.zoo import tiny_causal_lm
+
+    reference = getattr(tiny_causal_lm("gemma3"), mode)()
+    model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, stream_eval=True)
+    calls = []
+    model.model.language_model.layers[0].self_attn.register_forward_pre_hook(
+        lambda m, a, kw: calls.append(kw["hidden_states"].shape[1]), with_kwargs=True
+    )
+    for padding in ("none", "left"):
+        ids, mask, _ = zoo_batch(padding=padding)
+        with torch.no_grad():
+            logits, expected = (m(input_ids=ids, attention_mask=mask).logits for m in (model, reference))
+        valid = mask.bool()
+        torch.testing.assert_close(logits[valid], expected[valid], rtol=1e-10, atol=1e-10)
+    assert set(calls) == {4, 3}  # 23 tokens in chunks of 4
+
+
 def test_shipped_rewards():
     from streambp_trl.rewards import length_reward, sentence_format_reward
 

@@ -28,16 +28,22 @@ from .support import router_loss_refusal
 from .zero3 import zero3_gathered
 
 
-def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
-    """The decoder's forward; in training (and in eval with ``stream_eval``), a streamed call
-    (:func:`streamed_decoder_call`). Other calls, and those without grad that bring a key/value cache or, for a
-    decoder that builds its cache itself in generation's first call (xLSTM, whose layers take their state as an
-    argument), ask for one (``use_cache=True``), are the model's own, with the layers as they were before the engine
-    (no checkpoint hook: they fill the cache)."""
+def decoder_streams(training: bool, state: EngineState, kwargs: dict) -> bool:
+    """Whether a decoder call with ``kwargs`` (the decoder's or its causal LM's) is streamed: in training (and in eval
+    with ``stream_eval``), unless it is generation, a call without grad that brings a key/value cache or, for a decoder
+    that builds its cache itself in generation's first call (xLSTM, whose layers take their state as an argument),
+    asks for one (``use_cache=True``)."""
     cache = cache_argument(kwargs)
     builds_cache = kwargs.get("use_cache") is True and any(takes_state_argument(type(layer)) for layer in state.layers)
     generating = (cache is not None or builds_cache) and not torch.is_grad_enabled()
-    if not (self.training or state.options.stream_eval) or generating:
+    return (training or state.options.stream_eval) and not generating
+
+
+def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
+    """The decoder's forward: a streamed call (:func:`streamed_decoder_call`) where :func:`decoder_streams` says so;
+    otherwise the model's own, with the layers as they were before the engine (no checkpoint hook: they fill the
+    cache)."""
+    if not decoder_streams(self.training, state, kwargs):
         with unpatched(state.layers):
             return original(self, "forward")(*args, **kwargs)
     return streamed_decoder_call(state, args, kwargs)
@@ -188,7 +194,11 @@ def stream_forward(
         ):
             if value is not None:
                 kwargs[name] = value
-        return original(self, "forward")(*args, **kwargs)
+        # the model's own forward, whose decoder call streams as decoder_streams says: masks the model builds around
+        # the decoder (a vision-language model's, before its language model) are then the stream's too
+        streams = decoder_streams(state.decoder.training, state, kwargs)
+        with streaming(state.configs) if streams else contextlib.nullcontext():
+            return original(self, "forward")(*args, **kwargs)
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
     if kwargs.get("output_router_logits"):
