@@ -66,7 +66,10 @@ def _say_where_trl_differs(trainer) -> None:
     forward does (:func:`~streambp_trl.engine.forwards.logit_transform`)."""
     for role in ("model", "ref_model", "teacher_model"):
         model = getattr(trainer, role, None)
-        config = model.config.get_text_config() if hasattr(model, "config") else None
+        if model is not None:  # (a reference or teacher may be wrapped: a DeepSpeed engine's config is a dict)
+            model = trainer.accelerator.unwrap_model(model)
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else None
         cap = getattr(config, "output_logit_soft_cap", None)
         if cap and getattr(config, "final_logit_softcapping", None) is None:
             logger.warning(
