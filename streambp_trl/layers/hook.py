@@ -75,7 +75,8 @@ class LayerPlan:
     in part (or it has none). ``varlen_attention``: the model's own attention implementation (when the engine is
     installed) is a flash attention, whose variable-length kernel keeps a packed row's documents apart whatever the
     mask (:func:`_varlen_documents`). ``stacked``: its hidden states are stacked streams, (streams, batch, T, hidden)
-    (Gemma 3n's AltUp), which the engine streams as (batch, T, streams, hidden) views (:func:`_stacked_run`)."""
+    (Gemma 3n's AltUp), which the engine streams as (batch, T, streams, hidden) views (:func:`_stacked_run`).
+    ``recurrent``: it holds a recurrent or convolution mixer (:func:`~.layer_args.carries_state`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -91,6 +92,7 @@ class LayerPlan:
     varlen_attention: bool = False
     stacked: bool = False
     compress_rates: dict[int, int] = dataclasses.field(default_factory=dict)
+    recurrent: bool = False
 
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
@@ -130,6 +132,7 @@ class LayerPlan:
             any(is_flash_attention_requested(c) for c in configs),
             any((getattr(c, "altup_num_inputs", None) or 1) > 1 for c in configs),
             rates,
+            recurrent,
         )
 
 
@@ -308,7 +311,7 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     (which describe the whole row). Attention keeps documents apart by its mask; a mixer that ignores the
     descriptors runs across documents, in the plain model and here alike."""
     cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if plan.apart is False or not _recurrent(layer):
+    if plan.apart is False or not plan.recurrent:
         return ()
     if cu_seq_lens is None:
         if kwargs.get("seq_idx") is not None:
@@ -330,15 +333,10 @@ def _documents(plan: LayerPlan, layer: nn.Module, kwargs: dict, batch: int, seq_
     return document_starts(cu_seq_lens, seq_len)
 
 
-def _recurrent(layer: nn.Module) -> bool:
-    """Whether ``layer`` holds a recurrent or convolution mixer (:func:`~.layer_args.carries_state`)."""
-    return any(carries_state(type(m)) for m in layer.modules())
-
-
 def packing_refusal(plan: LayerPlan, layer: nn.Module) -> str | None:
     """Why ``layer`` (streamed by ``plan``) cannot take packed rows with sequence descriptors, or ``None``: its
     recurrent mixers keep the documents apart in part."""
-    if plan.apart is not None or not _recurrent(layer):
+    if plan.apart is not None or not plan.recurrent:
         return None
     return (
         f"StreamBP cannot stream packed rows (cu_seq_lens) through {type(layer).__name__}: its recurrent mixers keep "

@@ -11,6 +11,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
 from ..engine import StreamOptions, chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
+from ..engine.forwards import logit_transform
 from ..engine.support import router_loss_refusal
 from .stream_config import stream_options
 
@@ -70,8 +71,8 @@ def _say_where_trl_differs(trainer) -> None:
             model = trainer.accelerator.unwrap_model(model)
         config = getattr(model, "config", None)
         config = config.get_text_config() if hasattr(config, "get_text_config") else None
-        cap = getattr(config, "output_logit_soft_cap", None)
-        if cap and getattr(config, "final_logit_softcapping", None) is None:
+        cap = logit_transform(config)[0] if config is not None else None
+        if cap is not None and getattr(config, "final_logit_softcapping", None) is None:
             logger.warning(
                 f"{type(trainer).__name__} scores {type(model).__name__} ({role}) by its logits capped at {cap} "
                 "(output_logit_soft_cap), as the model's own forward computes them. TRL's fused LM head does not read "
