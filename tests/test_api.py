@@ -201,6 +201,7 @@ def test_a_vision_language_models_own_forward_streams_its_decoder(mode):
     (in training, or in eval with stream_eval): Gemma 3's vision-language model builds its masks before its language
     model, and got plain masks (``None`` where the padding is all ones), which no chunk can read. Those masks are the
     stream's too now; the logits equal the plain model's, chunk by chunk."""
+    from streambp_trl.bench.model_support import Float64Internals
     from streambp_trl.bench.zoo import batch as zoo_batch
     from streambp_trl.bench.zoo import tiny_causal_lm
 
@@ -216,6 +217,16 @@ def test_a_vision_language_models_own_forward_streams_its_decoder(mode):
             logits, expected = (m(input_ids=ids, attention_mask=mask).logits for m in (model, reference))
         valid = mask.bool()
         torch.testing.assert_close(logits[valid], expected[valid], rtol=1e-10, atol=1e-10)
+        if mode == "train":  # with grad: the gradient of the same function of the logits is plain autograd's (its
+            grads = []  # norms' float32 arithmetic kept in float64, as the sweep does)
+            for m in (model, reference):
+                m.zero_grad()
+                with Float64Internals():
+                    (m(input_ids=ids, attention_mask=mask).logits[valid].square().mean()).backward()
+                grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            assert grads[0].keys() == grads[1].keys()
+            for n, g in grads[1].items():
+                assert ((grads[0][n] - g).norm() / g.norm().clamp_min(1e-30)).item() < 1e-10, n
     assert set(calls) == {4, 3}  # 23 tokens in chunks of 4
 
 
