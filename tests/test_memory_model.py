@@ -212,3 +212,20 @@ def test_max_lengths_agree_with_the_simulators_bisections():
     assert abs(mm.max_len(shape, mm.StepSetup(mode="hf-gc"), budget) - 23552) <= 1024
     assert abs(mm.max_len(shape, mm.StepSetup(mode="trl-default"), budget) - 81920) <= 2048
     assert mm.max_len(shape, mm.StepSetup(mode="stream", chunk=2048), budget) == 163840
+
+
+def test_head_form_takes_the_least_memory_without_a_memory_figure():
+    """The logit kernel's gradient form: with no figure of the free memory (a device type other than CUDA and the
+    CPU), two-node, which holds no float32 (vocab x hidden) accumulator; on the CPU, with the host memory available
+    far above a tiny head's buffers, the one that recomputes least among those allowed."""
+    from torch import nn
+
+    from streambp_trl.sizing.auto import head_form
+
+    model = nn.Linear(8, 16, bias=False)
+    for device, forms, expected in [
+        ("meta", mm.HEAD_FORMS, "two-node"),
+        ("cpu", mm.HEAD_FORMS, "eager"),
+        ("cpu", ("two-node", "fused"), "fused"),
+    ]:
+        assert head_form(model, model, 32, 16, None, torch.device(device), forms) == expected, device

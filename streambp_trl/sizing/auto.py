@@ -141,18 +141,29 @@ class AutoChunks:
         if model is None:
             return None
         params = list(model.parameters())
-        missing_grads = _missing_grad_bytes(params)
         if self.budget is not None:
             held = sum(p.numel() * p.element_size() for p in params)
             held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
             return self.budget - held
-        if device.type == "cuda" and torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            return free + cached - missing_grads
-        if device.type == "cpu":
-            return psutil.virtual_memory().available - missing_grads
-        return None
+        free = free_bytes(device)
+        return None if free is None else free - _missing_grad_bytes(params)
+
+
+def free_bytes(device: torch.device, budget: int | None = None) -> int | None:
+    """Bytes new tensors may take on ``device`` now, or ``None`` where no figure is known (a device type other than
+    CUDA and the CPU, or a CUDA device type without a CUDA runtime). On a CUDA device: the memory free on the device
+    plus what PyTorch's allocator holds unused, within the process's share (``set_per_process_memory_fraction``) and,
+    with a ``budget`` (bytes of the whole device the step may use), within it; on the CPU the host memory available
+    (``psutil``)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        room = free + torch.cuda.memory_reserved(device) - allocated
+        room = min(room, int(total * torch.cuda.get_per_process_memory_fraction(device)) - allocated)
+        return room if budget is None else min(room, budget - allocated)
+    if device.type == "cpu":
+        return psutil.virtual_memory().available
+    return None
 
 
 def _missing_grad_bytes(params: list[nn.Parameter]) -> int:
@@ -171,21 +182,17 @@ def head_form(
 ) -> str:
     """The form of the logit kernel's gradient for a call scoring ``n`` rows, among ``forms``: the one that
     recomputes least (eager, then fused, then two-node) whose buffers (:func:`memory_model.head_backward_bytes`) fit
-    what is free now, when the forward's activations are all held (on a CUDA device: free memory plus what PyTorch's
-    allocator holds unused, within ``budget`` if one is given, less the parameter gradients not yet allocated);
-    two-node (the least memory) where none fits. Without a memory figure (the CPU), the first that recomputes least."""
-    ordered = [form for form in reversed(mm.HEAD_FORMS) if form in forms]
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return ordered[0]
-    free, _ = torch.cuda.mem_get_info(device)
-    room = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    if budget is not None:
-        room = min(room, budget - torch.cuda.memory_allocated(device))
+    what is free now (:func:`free_bytes`, within ``budget`` if one is given), when the forward's activations are all
+    held, less the parameter gradients not yet allocated. Two-node, the least memory (no float32 (V, H) accumulator,
+    the weight's gradient formed vocabulary tile by vocabulary tile), where none fits or no memory figure is known."""
+    room = free_bytes(device, budget)
+    if room is None:
+        return "two-node"
     room -= _missing_grad_bytes(list(model.parameters()))
     vocab, hidden = head.out_features, head.in_features  # not the weight's shape: ZeRO-3 partitions it
     trained = any(p.requires_grad for p in head.parameters())
     db = head.weight.element_size()
-    for form in ordered:
+    for form in (form for form in reversed(mm.HEAD_FORMS) if form in forms):
         if mm.head_backward_bytes(vocab, hidden, n, logits_chunk, db, head_trained=trained, form=form) <= room:
             return form
     return "two-node"
