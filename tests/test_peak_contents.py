@@ -5,8 +5,9 @@ Without a memory figure (the simulator's CUDA device has no runtime to ask, as a
 must take the forms that hold least: at the peak there is no float32 (vocab x hidden) tensor (the LM head's gradient
 accumulated whole), no float32 (tokens x hidden) one, and no full-length (tokens x hidden) tensor beyond the saved
 layer inputs and the hidden states' gradient (two layers: one saved input, the first layer's being rebuilt from the
-token ids, and one gradient; or, in the head's backward, the final hidden states the head reads). The calls are those of every stream trainer: SFT's token mean, the weighted rows of
-DPO / KTO / GRPO / RLOO, and the model's own ``labels=`` loss.
+token ids, and one gradient; or, in the head's backward, the final hidden states the head reads). The calls are
+those of every stream trainer: SFT's token mean, the weighted rows of DPO / KTO / GRPO / RLOO, and the model's own
+``labels=`` loss.
 """
 
 from __future__ import annotations
