@@ -93,7 +93,7 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         lm_head_linear(lm)
     if zero3_enabled(lm):
         mark_zero3_leaves(lm)
-    check_segmentable(lm, options.keep_every)
+    check_segmentable(lm, options.keep_every or 1)
     norm_name = final_norm_name(decoder)
     norm = getattr(decoder, norm_name) if norm_name else None
     baseline = None
@@ -108,11 +108,12 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         chunk_size=None if chunk == AUTO else chunk,
         kv_mode=options.kv_mode,
         offload=CheckpointOffload() if options.offload_checkpoints else None,
-        keep_every=options.keep_every,
+        keep_every=options.keep_every or 1,
     )
+    fixed = None if chunk == AUTO else chunk
     auto = (
-        AutoChunks(lm, options.memory_budget, options.offload_checkpoints, options.keep_every)
-        if options.auto
+        AutoChunks(lm, options.memory_budget, options.offload_checkpoints, options.keep_every, chunk=fixed)
+        if options.planned
         else None
     )
     state = EngineState(

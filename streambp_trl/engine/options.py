@@ -52,12 +52,14 @@ class StreamOptions:
         verify: run the probe (two forward passes of 11 tokens) before enabling.
         offload_checkpoints: keep each layer's saved input (and kept keys/values) in pinned host memory between
             forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.kept.offload`); a
-            no-op on CPU.
+            no-op on CPU. ``None`` (default): each call's plan decides (:mod:`streambp_trl.sizing.plan`), off where no
+            memory figure is known.
         memory_budget: device bytes (or a size such as ``"78GiB"``, kept as bytes) the step may use, for ``"auto"``
             chunk sizes; ``None``: the free memory of the CUDA device when a call starts.
         keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
             other layers rebuild theirs in backward by one more chunked forward (see
-            :mod:`streambp_trl.layers.kept.segments`). Not with ZeRO-3 or FSDP.
+            :mod:`streambp_trl.layers.kept.segments`). Not with ZeRO-3 or FSDP. ``None`` (default): each call's plan
+            decides which layer inputs are kept (every one where they fit, or no memory figure is known).
         token_mean_loss: the loss of ``fused_lm_head=True`` calls weights every scored token alike (SFT's negative
             log-likelihood): the logit kernel may form the LM head's gradient in the forward, computing each logit
             once (:mod:`streambp_trl.logits.eager`); checked in backward, which recomputes otherwise. Calls without
@@ -75,9 +77,9 @@ class StreamOptions:
     fused_outputs: tuple[str, ...] = ("log_probs",)
     stream_eval: bool = False
     verify: bool = True
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | None = None
     memory_budget: int | str | None = None
-    keep_every: int = 1
+    keep_every: int | None = None
     token_mean_loss: bool = False
 
     def __post_init__(self):
@@ -99,17 +101,28 @@ class StreamOptions:
         if unknown:
             raise ValueError(f"Unknown fused_outputs {sorted(unknown)}; choose among {STAT_OUTPUTS}.")
         object.__setattr__(self, "fused_outputs", tuple(dict.fromkeys(("log_probs", *self.fused_outputs))))
-        for name in ("stream_eval", "verify", "offload_checkpoints", "token_mean_loss"):
+        for name in ("stream_eval", "verify", "token_mean_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.offload_checkpoints is not None and not isinstance(self.offload_checkpoints, bool):
+            raise ValueError(
+                "offload_checkpoints must be True, False or None (planned per call), "
+                f"got {self.offload_checkpoints!r}."
+            )
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_budget(self.memory_budget))
-        if not _positive_int(self.keep_every):
+        if self.keep_every is not None and not _positive_int(self.keep_every):
             raise ValueError(
-                f"{_named('keep_every')} must be a positive integer number of layers, got {self.keep_every!r}."
+                f"{_named('keep_every')} must be a positive integer number of layers (or None: planned per call), "
+                f"got {self.keep_every!r}."
             )
 
     @property
     def auto(self) -> bool:
         """Whether a chunk size is chosen per call (``"auto"``)."""
         return AUTO in (self.stream_chunk_size, self.logits_chunk_size)
+
+    @property
+    def planned(self) -> bool:
+        """Whether anything is chosen per call: a chunk size, the kept layer inputs or checkpoint offload."""
+        return self.auto or self.keep_every is None or self.offload_checkpoints is None

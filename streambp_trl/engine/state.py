@@ -14,8 +14,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..layers import StreamSettings
+from ..layers import DecoderCall, StreamSettings
+from ..layers.kept import CheckpointOffload
+from ..layers.sharding import sharded_module
 from ..sizing.auto import AUTO, AutoChunks, head_form
+from ..sizing.layout import Layout
 from .options import StreamOptions
 
 logger = logging.get_logger(__name__)
@@ -44,16 +47,33 @@ class EngineState:
     auto: AutoChunks | None
     decoder_keywords: frozenset[str] | None = None
     head_form: str | None = dataclasses.field(default=None, compare=False)  # the latest call's logit gradient form
+    # where a plan offloads checkpoints the options do not: the model's one offloader
+    offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
 
-    def stream_chunk(self, inputs: torch.Tensor | None) -> int | None:
-        """Tokens per chunk for a decoder call on ``inputs`` (batch, T, ...): the fixed size, what ``"auto"`` chooses
-        for the shape, or ``None`` (``"auto"`` without a recognisable input: each layer falls back to the rule of
-        thumb for its length)."""
-        if self.options.stream_chunk_size != AUTO:
-            return self.options.stream_chunk_size
-        if inputs is None or inputs.dim() < 2:
-            return None
-        return self.auto.choose(inputs.shape[0], inputs.shape[1], inputs.device)
+    def call_plan(self, inputs: torch.Tensor | None, rebuildable: bool) -> DecoderCall:
+        """The :class:`~streambp_trl.layers.DecoderCall` of a streamed decoder call on ``inputs`` (batch, T, ...),
+        ``rebuildable``: its layer inputs may be rebuilt in backward (no hidden states kept). Its
+        chunk is the fixed size, or the plan's (:mod:`streambp_trl.sizing.plan`) where anything is planned, or
+        ``None`` (``"auto"`` without a recognisable input: each layer falls back to the rule of thumb for its
+        length); where the plan keeps other layer inputs or offloads otherwise than the options, the call carries
+        its segment sizes and settings."""
+        fixed = self.options.stream_chunk_size
+        fixed = None if fixed == AUTO else fixed
+        if self.auto is None or inputs is None or inputs.dim() < 2:
+            return DecoderCall(chunk_size=fixed, inputs_rebuildable=rebuildable)
+        # a planned layout needs each layer's parameters whole here (not ZeRO-3 or FSDP) and the layers it counts
+        counted = self.auto.shape is not None and self.auto.shape.layers == len(self.layers)
+        layouts = rebuildable and counted and sharded_module(self.decoder) is None
+        plan = self.auto.plan(inputs.shape[0], inputs.shape[1], inputs.device, layouts)
+        sizes = None
+        if plan.layout != Layout(every=self.settings.keep_every):
+            sizes = plan.layout.sizes(len(self.layers))
+        settings = None
+        if plan.offload != (self.settings.offload is not None):
+            settings = dataclasses.replace(self.settings, offload=self.offloader if plan.offload else None)
+        return DecoderCall(
+            chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings
+        )
 
     def logits_tile(self, hidden: torch.Tensor) -> int:
         """Tokens per tile of the logit kernel for the (batch, T, hidden) states ``hidden``."""

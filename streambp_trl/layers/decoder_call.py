@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from .call import StreamSettings
 from .kept import EmbeddingOutputs, Segment
 from .shared_kv import SharedKV
 
@@ -32,6 +33,9 @@ class DecoderCall:
     ``segment``: with ``keep_every > 1``, the segment of the last stream layer that ran (its output may be the next
     layer's input in the same segment). ``shared_kv``: the keys/values layers share with later layers
     (:mod:`.shared_kv`), which the layer calls keep until their backwards.
+    ``segment_sizes``: where the call's plan keeps other layer inputs than the settings' ``keep_every``, the size of
+    a segment started by each stream layer of the call, by its place among them (:class:`~streambp_trl.sizing.layout.
+    Layout`); ``settings``: where the plan offloads otherwise than the model's settings, the call's own.
     """
 
     chunk_size: int | None = None
@@ -39,6 +43,14 @@ class DecoderCall:
     embeddings: EmbeddingOutputs = dataclasses.field(default_factory=EmbeddingOutputs)
     segment: Segment | None = None
     shared_kv: SharedKV = dataclasses.field(default_factory=SharedKV)
+    segment_sizes: tuple[int, ...] | None = None
+    settings: StreamSettings | None = None
+    layers_called: int = 0  # stream layers called so far in this call
+
+    def segment_size(self, index: int, keep_every: int) -> int:
+        """The size of a segment the call's ``index``-th stream layer starts: the plan's, else ``keep_every``."""
+        sizes = self.segment_sizes
+        return sizes[index] if sizes is not None and index < len(sizes) else (keep_every if sizes is None else 1)
 
     def segment_to_join(self, x: torch.Tensor) -> Segment | None:
         """The segment whose last layer produced ``x``, if ``x`` can continue it (see :meth:`Segment.continued_by`)."""

@@ -198,7 +198,9 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
             f"StreamBP: {type(layer).__name__} receives {sorted(set(grad_inputs) & set(plan.from_prefix))} with "
             "gradient, as a position history spanning earlier positions, which a stream layer cannot differentiate."
         )
-    settings = plan.settings
+    decoder = active_call()
+    index, decoder.layers_called = decoder.layers_called, decoder.layers_called + 1
+    settings = decoder.settings or plan.settings  # the call's plan may offload otherwise than the model's settings
     func = functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func
     if plan.continued is not None:
         func = functools.partial(_continued_run, func, plan.continued)
@@ -221,7 +223,6 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         resets=starts,
         compress_rates=plan.compress_rates,
     )
-    decoder = active_call()
     if kwargs.get("shared_kv_states") is not None:  # keys/values shared across layers (Gemma 3n, Gemma 4's E models)
         call.shared = decoder.shared_kv
     chunk = decoder.chunk_size or settings.chunk_size
@@ -233,9 +234,12 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         return call.as_returned(y.movedim(2, 0) if plan.stacked else y, call.take_extras())
     rebuildable = input_rebuildable(layer, decoder)
     call.embedding_source = decoder.embeddings.source_of(given) if rebuildable else None
-    if settings.keep_every > 1:  # join the segment of the previous stream layer (its output is x), or start one
-        joined = decoder.segment_to_join(given) if rebuildable else None
-        call.segment = joined if joined is not None else Segment(settings.keep_every)
+    # join the segment of the previous stream layer (its output is x) while it has room, or start one of the size
+    # the settings' keep_every or the call's plan gives this layer (1: keep its own input, no segment)
+    size = decoder.segment_size(index, settings.keep_every)
+    joined = decoder.segment_to_join(given) if rebuildable and (size > 1 or decoder.segment is not None) else None
+    if joined is not None or size > 1:
+        call.segment = joined if joined is not None else Segment(size)
         call.position = call.segment.join(call)
     y, *extras = _outputs(StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params))
     if plan.stacked:

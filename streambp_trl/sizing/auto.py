@@ -29,6 +29,9 @@ from torch import nn
 from transformers.utils import logging
 
 from . import memory_model as mm
+from .layout import Layout
+from .plan import Planner, StepPlan, margin
+from .units import size_text
 
 logger = logging.get_logger(__name__)
 
@@ -57,13 +60,25 @@ def rule_of_thumb(seq_len: int) -> int:
 
 
 class AutoChunks:
-    """The chunk policy of one model (kept in its stream settings)."""
+    """The plan policy of one model (kept in its stream settings): a :class:`~.plan.StepPlan` per call shape.
 
-    def __init__(self, model: nn.Module, budget: int | None, offload: bool, keep_every: int = 1):
+    ``budget``: bytes of the whole device the step may use (``None``: what is free when a call starts); ``chunk``,
+    ``offload``, ``keep_every``: the user's fixed choices, kept as they are (``None``: the plan chooses)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        budget: int | None,
+        offload: bool | None,
+        keep_every: int | None = 1,
+        chunk: int | None = None,
+    ):
         self._model = weakref.ref(model)
-        self.budget, self.offload, self.keep_every = budget, offload, keep_every
-        self._chosen: dict[tuple[int, int], int] = {}
-        self.last: int | None = None  # the latest choice (what the trainers log)
+        self.budget, self.offload, self.keep_every, self.chunk = budget, offload, keep_every, chunk
+        self._chosen: dict[tuple, StepPlan] = {}
+        self._latest: dict[tuple[int, int], StepPlan] = {}
+        self.last: int | None = None  # the latest chunk chosen (what the trainers log)
+        self.last_plan: StepPlan | None = None
         try:
             self.shape: mm.ModelShape | None = mm.ModelShape.from_model(model)
         except (AttributeError, TypeError) as error:  # a config without the usual size fields: the rule of thumb
@@ -85,7 +100,7 @@ class AutoChunks:
 
     def __deepcopy__(self, memo) -> AutoChunks:
         copy = AutoChunks.__new__(AutoChunks)
-        copy.__dict__.update(self.__dict__, _chosen=dict(self._chosen))
+        copy.__dict__.update(self.__dict__, _chosen=dict(self._chosen), _latest=dict(self._latest))
         model = self._model()
         copy._model = weakref.ref(memo.get(id(model), model)) if model is not None else self._model
         return copy
@@ -99,54 +114,103 @@ class AutoChunks:
         self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _gone)
 
     def choose(self, rows: int, seq_len: int, device: torch.device) -> int:
-        key = (rows, seq_len)
+        """The chunk of the latest plan for (``rows``, ``seq_len``), planning one (with every layout open) if none."""
+        plan = self._latest.get((rows, seq_len)) or self.plan(rows, seq_len, device)
+        self.last = plan.chunk
+        return plan.chunk
+
+    def plan(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True) -> StepPlan:
+        """The plan of a call on ``rows`` sequences of ``seq_len`` tokens (``rebuildable``: its layer inputs may be
+        rebuilt in backward), chosen once per shape and logged once (at warning level where it rebuilds or offloads
+        inputs the user did not ask to, else at info level). Raises where a call with grad fits nowhere within a
+        known device figure (a budget, or a CUDA device's free memory)."""
+        grad = torch.is_grad_enabled()
+        key = (rows, seq_len, rebuildable, grad, device.type)
         if key not in self._chosen:
             if len(self._chosen) > 256:
                 self._chosen.clear()
-            self._chosen[key] = self._decide(rows, seq_len, device)
-        self.last = self._chosen[key]
-        return self.last
+                self._latest.clear()
+            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad)
+        plan = self._chosen[key]
+        self._latest[(rows, seq_len)] = self.last_plan = plan
+        self.last = plan.chunk
+        return plan
 
-    def _decide(self, rows: int, seq_len: int, device: torch.device) -> int:
+    def _fixed(self, seq_len: int) -> StepPlan:
+        """The plan without a memory figure: the user's choices, else the rule of thumb and every input kept."""
+        chunk = self.chunk if self.chunk is not None else rule_of_thumb(seq_len)
+        return StepPlan(chunk, Layout(every=self.keep_every or 1), bool(self.offload))
+
+    def _decide(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool, grad: bool) -> StepPlan:
         model = self._model()
-        room = self._room(model, device)
-        if room is None or self.shape is None or model is None:
-            return rule_of_thumb(seq_len)
+        figure = self._room(model, device)
+        if figure is None or self.shape is None or model is None:
+            return self._fixed(seq_len)
+        room, held, total = figure
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_trained = head is not None and any(p.requires_grad for p in head.parameters())
         db = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
         # adapters (LoRA: some parameters trained beside frozen ones), whose float32 products the forward holds
         trained = [p.requires_grad for p in model.parameters()]
         adapters = any(trained) and not all(trained)
-        n = rows * seq_len
-
-        def fits(chunk: int) -> bool:
-            needed = mm.estimate_activation_bytes(
-                self.shape,
-                n,
-                chunk,
-                chunk,
-                db,
-                offload=self.offload,
-                head_trained=head_trained,
-                keep_every=self.keep_every,
-                adapters=adapters,
+        planner = Planner(self.shape, db, head_trained, adapters, self.chunk, self.keep_every, self.offload)
+        n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
+        rebuildable = rebuildable and grad
+        limit = room - margin(total)
+        host = _host_room() if can_offload and self.offload is not False else None
+        plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
+        if plan is not None:
+            planned = (plan.layout.rebuilt(layers) and self.keep_every is None) or (plan.offload and not self.offload)
+            say = logger.warning if planned else logger.info
+            say(
+                f"StreamBP plan for {plan.describe(n, layers, held, room)} (less {size_text(margin(total))} kept "
+                "for the allocator's fragmentation)."
             )
-            return needed <= room
+            return plan
+        chunks, layout_choices, offloads = planner.choices(seq_len, rebuildable, can_offload)
+        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0])
+        if not grad or (self.budget is None and device.type == "cpu"):
+            logger.warning(
+                f"StreamBP: no plan is predicted to fit {n:,} tokens in {size_text(room)}; running "
+                f"{smallest.describe(n, layers)}, which may run out of memory."
+            )
+            return smallest
+        longest = planner.longest(rows, limit, host, rebuildable, can_offload)
+        where = "memory_budget" if self.budget is not None else "the free device memory"
+        raise ValueError(
+            f"StreamBP: {rows} x {seq_len:,} tokens fit in no way of running within {where} ({size_text(room)} "
+            f"for activations beside {size_text(held)} of weights and gradients, less a {size_text(margin(total))} "
+            "margin). Longest lengths per sequence that would fit: "
+            + "; ".join(f"{way}: {tokens:,}" for way, tokens in longest.items())
+            + ". Shorten max_length, or set the option named, or a larger memory_budget."
+        )
 
-        return mm.largest_chunk(seq_len, fits)
-
-    def _room(self, model: nn.Module | None, device: torch.device) -> int | None:
-        """Bytes the call's activations may take, or None when no memory figure is known."""
+    def _room(self, model: nn.Module | None, device: torch.device) -> tuple[int, int, int] | None:
+        """``(room, held, total)``: bytes the call's activations may take, the weights and gradients beside them and
+        the device's whole figure the margin is taken of; or None when no memory figure is known."""
         if model is None:
             return None
         params = list(model.parameters())
+        held = sum(p.numel() * p.element_size() for p in params)
+        held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         if self.budget is not None:
-            held = sum(p.numel() * p.element_size() for p in params)
-            held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-            return self.budget - held
+            return self.budget - held, held, self.budget
         free = free_bytes(device)
-        return None if free is None else free - _missing_grad_bytes(params)
+        if free is None:
+            return None
+        missing = _missing_grad_bytes(params)
+        return free - missing, held, free + held - missing
+
+
+def offload_saves(device: torch.device) -> bool:
+    """Whether checkpoint offload takes memory off ``device``: not on the CPU, where it keeps tensors as they are."""
+    return device.type != "cpu"
+
+
+def _host_room() -> int:
+    """Pinned host bytes a plan may take: three quarters of the host memory available (pinned pages cannot be
+    swapped out; the rest is left to the data loader, the optimizer's host side and the system)."""
+    return psutil.virtual_memory().available * 3 // 4
 
 
 def free_bytes(device: torch.device, budget: int | None = None) -> int | None:

@@ -13,20 +13,24 @@ every backward moment of :func:`.memory_model.estimate_activation_bytes`.
 
 from __future__ import annotations
 
+from .layout import Layout
 from .mixers import indexer_scores_bytes
 from .model_shape import ModelShape
+
+KEEP_ALL = Layout()
 
 _FLOAT32 = 4
 
 
-def forward_inputs(layer: int, keep_every: int, offload: bool) -> int:
-    """Layer inputs on the device while ``layer`` (an index) runs its forward: the first layer's (the embedding
-    output) and every kept one up to ``layer``'s own (``keep_every`` k: the first input of each segment of k layers,
+def forward_inputs(layer: int, layout: Layout, offload: bool, layers: int) -> int:
+    """Layer inputs on the device while ``layer`` (an index of ``layers``) runs its forward: the first layer's (the
+    embedding output) and every kept one up to ``layer``'s own (the first input of each segment of the ``layout``,
     and ``layer``'s own; with offload, the kept ones are on the host: ``layer``'s own and the one before it, whose
     copy to the host may still run)."""
     if offload:
         return min(layer + 1, 2)
-    return layer // keep_every + 1 + (1 if layer % keep_every else 0)
+    starts = [start for start, _ in layout.segments(layers) if start <= layer]
+    return len(starts) + (0 if starts[-1] == layer else 1)
 
 
 def _linear_outputs(shape: ModelShape, kind: str) -> int:
@@ -63,7 +67,7 @@ def first_chunk_token_bytes(shape: ModelShape, kind: str, db: int, lora: bool) -
 
 
 def forward_peak_bytes(
-    shape: ModelShape, n: int, chunk: int, db: int, *, lora: bool, keep_every: int = 1, offload: bool = False
+    shape: ModelShape, n: int, chunk: int, db: int, *, lora: bool, layout: Layout = KEEP_ALL, offload: bool = False
 ) -> int:
     """Peak activation bytes of a streamed forward, for ``n`` tokens in chunks of ``chunk``: the largest, over the
     kinds of layer (softmax attention, Gated DeltaNet, any other), of the top such layer's first chunk
@@ -84,7 +88,7 @@ def forward_peak_bytes(
         if not layers:
             continue
         top = max(layers)
-        held = forward_inputs(top, keep_every, offload) * shape.residual * db * n
+        held = forward_inputs(top, layout, offload, shape.layers) * shape.residual * db * n
         if kind == "attention":  # its keys/values, and beside its first chunk any indexer's scores
             held += 2 * shape.kv_dim * db * n + indexer_scores_bytes(shape, n, min(chunk, n))
         peaks.append(held + min(chunk, n) * first_chunk_token_bytes(shape, kind, db, lora))

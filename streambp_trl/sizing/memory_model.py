@@ -49,6 +49,7 @@ from collections.abc import Callable, Collection
 
 from ..logits.eager import eager_rows
 from .forward import forward_peak_bytes
+from .layout import Layout
 from .mixers import (
     boundaries,
     indexer_scores_bytes,
@@ -104,6 +105,7 @@ class StepSetup:
     logits_chunk: int | None = None
     optimizer_bytes_per_param: int = 0  # e.g. 8 for AdamW's two float32 moments of every trainable parameter
     keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.kept.segments)
+    drop: int = 0  # stream modes: layers below the top one whose input is rebuilt (.layout.Layout)
     head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
 
     def __post_init__(self):
@@ -165,16 +167,15 @@ def _per_token_bytes(shape: ModelShape, db: int) -> int:
     return 2 * (shape.rotary_dim or shape.head_dim) * db + 48 + 4 * shape.shared_topk * max(shape.layers - 1, 0)
 
 
-def _saved_inputs(layers: int, keep_every: int, offload: bool, among: Collection[int] | None = None) -> int:
+def _saved_inputs(layers: int, layout: Layout, offload: bool, among: Collection[int] | None = None) -> int:
     """Layer inputs on the device during the backward's worst layer (of ``among``: those layer indices only; all by
-    default). The first layer's is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Segments of
-    ``keep_every`` layers keep their first input and rebuild the others while the segment's backward runs
-    (``keep_every=1``: every layer keeps its own): segment i's backward holds its inputs and the kept first inputs of
-    segments 1..i-1, or, with offload, its inputs and the prefetched first input of segment i-1 (none for segment 0,
-    whose first input is rebuilt from the ids)."""
+    default). The first layer's is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Each segment
+    of the ``layout`` keeps its first input and rebuilds the others while the segment's backward runs (every layer
+    its own segment: each keeps its own): segment i's backward holds its inputs and the kept first inputs of segments
+    1..i-1, or, with offload, its inputs and the prefetched first input of segment i-1 (none for segment 0, whose
+    first input is rebuilt from the ids)."""
     worst = 0
-    for i, start in enumerate(range(0, layers, keep_every)):
-        size = min(keep_every, layers - start)
+    for i, (start, size) in enumerate(layout.segments(layers)):
         if among is not None and not any(j in among for j in range(start, start + size)):
             continue
         below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
@@ -195,19 +196,22 @@ def estimate_activation_bytes(
     keep_every: int = 1,
     head_form: str = "two-node",
     adapters: bool = False,
+    drop: int = 0,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
     layer's trainable parameters (all of them by default); ``head_form``: the logit kernel's gradient form
     (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``: float32
-    LoRA adapters on the layers' linear maps. The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
+    LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
+    (:class:`.layout.Layout`). The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
     the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
     layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
     a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
     h, r, kv, d = shape.hidden, shape.residual, shape.kv_dim, shape.head_dim
+    layout = Layout(every=keep_every, drop=drop)
 
     def common(among: Collection[int] | None) -> int:
-        return (_saved_inputs(shape.layers, keep_every, offload, among) * r * db + _per_token_bytes(shape, db)) * n
+        return (_saved_inputs(shape.layers, layout, offload, among) * r * db + _per_token_bytes(shape, db)) * n
 
     chunk_rows = min(chunk, n)
     fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
@@ -248,7 +252,7 @@ def estimate_activation_bytes(
         # (five r-wide float32 tensors; as HY-V4 holds them under the simulator)
         head = max(head, common(None) + (h + 2 * r) * db * n + 5 * 4 * r * n)
     forward = _per_token_bytes(shape, db) * n
-    forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, keep_every=keep_every, offload=offload)
+    forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload)
     return max(*peaks, head, forward)
 
 
@@ -332,6 +336,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             head_trained=not setup.lora,
             layer_trained_params=_lora_params(shape) // shape.layers if setup.lora else None,
             keep_every=setup.keep_every,
+            drop=setup.drop,
             head_form=setup.head_form,
             adapters=setup.lora,
         )
@@ -341,9 +346,10 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
 
 
 def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
-    """Pinned host bytes the step holds: the offloaded layer inputs (all but the first layer's, rebuilt from the
-    token ids; with ``keep_every`` k, the first input of each further segment of k layers); 0 without offload."""
-    kept = -(-shape.layers // setup.keep_every) - 1
+    """Pinned host bytes the step holds: the offloaded layer inputs (the first input of every segment but the first,
+    which is rebuilt from the token ids; every layer's input but the first one's without ``keep_every`` or ``drop``);
+    0 without offload."""
+    kept = len(Layout(every=setup.keep_every, drop=setup.drop).segments(shape.layers)) - 1
     return kept * shape.residual * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
 
 

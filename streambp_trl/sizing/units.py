@@ -31,6 +31,14 @@ def gib(n_bytes: float) -> float:
     return n_bytes / GiB
 
 
+def size_text(n_bytes: float) -> str:
+    """A size for people: ``41.2 GiB``, ``96.0 MiB`` or ``12.5 KiB``."""
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20)):
+        if abs(n_bytes) >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes / 2**10:.1f} KiB"
+
+
 def parse_budget(value: str | int) -> int:
     """A memory budget in bytes: a positive size (``parse_size``), else ``ValueError`` saying what to give."""
     try:

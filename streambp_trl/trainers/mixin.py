@@ -155,7 +155,7 @@ class StreamTrainerMixin:
                 "Set `router_aux_loss_coef=0.0` in the config to train without it.",
             )
         options = stream_options(self.args, **self._engine_options(), stream_eval=True)
-        if options.keep_every > 1 and (_zero3_run(self.args) or getattr(self, "is_fsdp_enabled", False)):
+        if (options.keep_every or 1) > 1 and (_zero3_run(self.args) or getattr(self, "is_fsdp_enabled", False)):
             raise ValueError(
                 f"{type(self).__name__}: stream_keep_every={options.keep_every} rebuilds layer inputs by running "
                 "decoder layers inside other layers' backward, where FSDP shards and ZeRO-3 partitions are not "

@@ -30,17 +30,19 @@ class StreamArguments:
         stream_kv_mode (`str`, defaults to `"recompute"`):
             How each layer's backward gets its keys/values: `"recompute"` them from the saved layer input, or
             `"capture"` them during the forward (faster backward, 2 x kv_dim values per token per layer kept).
-        offload_checkpoints (`bool`, defaults to `False`):
+        offload_checkpoints (`bool` or `None`, defaults to `None`):
             Keep each layer's saved input in pinned host memory between forward and backward (brought back one layer
             ahead, copies overlapped with compute): GPU memory then grows by a few hidden vectors per token instead of
-            one per layer, for host memory of layers x hidden x 2 bytes per token.
+            one per layer, for host memory of layers x hidden x 2 bytes per token. `None`: each batch shape's plan
+            turns it on where the layer inputs do not fit the GPU and the host has the memory.
         memory_budget (`str` or `None`, defaults to `None`):
             GPU memory the step may use for `"auto"` chunk sizes, e.g. `"78GiB"`; `None`: the GPU's free memory.
-        stream_keep_every (`int`, defaults to `1`):
+        stream_keep_every (`int` or `None`, defaults to `None`):
             Keep only the first input of every `stream_keep_every` consecutive decoder layers (on the GPU, or in host
             memory with `offload_checkpoints`); the layers between rebuild theirs in backward by one more chunked
             forward. Divides the kept inputs (and the host memory of offload) by about k, for k - 1 extra layer
-            forwards out of every k. Not with FSDP or DeepSpeed ZeRO-3.
+            forwards out of every k. Not with FSDP or DeepSpeed ZeRO-3. `None`: each batch shape's plan keeps every
+            input where they fit, else rebuilds the fewest that make the step fit.
         activation_checkpointing (`bool`, defaults to `True`):
             TRL's default (which TRL writes as the deprecated `gradient_checkpointing=True`, a FutureWarning on every
             config), under the current name. A stream trainer takes it over: the engine checkpoints and streams every
@@ -65,17 +67,23 @@ class StreamArguments:
         default="recompute",
         metadata={"help": f"Keys/values for backward: {' or '.join(map(repr, KV_MODES))} (default: 'recompute')."},
     )
-    offload_checkpoints: bool = field(
-        default=False,
-        metadata={"help": "Keep each layer's saved input in pinned host memory between forward and backward."},
+    offload_checkpoints: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Keep each layer's saved input in pinned host memory between forward and backward (default: "
+            "where each batch shape's plan needs it)."
+        },
     )
     memory_budget: str | None = field(
         default=None,
         metadata={"help": "GPU memory for 'auto' chunk sizes, e.g. '78GiB' (default: the GPU's free memory)."},
     )
-    stream_keep_every: int = field(
-        default=1,
-        metadata={"help": "Keep only every k-th decoder layer's input; the others are recomputed in backward."},
+    stream_keep_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "Keep only every k-th decoder layer's input; the others are recomputed in backward (default: "
+            "chosen by each batch shape's plan)."
+        },
     )
     activation_checkpointing: bool | None = field(
         default=None,
@@ -115,5 +123,5 @@ def stream_options(args, **engine_options) -> StreamOptions:
     checkpoint offload where :func:`~streambp_trl.trainers.mixin.take_over_checkpointing` took TRL's over)."""
     if isinstance(args, StreamArguments):
         return args.to_options(**engine_options)
-    offload = getattr(args, "offload_checkpoints", False)
+    offload = getattr(args, "offload_checkpoints", None)
     return StreamOptions(stream_chunk_size=AUTO, offload_checkpoints=offload, **engine_options)

@@ -1,0 +1,183 @@
+"""One plan per streamed call shape: the chunk, which layer inputs are kept, and whether they wait in host memory.
+
+For a call on ``n`` tokens the planner weighs every combination the options leave open (a fixed chunk, ``keep_every``
+or ``offload_checkpoints`` set by the user is kept as it is) and takes the one with the least predicted time among
+those whose predicted peak (:func:`.memory_model.estimate_activation_bytes`) fits the device room less a margin for
+the allocator's fragmentation, and whose pinned host memory fits the host. Where none fits it says so with the
+longest length each way of running would allow (:func:`longest_lengths`).
+
+The time model, per token of a step, relative to one that keeps every layer input on the device in one chunk:
+
+* a chunk of ``c`` tokens costs ``1 + CHUNK_OVERHEAD_TOKENS / c``: each chunk's backward adds the layer's parameter
+  gradients into their sums, a pass over the layer's weights bound by memory bandwidth, which on an H100/H200 (about
+  200 FLOPs per byte) costs as much as the matmuls of a couple of hundred tokens, plus the chunk's kernel launches;
+* a rebuilt layer input costs one more layer forward, ``REBUILD_COST`` of a layer's step (a streamed layer step is
+  a forward, a recompute and a backward of twice the FLOPs: 2 + 2 + 4, of which the forward is a quarter);
+* offload multiplies the step by ``OFFLOAD_COST``, the ratio measured on an H200 at 16,384 tokens
+  (``benchmarks/gpu_nvidia_h200.md``: 1.049), where the copies hide least behind compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from . import memory_model as mm
+from .layout import Layout
+from .model_shape import ModelShape
+from .units import GiB, size_text
+
+CHUNK_OVERHEAD_TOKENS = 256
+REBUILD_COST = 0.25
+OFFLOAD_COST = 1.05
+# kept free below a device's room for the allocator's fragmentation: a real H200 capped at 78 GiB failed to allocate
+# with 77.58 GiB allocated (0.42 GiB lost); at most 1/64 of the room (a small budget keeps a small margin)
+MARGIN = GiB
+
+
+def margin(room: int) -> int:
+    """Bytes kept free below a device room of ``room`` bytes: :data:`MARGIN`, at most a 64th of the room."""
+    return min(MARGIN, max(room, 0) // 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """How one streamed call runs: ``chunk`` tokens per chunk (and logit tile), the ``layout`` of kept layer inputs,
+    ``offload`` of the kept ones to pinned host memory; what the memory model predicts for it (``activations``: device
+    bytes beyond weights and gradients; ``host``: pinned host bytes) and its predicted relative ``time``."""
+
+    chunk: int
+    layout: Layout = Layout()
+    offload: bool = False
+    activations: int = 0
+    host: int = 0
+    time: float = 1.0
+
+    def describe(self, tokens: int, layers: int, held: int | None = None, room: int | None = None) -> str:
+        """The plan in plain words, e.g. ``262,144 tokens: chunk 4096, every layer input kept, checkpoints offloaded
+        to host (70.0 GiB pinned), predicted peak 41.2 GiB of 78.0 GiB``; ``held``: the weights and gradients the
+        peak adds to the activations, ``room``: what the device allows them (``None``: not known)."""
+        words = [f"{tokens:,} tokens: chunk {self.chunk}", self.layout.describe(layers)]
+        if self.offload:
+            words.append(f"checkpoints offloaded to host ({size_text(self.host)} pinned)")
+        if held is not None:
+            peak = f"predicted peak {size_text(held + self.activations)}"
+            words.append(peak if room is None else f"{peak} of {size_text(held + room)}")
+        return ", ".join(words)
+
+
+def predicted_time(chunk: int, layout: Layout, offload: bool, layers: int) -> float:
+    """The relative time of a step (see the module docstring)."""
+    rebuilt = layout.rebuilt(layers) / max(layers, 1)
+    return (1 + CHUNK_OVERHEAD_TOKENS / chunk) * (1 + REBUILD_COST * rebuilt) * (OFFLOAD_COST if offload else 1.0)
+
+
+def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layout]:
+    """The layouts a plan may take: the user's ``keep_every`` when set; else every input kept, then (where inputs can
+    be rebuilt) each number of dropped inputs below the top layer and each ``keep_every`` from 2 to ``layers``."""
+    if keep_every is not None:
+        return [Layout(every=keep_every)]
+    if not rebuildable:
+        return [Layout()]
+    drops = [Layout(drop=d) for d in range(1, Layout.drops(layers) + 1)]
+    return [Layout(), *drops, *(Layout(every=k) for k in range(2, layers + 1))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+    """What the plans of one model are chosen from: its ``shape``, parameter dtype (``db`` bytes), whether its LM
+    head is trained and whether it carries LoRA ``adapters``; and the user's fixed ``chunk``, ``keep_every`` and
+    ``offload`` (``None``: chosen by the plan)."""
+
+    shape: ModelShape
+    db: int = 2
+    head_trained: bool = True
+    adapters: bool = False
+    chunk: int | None = None
+    keep_every: int | None = None
+    offload: bool | None = None
+
+    def estimate(self, tokens: int, chunk: int, layout: Layout, offload: bool) -> tuple[int, int]:
+        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model)."""
+        activations = mm.estimate_activation_bytes(
+            self.shape,
+            tokens,
+            chunk,
+            chunk,
+            self.db,
+            offload=offload,
+            head_trained=self.head_trained,
+            keep_every=layout.every,
+            drop=layout.drop,
+            adapters=self.adapters,
+        )
+        mode = "stream+offload" if offload else "stream"
+        setup = mm.StepSetup(mode=mode, dtype_bytes=self.db, keep_every=layout.every, drop=layout.drop)
+        return activations, mm.estimate_host_bytes(self.shape, setup, tokens)
+
+    def choices(self, seq_len: int, rebuildable: bool, can_offload: bool) -> tuple[list, list[Layout], list[bool]]:
+        """The chunks, layouts and offload settings open to a call of ``seq_len`` tokens per sequence (``rebuildable``:
+        its layer inputs may be rebuilt; ``can_offload``: offload saves device memory, i.e. not on the CPU)."""
+        chunks = [self.chunk] if self.chunk is not None else [c for c in mm.CHUNKS if c <= max(seq_len, mm.CHUNKS[0])]
+        offloads = [self.offload] if self.offload is not None else [False, True] if can_offload else [False]
+        return chunks, layouts(self.shape.layers, self.keep_every, rebuildable), offloads
+
+    def best(
+        self, rows: int, seq_len: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
+    ) -> StepPlan | None:
+        """The fastest plan for ``rows`` x ``seq_len`` tokens whose device activations fit ``limit`` and whose pinned
+        host bytes fit ``host_room`` (``None``: not known, so no offload is taken); ``None`` when none fits. Ties go to
+        the smaller peak."""
+        chunks, layout_choices, offloads = self.choices(seq_len, rebuildable, can_offload)
+        best, key, layers = None, None, self.shape.layers
+        for offload in offloads:
+            for layout in layout_choices:
+                for chunk in chunks:
+                    activations, host = self.estimate(rows * seq_len, chunk, layout, offload)
+                    if activations > limit or (offload and (host_room is None or host > host_room)):
+                        continue
+                    time = predicted_time(chunk, layout, offload, layers)
+                    if key is None or (time, activations) < key:
+                        best, key = StepPlan(chunk, layout, offload, activations, host, time), (time, activations)
+        return best
+
+    def longest(
+        self, rows: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
+    ) -> dict[str, int]:
+        """The longest length per sequence (a multiple of 1024) that fits ``limit`` (and ``host_room``) at the
+        smallest chunk open, for each way of running: as configured (every input kept, or the user's layout, without
+        offload), with the layout that reaches furthest, with offload, and with both; keyed by what a user would set
+        (a way that is not open, or reaches no further than one before it, is left out)."""
+        chunks, layout_choices, offloads = self.choices(1 << 30, rebuildable, can_offload)
+        layers, chunk = self.shape.layers, min(chunks)
+
+        def longest(layout: Layout, offload: bool) -> int:
+            def fits(tokens: int) -> bool:
+                activations, host = self.estimate(rows * tokens, chunk, layout, offload)
+                return activations <= limit and (not offload or (host_room is not None and host <= host_room))
+
+            return _longest(fits)
+
+        def name(layout: Layout, offload: bool) -> str:
+            kept = f"stream_keep_every={layout.every}" if layout.every > 1 else layout.describe(layers)
+            return " + ".join([kept] * bool(layout.rebuilt(layers)) + ["offload_checkpoints=True"] * offload)
+
+        ways = {"as configured": longest(layout_choices[0], False)}
+        for offload in sorted(set(offloads)):
+            reach = {layout: longest(layout, offload) for layout in layout_choices}
+            best = max(reach, key=lambda layout: (reach[layout], -layout.rebuilt(layers)))
+            if reach[best] > max(ways.values()):
+                ways[name(best, offload)] = reach[best]
+        return ways
+
+
+def _longest(fits: Callable[[int], bool], step: int = 1024) -> int:
+    if not fits(step):
+        return 0
+    lo, hi = step, 2 * step
+    while fits(hi) and hi < 1 << 26:
+        lo, hi = hi, 2 * hi
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,163 @@
+"""One plan per call shape (``streambp_trl.sizing.plan``): the chunk, which layer inputs are kept and whether they
+are offloaded, chosen from the memory model and a time model within the memory budget, exact whatever it chooses,
+the user's own choices kept, and a clear error where nothing fits."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from helpers import CopyingOffload, loss_and_grads, reference_loss
+from models import batch, tiny_model
+from transformers.utils import logging as hf_logging
+
+from streambp_trl import enable_streambp
+from streambp_trl.layers.call import layer_call
+from streambp_trl.sizing import auto
+from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.layout import Layout
+from streambp_trl.sizing.plan import Planner, margin, predicted_time
+
+LAYERS = 6
+CHUNK = 4
+
+
+def test_layouts_segment_the_layers():
+    """Dropping d inputs below the top layer makes segments of two at L-3/L-2, L-5/L-4, ...; keep_every k segments of
+    k; the memory model's worst backward then holds d fewer inputs (36 layers: 35 kept beside dY with every input
+    kept, the first layer's being rebuilt from the token ids)."""
+    assert Layout(drop=1).segments(6) == [(0, 1), (1, 1), (2, 1), (3, 2), (5, 1)]
+    assert Layout(drop=2).segments(6) == [(0, 1), (1, 2), (3, 2), (5, 1)]
+    assert Layout(every=4).segments(6) == [(0, 4), (4, 2)]
+    assert [Layout(drop=d).rebuilt(36) for d in (0, 1, 17)] == [0, 1, 17] and Layout.drops(36) == 17
+    with pytest.raises(ValueError):
+        Layout(every=2, drop=1)
+    shape = mm.ModelShape.from_name("qwen3-8b")
+    keep_all = mm.estimate_activation_bytes(shape, 163840, 2048, 2048)
+    for d in (1, 2, 5):
+        dropped = mm.estimate_activation_bytes(shape, 163840, 2048, 2048, drop=d)
+        assert keep_all - dropped == d * shape.hidden * 2 * 163840  # d full-length bf16 inputs fewer at the peak
+
+
+def test_plans_for_qwen3_8b_on_an_80gb_card():
+    """Qwen3-8B, full fine-tuning, 78 GiB: at 163,840 tokens in chunks of 2048 every input kept is predicted over the
+    budget less its 1 GiB margin, one rebuilt input fits; at 262,144 "auto" offloads where the host has 70 GiB to pin
+    and rebuilds inputs where it has 20 GiB; the time model prefers offload to rebuilding many inputs."""
+    shape = mm.ModelShape.from_name("qwen3-8b")
+    static, budget = mm.static_bytes(shape, mm.StepSetup()), 78 * mm.GiB
+    limit = budget - static - margin(budget)
+    fixed = Planner(shape, chunk=2048)
+    assert fixed.estimate(163840, 2048, Layout(), False)[0] > limit
+    plan = fixed.best(1, 163840, limit, None, True, True)
+    assert (plan.chunk, plan.layout, plan.offload) == (2048, Layout(drop=1), False)
+    assert static + plan.activations <= 77 * mm.GiB
+    big_host = Planner(shape).best(1, 262144, limit, 100 * mm.GiB, True, True)
+    assert big_host.offload and big_host.layout == Layout() and big_host.host == 35 * 4096 * 2 * 262144
+    small_host = Planner(shape).best(1, 262144, limit, 20 * mm.GiB, True, True)
+    assert small_host.layout.rebuilt(36) > 0 and static + small_host.activations <= budget - mm.GiB
+    assert predicted_time(4096, Layout(), True, 36) < predicted_time(4096, Layout(every=2), False, 36)
+    assert "offloaded to host (70.0 GiB pinned)" in big_host.describe(262144, 36, static, budget - static)
+
+
+def _budget_between(model, tokens: int, low: Layout, high: Layout) -> int:
+    """A memory budget under which ``low`` fits and ``high`` does not (as the memory model predicts them)."""
+    shape = mm.ModelShape.from_model(model)
+    planner = Planner(shape, db=8, chunk=CHUNK)
+    params = sum(p.numel() * 8 for p in model.parameters())
+    need = [planner.estimate(tokens, CHUNK, layout, False)[0] for layout in (low, high)]
+    assert need[0] < need[1]
+    budget = 2 * params + (need[0] + need[1]) // 2
+    return budget + margin(budget)
+
+
+def test_a_planned_rebuild_is_exact_and_said(monkeypatch, caplog):
+    """A budget that every input kept does not fit but one rebuilt input does: the plan rebuilds it (one layer forward
+    replayed in backward), says so at warning level, and the gradient is plain autograd's (float64), bit for bit that
+    of every input kept."""
+    replayed = []
+    forward_chunks = layer_call.LayerCall.forward_chunks
+
+    def counted(self, x, keep_kv, rng):
+        replayed.append(rng == "replay")
+        return forward_chunks(self, x, keep_kv, rng)
+
+    monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted)
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch(padding="left")
+    budget = _budget_between(model, ids.numel(), Layout(drop=1), Layout())
+    kept = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, keep_every=1)
+    loss, grads = loss_and_grads(kept, ids, mask, labels)
+    planned = enable_streambp(model, stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
+    hf_logging.enable_propagation()
+    with caplog.at_level(logging.WARNING):
+        loss_planned, grads_planned = loss_and_grads(planned, ids, mask, labels)
+    assert planned._streambp.auto.last_plan.layout == Layout(drop=1)
+    assert sum(replayed) == 1
+    said = caplog.text
+    assert "1 layer input rebuilt in backward" in said and f"{ids.numel():,} tokens: chunk {CHUNK}" in said
+    assert torch.equal(loss, loss_planned)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_planned[name]), name
+    plain = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    loss_plain = reference_loss(plain, ids, mask, labels)
+    loss_plain.backward()
+    assert abs(loss_plain.item() - loss.item()) < 1e-12
+    for name, p in plain.named_parameters():
+        assert (p.grad - grads[name]).norm() <= 1e-10 * p.grad.norm(), name
+
+
+def test_the_users_choices_are_kept():
+    """keep_every=1 (or offload_checkpoints=False) set by the user is never overridden: with a budget that only a
+    rebuilt input fits, the plan keeps every input and, on a step with grad, says that nothing fits; keep_every=2
+    is kept where every input would fit."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    budget = _budget_between(model, ids.numel(), Layout(drop=1), Layout())
+    fixed = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget=f"{budget}B", keep_every=1)
+    with pytest.raises(ValueError, match="fit in no way of running within memory_budget") as error:
+        fixed(input_ids=ids, attention_mask=mask, labels=labels)
+    assert "as configured" in str(error.value) and "Longest lengths per sequence" in str(error.value)
+    roomy = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, keep_every=2, memory_budget="1GiB")
+    roomy(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert roomy._streambp.auto.last_plan.layout == Layout(every=2)
+
+
+def test_nothing_fits_is_refused_before_the_step_with_the_longest_lengths():
+    """A budget below what any way of running needs: the first forward with grad raises, naming the longest length
+    each way would allow; the same call without grad (a reference model's pass) runs at the smallest chunk."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    params = sum(p.numel() * 8 for p in model.parameters())
+    streamed = enable_streambp(model, stream_chunk_size="auto", memory_budget=f"{2 * params + 64}B")
+    with pytest.raises(ValueError, match=r"fit in no way of running .* Longest lengths per sequence that would fit"):
+        streamed(input_ids=ids, attention_mask=mask, labels=labels)
+    with torch.no_grad():
+        streamed(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_a_planned_offload_is_exact(monkeypatch):
+    """Where the plan offloads (here a budget that only offload fits, on a device that moves the CPU tensors as a
+    GPU would), the gradient is that of every input kept on the device, bit for bit."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    shape = mm.ModelShape.from_model(model)
+    planner = Planner(shape, db=8, chunk=CHUNK, keep_every=1)
+    params = sum(p.numel() * 8 for p in model.parameters())
+    on_device = planner.estimate(ids.numel(), CHUNK, Layout(), False)[0]
+    offloaded = planner.estimate(ids.numel(), CHUNK, Layout(), True)[0]
+    assert offloaded < on_device
+    budget = 2 * params + (on_device + offloaded) // 2
+    budget += margin(budget)
+    kept = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, keep_every=1, offload_checkpoints=False)
+    loss, grads = loss_and_grads(kept, ids, mask, labels)
+    planned = enable_streambp(model, stream_chunk_size=CHUNK, keep_every=1, memory_budget=f"{budget}B")
+    offload = CopyingOffload()
+    planned._streambp.offloader = offload
+    monkeypatch.setattr(auto, "offload_saves", lambda device: True)
+    loss_planned, grads_planned = loss_and_grads(planned, ids, mask, labels)
+    assert planned._streambp.auto.last_plan.offload and any(kind == "save" for kind, _ in offload.events)
+    assert torch.equal(loss, loss_planned)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_planned[name]), name
