@@ -4,11 +4,14 @@ up next to it), the reward functions of RL objectives and the launch checks; eve
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import difflib
 import importlib
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,20 +132,71 @@ def read_config(path: str) -> dict:
     return config
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: ...)`` after each option's help, unless the help already says its default."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
 class _Parser(TrlParser):
     """``TrlParser`` whose mistakes raise :class:`UsageError` (argparse would print the usage of all ~400 options),
-    reading an ``int | str`` field (``stream_chunk_size``) as given, for the config to check: TRL's parser would
-    convert every value to int, ``'auto'`` included."""
+    that takes TRL's command lines as ``trl CMD`` does and a little more, and lists the stream options apart:
+
+    * every boolean field takes a bare ``--flag`` (True) and ``--no_flag`` (False) besides ``--flag true|false``: TRL's
+      parser gives ``--no_X`` only to fields whose default is True, and neither form to ``bool | None`` fields whose
+      default is decided later (``bf16``; ``gradient_checkpointing``, which a ``Stream*Config`` leaves unset so that
+      its default is the current name, ``activation_checkpointing``);
+    * an ``int | str`` field (``stream_chunk_size``) is read as given, for the config to check: TRL's parser would
+      convert every value to int, ``'auto'`` included;
+    * the options a ``Stream*Config`` adds to TRL's are one titled group of ``--help``, and a help text that says its
+      default is not given a second ``(default: ...)``."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, formatter_class=_HelpFormatter, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message}; `{self.prog} --help` lists the options")
 
     @staticmethod
     def _parse_dataclass_field(parser, dataclass_field):
-        if dataclass_field.type == int | str:
+        hint = dataclass_field.type
+        if hint == int | str:
             dataclass_field = copy.copy(dataclass_field)
             dataclass_field.type = str
+        unset_flag = hint in (bool, bool | None) and dataclass_field.default is None  # its default decided later
+        if unset_flag and "nargs" not in dataclass_field.metadata:
+            dataclass_field = copy.copy(dataclass_field)
+            dataclass_field.metadata = {**dataclass_field.metadata, "nargs": "?", "const": True}
         TrlParser._parse_dataclass_field(parser, dataclass_field)
+        negative = f"--no_{dataclass_field.name}"
+        if unset_flag and negative not in parser._option_string_actions:  # (TRL's gives it where the default is True)
+            help_text = f"Sets {dataclass_field.name} to False."
+            parser.add_argument(
+                negative,
+                negative.replace("_", "-"),
+                action="store_false",
+                dest=dataclass_field.name,
+                default=dataclass_field.default,
+                help=help_text,
+            )
+
+    def _add_dataclass_arguments(self, dtype):
+        from ..trainers.stream_config import STREAM_FIELDS, StreamArguments
+
+        if not issubclass(dtype, StreamArguments):
+            return super()._add_dataclass_arguments(dtype)
+        group = self.add_argument_group(
+            "stream options (streambp-trl)",
+            "How the stream engine chunks each decoder layer and the LM head; the other options are TRL's.",
+        )
+        hints = typing.get_type_hints(dtype)
+        for dataclass_field in dataclasses.fields(dtype):
+            if dataclass_field.init:
+                dataclass_field.type = hints[dataclass_field.name]
+                parser = group if dataclass_field.name in STREAM_FIELDS else self
+                self._parse_dataclass_field(parser, dataclass_field)
+        return None
 
     def unknown(self, names: list[str], where: str) -> UsageError:
         """The error for ``names`` (config fields or ``--options``) that no argument takes, with the closest ones."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from transformers import TrainingArguments
 
 from ..engine.options import StreamOptions
 from ..layers import KV_MODES
@@ -81,11 +83,18 @@ class StreamArguments:
         default=None,
         metadata={
             "help": "Hugging Face activation checkpointing (default: on, as in TRL); a stream trainer takes it over: "
-            "the engine checkpoints and streams every decoder layer itself."
+            "the engine checkpoints and streams every decoder layer itself.",
+            "nargs": "?",
+            "const": True,
         },
     )
     gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers)."}
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing` (transformers).",
+            "nargs": "?",
+            "const": True,
+        },
     )
 
     def __post_init__(self):
@@ -108,6 +117,10 @@ class StreamArguments:
             keep_every=self.stream_keep_every,
             **engine_options,
         )
+
+
+# the options a Stream*Config adds to TRL's (the others re-declare TrainingArguments' checkpointing fields)
+STREAM_FIELDS = tuple(f.name for f in fields(StreamArguments) if f.name not in TrainingArguments.__dataclass_fields__)
 
 
 def stream_options(args, **engine_options) -> StreamOptions:
