@@ -111,7 +111,7 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         keep_every=options.keep_every,
     )
     auto = (
-        AutoChunks(lm, options.memory_budget, options.offload_checkpoints, options.keep_every)
+        AutoChunks(lm, options.memory_budget_bytes, options.offload_checkpoints, options.keep_every)
         if options.auto
         else None
     )

@@ -74,7 +74,7 @@ class EngineState:
         (:func:`~streambp_trl.sizing.auto.head_form`): ``"eager"`` only when the call's loss is a token mean
         (``token_mean``), else ``"fused"`` or ``"two-node"``. A change of form is logged (at info level)."""
         forms = ("two-node", "fused", "eager") if token_mean else ("two-node", "fused")
-        form = head_form(lm, head, n, tile, self.options.memory_budget, device, forms)
+        form = head_form(lm, head, n, tile, self.options.memory_budget_bytes, device, forms)
         if form != self.head_form:
             logger.info(f"StreamBP: the logit kernel's gradient for {n} scored rows takes the {form} form.")
         self.head_form = form

@@ -37,7 +37,8 @@ class StreamArguments:
             ahead, copies overlapped with compute): GPU memory then grows by a few hidden vectors per token instead of
             one per layer, for host memory of layers x hidden x 2 bytes per token.
         memory_budget (`str` or `None`, defaults to `None`):
-            GPU memory the step may use for `"auto"` chunk sizes, e.g. `"78GiB"`; `None`: the GPU's free memory.
+            GPU memory the step may use for `"auto"` chunk sizes, a size with its unit: `"78GiB"`, `"80GB"`,
+            `"512MiB"` (a bare number such as `80` is refused); `None`: the GPU's free memory.
         stream_keep_every (`int`, defaults to `1`):
             Keep only the first input of every `stream_keep_every` consecutive decoder layers (on the GPU, or in host
             memory with `offload_checkpoints`); the layers between rebuild theirs in backward by one more chunked
@@ -73,7 +74,10 @@ class StreamArguments:
     )
     memory_budget: str | None = field(
         default=None,
-        metadata={"help": "GPU memory for 'auto' chunk sizes, e.g. '78GiB' (default: the GPU's free memory)."},
+        metadata={
+            "help": "GPU memory for 'auto' chunk sizes, with its unit: '78GiB', '80GB', '512MiB' (a bare number is "
+            "refused) (default: the GPU's free memory)."
+        },
     )
     stream_keep_every: int = field(
         default=1,
