@@ -71,7 +71,10 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
         kwargs["logits_to_keep"] = 0  # KV-shared layers): every position, whose kept rows the head takes as before
     check_segmentable(decoder, state.settings.keep_every)  # FSDP/ZeRO-3 may have come after enabling
     hidden_states_kept = bool(kwargs.get("output_hidden_states") or decoder.config.output_hidden_states)
-    chunk = chunk_size if chunk_size is not None else state.stream_chunk(_inputs(args, kwargs))
+    inputs = _inputs(args, kwargs)
+    chunk = chunk_size if chunk_size is not None else state.stream_chunk(inputs)
+    if torch.is_grad_enabled():
+        state.say_if_unstreamed(inputs, chunk)
     call = DecoderCall(chunk_size=chunk, inputs_rebuildable=not hidden_states_kept)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
     # for an eval-mode streamed call, so dropout and the like stay off

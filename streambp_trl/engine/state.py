@@ -44,6 +44,7 @@ class EngineState:
     auto: AutoChunks | None
     decoder_keywords: frozenset[str] | None = None
     head_form: str | None = dataclasses.field(default=None, compare=False)  # the latest call's logit gradient form
+    unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
 
     def stream_chunk(self, inputs: torch.Tensor | None) -> int | None:
         """Tokens per chunk for a decoder call on ``inputs`` (batch, T, ...): the fixed size, what ``"auto"`` chooses
@@ -54,6 +55,29 @@ class EngineState:
         if inputs is None or inputs.dim() < 2:
             return None
         return self.auto.choose(inputs.shape[0], inputs.shape[1], inputs.device)
+
+    def say_if_unstreamed(self, inputs: torch.Tensor | None, chunk: int | None) -> None:
+        """One warning, the first time a call with gradients runs its whole sequence as one chunk (``chunk`` tokens
+        or more): each layer is then checkpointed whole, as Hugging Face's checkpointing would, and nothing is
+        streamed. Names why (the fixed chunk, or what ``"auto"`` chose) and the setting to change."""
+        if self.unstreamed_said or chunk is None or inputs is None or inputs.dim() < 2 or inputs.shape[1] > chunk:
+            return
+        self.unstreamed_said = True
+        length = inputs.shape[1]
+        if self.options.stream_chunk_size == AUTO:
+            why = (
+                f"stream_chunk_size='auto' chose one chunk of {chunk} tokens, as the memory model finds the whole "
+                "sequence fits memory_budget (or the free memory)"
+            )
+            fix = f"set stream_chunk_size to fewer than {length} tokens to stream anyway"
+        else:
+            why = f"it is no longer than stream_chunk_size={chunk}"
+            fix = f"set stream_chunk_size below {length}, or train longer sequences (max_length)"
+        logger.warning(
+            f"StreamBP: a {length}-token sequence is not streamed: {why}; its decoder layers are checkpointed whole, "
+            f"which saves nothing over Hugging Face's checkpointing. To stream, {fix}. (Said once; later calls "
+            "whose sequence fits one chunk are not streamed either.)"
+        )
 
     def logits_tile(self, hidden: torch.Tensor) -> int:
         """Tokens per tile of the logit kernel for the (batch, T, hidden) states ``hidden``."""
