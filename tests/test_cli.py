@@ -118,6 +118,14 @@ def test_missing_data_file_is_one_line(tmp_path):
     assert line.startswith("streambp-trl sft: error: cannot load the dataset: Unable to find") and "nope.jsonl" in line
 
 
+def test_a_max_length_that_drops_every_row_is_one_line(tmp_path):
+    """Said once the trainer has prepared the data (after its progress bars), not as the sampler's traceback."""
+    out = _sft_tiny(tmp_path, "--max_length", "16")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("streambp-trl sft: error: no training rows left: preparing split 'train' dropped every row")
+
+
 def test_tiny_config_runs_from_another_directory_and_its_adapter_names_its_base_from_anywhere(tmp_path):
     """The config's inputs (tiny_model, data/...) are found next to it; the LoRA adapter saved by the run names its
     base model by an absolute path, not one relative to where the run started."""

@@ -6,6 +6,7 @@ import re
 import shlex
 
 import pytest
+import torch
 from helpers import ROOT
 
 from streambp_trl.cli import UsageError, parse_args
@@ -117,3 +118,67 @@ def test_every_option_of_trl_is_an_option_of_ours():
 def test_a_bare_flag_without_its_objective_is_still_an_error():
     with pytest.raises(UsageError, match="unknown option: --beta"):
         parse_args("sft", ["--model_name_or_path", "m", "--use_cpu", "--beta", "0.1"])
+
+
+# --- the one-line errors of a command that cannot train ---------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a bf16 GPU")
+def test_trl_default_bf16_on_a_cpu_names_the_flag():
+    """transformers said "Your setup doesn't support bf16/gpu", naming no flag."""
+    with pytest.raises(UsageError) as error:
+        parse_args("sft", ["--model_name_or_path", "m", "--dataset_name", "d"])
+    assert str(error.value) == (
+        "bf16 (TRL's default) needs a GPU that supports it, and this machine has none: set `--bf16 false` "
+        "(`bf16: false` in a config) to train in float32 (and `--use_cpu true` to say the CPU is meant)"
+    )
+    assert parse_args("sft", ["--model_name_or_path", "m", "--bf16", "false"])[1].bf16 is False
+
+
+@pytest.mark.parametrize(
+    "objective, config, says",
+    [
+        ("sft", "dpo_tiny.yaml", "beta; the file looks like a DPO config: run `streambp-trl dpo`"),
+        ("dpo", "sft_tiny.yaml", "assistant_only_loss; the file looks like an SFT config: run `streambp-trl sft`"),
+        ("sft", "grpo_tiny.yaml", "; the file looks like a GRPO config: run `streambp-trl grpo`"),
+    ],
+)
+def test_a_config_of_another_objective_names_its_command(objective, config, says):
+    path = str(ROOT / "configs" / config)
+    with pytest.raises(UsageError) as error:
+        parse_args(objective, ["--config", path])
+    assert str(error.value).startswith(f"unknown field in {path}: ") and str(error.value).endswith(says)
+    with pytest.raises(UsageError, match=r"unknown option: --beta; DPO options: run `streambp-trl dpo`$"):
+        parse_args("sft", ["--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--beta", "0.2"])
+
+
+def test_a_data_file_as_dataset_name_loads_by_its_extension(tmp_path):
+    """``--dataset_name configs/data/tiny_chat.jsonl`` said the existing file could not be found."""
+    from trl import DatasetMixtureConfig, ScriptArguments
+
+    from streambp_trl.cli.run import _load_dataset
+
+    file = ROOT / "configs" / "data" / "tiny_chat.jsonl"
+    dataset = _load_dataset(ScriptArguments(dataset_name=str(file)), DatasetMixtureConfig())
+    assert len(dataset["train"]) == len(file.read_text().splitlines()) and "messages" in dataset["train"].features
+    other = tmp_path / "rows.dat"
+    other.write_text(file.read_text())
+    with pytest.raises(UsageError, match=r"is a file whose format its extension does not say .*data_files: FILE"):
+        _load_dataset(ScriptArguments(dataset_name=str(other)), DatasetMixtureConfig())
+
+
+def test_a_training_set_emptied_by_preparing_is_one_line():
+    """``--max_length 16`` with ``assistant_only_loss`` dropped every row and ended in a sampler's traceback."""
+    from types import SimpleNamespace
+
+    from streambp_trl.cli.run import _check_rows
+
+    script = SimpleNamespace(dataset_train_split="train")
+    args = SimpleNamespace(max_length=16, assistant_only_loss=True, completion_only_loss=None)
+    with pytest.raises(UsageError) as error:
+        _check_rows(SimpleNamespace(train_dataset=[], args=args), script)
+    assert str(error.value) == (
+        "no training rows left: preparing split 'train' dropped every row (truncated to max_length=16, no token left "
+        "to train with assistant_only_loss); raise max_length, or check the dataset's columns"
+    )
+    _check_rows(SimpleNamespace(train_dataset=[{"input_ids": [1]}], args=args), script)

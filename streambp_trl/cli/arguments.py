@@ -17,6 +17,7 @@ from pathlib import Path
 
 from trl import ScriptArguments, TrlParser
 
+_OBJECTIVES = ("sft", "dpo", "kto", "grpo", "rloo", "reward", "distillation")
 # objectives whose trainers score generated completions with reward functions
 _RL = ("grpo", "rloo")
 # config fields that name inputs, and those of each `datasets:` entry: looked up next to the config file first
@@ -198,15 +199,37 @@ class _Parser(TrlParser):
                 self._parse_dataclass_field(parser, dataclass_field)
         return None
 
-    def unknown(self, names: list[str], where: str) -> UsageError:
-        """The error for ``names`` (config fields or ``--options``) that no argument takes, with the closest ones."""
+    def unknown(self, names: list[str], where: str, hint: str = "") -> UsageError:
+        """The error for ``names`` (config fields or ``--options``) that no argument takes, with the closest ones
+        (and ``hint``, where they belong to another command)."""
         fields = sorted({action.dest for action in self._actions})
         hints = []
         for name in names:
             prefix = "--" if name.startswith("-") else ""
             close = difflib.get_close_matches(name.lstrip("-"), fields, n=1)
             hints.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
-        return UsageError(f"unknown {where}: {', '.join(hints)}; `{self.prog} --help` lists the options")
+        return UsageError(f"unknown {where}: {', '.join(hints)}; {hint or f'`{self.prog} --help` lists the options'}")
+
+
+def _other_objective(name: str, fields: list[str]) -> str | None:
+    """The other command whose config has every one of ``fields`` (``dpo`` for ``beta`` given to ``sft``), if any."""
+    for other in _OBJECTIVES:
+        config_cls, _ = _objective(other)
+        script_cls = RewardScriptArguments if other in _RL else ScriptArguments
+        known = {f.name for cls in (config_cls, script_cls) for f in dataclasses.fields(cls)}
+        if other != name and fields and set(fields) <= known:
+            return other
+    return None
+
+
+def _belongs(other: str | None, what: str) -> str:
+    """``what`` naming ``other``, and the command to run: ``the file looks like a DPO config: run `streambp-trl dpo```
+    for ``what`` = ``the file looks like {a} {label} config``; ``""`` without another command."""
+    if other is None:
+        return ""
+    label = other.upper() if len(other) <= 4 else other
+    article = "an" if label[0] in "AEFHILMNORSX" else "a"
+    return f"{what.format(a=article, label=label)}: run `streambp-trl {other}`"
 
 
 def _option(arg: str) -> str:
@@ -234,7 +257,9 @@ def parse_args(name: str, argv: list[str]) -> tuple:
             os.environ[key] = str(value)
         unknown = parser.set_defaults_with_config(**config)[::2]
         if unknown:
-            raise parser.unknown([key.removeprefix("--") for key in unknown], f"field in {path}")
+            names = [key.removeprefix("--") for key in unknown]
+            hint = _belongs(_other_objective(name, names), "the file looks like {a} {label} config")
+            raise parser.unknown(names, f"field in {path}", hint)
     elif not {"-h", "--help"} & set(argv) and "model_name_or_path" not in {_option(a) for a in argv}:
         raise UsageError(
             f"no config: give one, `streambp-trl {name} --config FILE.yaml` (configs/{name}_tiny.yaml trains a tiny "
@@ -245,9 +270,16 @@ def parse_args(name: str, argv: list[str]) -> tuple:
     except UsageError:
         raise
     except ValueError as error:  # a value the config classes refuse (their __post_init__)
+        if "support bf16" in str(error):  # transformers' "Your setup doesn't support bf16/gpu", naming no flag
+            raise UsageError(
+                "bf16 (TRL's default) needs a GPU that supports it, and this machine has none: set `--bf16 false` "
+                "(`bf16: false` in a config) to train in float32 (and `--use_cpu true` to say the CPU is meant)"
+            ) from error
         raise UsageError(_one_line(error)) from error
     if remaining:
-        raise parser.unknown([a for a in remaining if a.startswith("-")] or remaining, "option")
+        options = [a for a in remaining if a.startswith("-")] or remaining
+        hint = _belongs(_other_objective(name, [_option(a) for a in options]), "{label} options")
+        raise parser.unknown(options, "option", hint)
     return tuple(parsed)
 
 
