@@ -118,6 +118,21 @@ def _check_rows(trainer, script_args) -> None:
     )
 
 
+# accelerate's distributed types in words
+_DISTRIBUTED = {"MULTI_CPU": "data parallel, gloo", "MULTI_GPU": "data parallel, DDP", "FSDP": "FSDP"}
+
+
+def _processes(trainer) -> str:
+    """``1 process (cpu)``, ``2 processes (data parallel, gloo, cpu)``, ``8 processes (DeepSpeed ZeRO-3, cuda)``."""
+    state = trainer.accelerator.state
+    kind = state.distributed_type.value
+    if kind == "DEEPSPEED":
+        kind = f"DeepSpeed ZeRO-{state.deepspeed_plugin.zero_stage}"
+    words = [] if kind == "NO" else [_DISTRIBUTED.get(kind, kind)]
+    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
+    return f"{processes} ({', '.join([*words, trainer.args.device.type])})"
+
+
 def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
     """Train as ``trl <objective>`` does, with the objective's ``Stream*Trainer``; returns the output directory."""
     from trl import get_peft_config, get_quantization_config
@@ -169,9 +184,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
         **teacher,
     )
     _check_rows(trainer, script_args)
-    state = trainer.accelerator.state
-    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
-    trainer.accelerator.print(f"Training on {processes} ({state.distributed_type.value}, {trainer.args.device.type})")
+    trainer.accelerator.print(f"Training on {_processes(trainer)}")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
