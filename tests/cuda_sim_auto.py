@@ -37,7 +37,7 @@ def prepare(model, mode, chunk, logits_chunk, stream_kwargs=None):
 sim.prepare = prepare
 result = {}
 for chunk in ("auto", 16384):
-    kwargs = {"verify": False, "memory_budget": budget} if chunk == "auto" else {"verify": False}
+    kwargs = {"verify": False, "memory_budget": f"{budget}B"} if chunk == "auto" else {"verify": False}
     rec = sim.simulate(
         "small",
         torch.bfloat16,

@@ -236,3 +236,39 @@ def test_shipped_rewards():
     assert length_reward(["x" * 40, "x" * 20, "x" * 200]) == [1.0, 0.5, -1.0]
     assert length_reward([[{"role": "assistant", "content": "x" * 40}]]) == [1.0]
     assert sentence_format_reward([" It is 4.", " It is 4. And 5.", "no period\nhere."]) == [1.0, 0.0, 0.0]
+
+
+def _unstreamed(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "is not streamed" in r.getMessage()]
+
+
+def test_a_sequence_within_one_chunk_is_said_once_naming_the_setting(caplog):
+    """A call whose sequence fits one chunk streams nothing (each layer checkpointed whole): it was silent. The first
+    such call with gradients says so, once, naming stream_chunk_size and max_length; no-grad calls and streamed ones
+    say nothing."""
+    model = enable_streambp(tiny_model("qwen3"), stream_chunk_size=16)
+    ids = torch.randint(0, 100, (2, 24))
+    with caplog.at_level("WARNING", logger="streambp_trl.engine.state"):
+        with torch.no_grad():
+            model(input_ids=ids[:, :8], labels=ids[:, :8])
+        model(input_ids=ids, labels=ids).loss.backward()  # 24 > 16 tokens: streamed
+        assert not _unstreamed(caplog)
+        for length in (16, 8):
+            model(input_ids=ids[:, :length], labels=ids[:, :length]).loss.backward()
+    said = _unstreamed(caplog)
+    assert said == [
+        "StreamBP: a 16-token sequence is not streamed: it is no longer than stream_chunk_size=16; its decoder layers "
+        "are checkpointed whole, which saves nothing over Hugging Face's checkpointing. To stream, set "
+        "stream_chunk_size below 16, or train longer sequences (max_length). (Said once; later calls whose sequence "
+        "fits one chunk are not streamed either.)"
+    ]
+
+
+def test_auto_choosing_one_chunk_is_said_naming_auto(caplog):
+    model = enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto")
+    ids = torch.randint(0, 100, (1, 40))
+    with caplog.at_level("WARNING", logger="streambp_trl.engine.state"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    (said,) = _unstreamed(caplog)
+    assert "a 40-token sequence is not streamed: stream_chunk_size='auto' chose one chunk of" in said
+    assert "set stream_chunk_size to fewer than 40 tokens to stream anyway" in said

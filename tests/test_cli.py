@@ -41,6 +41,8 @@ def test_tiny_config_trains_and_saves_a_plain_transformers_model(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"Model saved to {tmp_path}" in out.stdout + out.stderr
     assert "'stream_chunk_size': 32" in out.stdout + out.stderr
+    assert "Training on 1 process (cpu)" in out.stdout  # accelerate's distributed type in words ("NO": none)
+    assert "is deprecated" not in out.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     prompt = tokenizer.apply_chat_template(
@@ -116,6 +118,14 @@ def test_missing_data_file_is_one_line(tmp_path):
     config.write_text((ROOT / "configs" / "sft_tiny.yaml").read_text().replace("tiny_chat.jsonl", "nope.jsonl"))
     line = _one_line_error(_cli("sft", "--config", str(config), "--model_name_or_path", str(MODEL)))
     assert line.startswith("streambp-trl sft: error: cannot load the dataset: Unable to find") and "nope.jsonl" in line
+
+
+def test_a_max_length_that_drops_every_row_is_one_line(tmp_path):
+    """Said once the trainer has prepared the data (after its progress bars), not as the sampler's traceback."""
+    out = _sft_tiny(tmp_path, "--max_length", "16")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("streambp-trl sft: error: no training rows left: preparing split 'train' dropped every row")
 
 
 def test_tiny_config_runs_from_another_directory_and_its_adapter_names_its_base_from_anywhere(tmp_path):

@@ -33,7 +33,7 @@ def test_the_ddp_config_runs_two_processes_on_the_cpu(tmp_path):
     out = _accelerate_launch("--num_processes", "2", output_dir=tmp_path)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    assert "Training on 2 processes (MULTI_CPU, cpu)" in log
+    assert "Training on 2 processes (data parallel, gloo, cpu)" in log
     # two processes of 8 sequences a step: 2 steps are 32 of the ~300 examples (one process: 0.05263)
     assert "'epoch': '0.1053'" in log, log[-2000:]
     # the stream trainers do not ask DDP to search for unused parameters (tests/test_trainer_options.py)
@@ -79,4 +79,4 @@ def test_the_ddp_config_runs_two_processes_on_gpus(tmp_path):
     out = _accelerate_launch("--num_processes", "2", output_dir=tmp_path, train=("--use_cpu", "false"))
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
-    assert "Training on 2 processes (MULTI_GPU, cuda)" in log and f"Model saved to {tmp_path}" in log
+    assert "Training on 2 processes (data parallel, DDP, cuda)" in log and f"Model saved to {tmp_path}" in log

@@ -154,6 +154,20 @@ def test_without_a_gpu_it_estimates_for_an_80gb_card(fake_model, capsys, monkeyp
     assert "Estimated from the memory model" in out and "No GPU here: 78GiB" in out
 
 
+@pytest.mark.parametrize("card, gib", [("h100", 78), ("a100-80gb", 78), ("a100-40gb", 38), ("h200", 139)])
+def test_a_card_is_its_stated_memory_less_the_same_reserve(card, gib, fake_model, capsys, monkeypatch):
+    """``--gpu-memory 141GB`` "for an H200" gave 131 GiB (decimal GB) where the 80 GB default is 78 GiB (80 GiB less
+    the CUDA context): every card now takes the one rule, its stated size in GiB less 2 GiB."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # a named card estimates even beside a GPU
+    cli.main(["max-len", "--model", "qwen3-8b", "--gpu", card])
+    out = capsys.readouterr().out
+    assert f"budget {gib}.00 GiB" in out and f"({card}: {gib + 2} GiB less 2 GiB for the CUDA context.)" in out
+    assert ml.gpu_budget(ml.DEFAULT_GPU) == ml.DEFAULT_GPU_MEMORY == "78GiB"
+    with pytest.raises(SystemExit):
+        cli.main(["max-len", "--model", "qwen3-8b", "--gpu", card, "--gpu-memory", "70GiB"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_cpu_needs_a_budget(capsys):
     with pytest.raises(SystemExit):
         cli.main(["max-len", "--model", "qwen3-tiny", "--device", "cpu"])

@@ -1,6 +1,7 @@
 """Every stream option is checked in one place (``StreamOptions.__post_init__``): a bad value gives the same message
 through ``enable_streambp``, through a ``Stream*Config`` and through the command line."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -21,6 +22,7 @@ BAD = [
     ("keep_every", "stream_keep_every", 0, "keep_every (stream_keep_every in a config) must be a positive integer"),
     ("memory_budget", "memory_budget", "lots", "memory_budget: "),
     ("memory_budget", "memory_budget", "0GiB", "memory_budget must be a positive size"),
+    ("memory_budget", "memory_budget", "80", "memory_budget: '80' has no unit: write 80GiB (binary), 80GB (decimal)"),
 ]
 
 
@@ -45,7 +47,7 @@ def test_a_bad_option_gives_one_message_everywhere(option, field, value, says):
 
 def test_options_are_normalised_once():
     options = StreamOptions(stream_chunk_size=8, memory_budget="1GiB", fused_outputs=("entropy",), temperature=2)
-    assert options.logits_chunk_size == 8 and options.memory_budget == 2**30
+    assert options.logits_chunk_size == 8 and options.memory_budget == "1GiB" and options.memory_budget_bytes == 2**30
     assert options.fused_outputs == ("log_probs", "entropy") and options.temperature == 2.0
     config = StreamSFTConfig("unused", bf16=False, stream_chunk_size="512", stream_kv_mode="capture")
     assert config.to_options() == StreamOptions(stream_chunk_size=512, kv_mode="capture")
@@ -54,3 +56,18 @@ def test_options_are_normalised_once():
 def test_enable_takes_the_options_object():
     model = enable_streambp(tiny_model("llama"), StreamOptions(stream_chunk_size=4), keep_every=2)
     assert model._streambp.options == StreamOptions(stream_chunk_size=4, keep_every=2)
+
+
+@pytest.mark.parametrize("budget", [80, 80.0, "80"])
+def test_a_memory_budget_without_a_unit_is_refused_not_read_as_bytes(budget, tmp_path):
+    """``memory_budget: 80`` (YAML's int) or ``80`` in Python was read as 80 bytes, and "auto" took the smallest
+    chunk everywhere without a word; a size says its unit (``4096B`` for bytes)."""
+    with pytest.raises(ValueError, match="memory_budget: '80(.0)?' has no unit: write 80(.0)?GiB"):
+        StreamOptions(stream_chunk_size="auto", memory_budget=budget)
+    config = tmp_path / "sft.yaml"
+    config.write_text(Path(CONFIG).read_text().replace("stream_chunk_size: 32", f"memory_budget: {budget}"))
+    with pytest.raises(UsageError, match="has no unit"):
+        parse_args("sft", ["--config", str(config)])
+    assert StreamOptions(stream_chunk_size="auto", memory_budget="4096B").memory_budget_bytes == 4096
+    kept = StreamOptions(stream_chunk_size="auto", memory_budget="78GiB")
+    assert dataclasses.replace(kept, temperature=2.0).memory_budget_bytes == 78 * 2**30

@@ -15,6 +15,7 @@ import torch
 import transformers
 from datasets import Dataset
 from helpers import (
+    CHUNK,
     EXACT,
     MODEL,
     ROOT,
@@ -220,6 +221,7 @@ def test_one_step_equals_reward_trainer(tmp_path):
     ref, ours = _same(tmp_path)
     logged = [h for h in ours.state.log_history if "loss" in h][0]
     assert {"accuracy", "margin", "min_reward", "mean_reward", "max_reward", "num_tokens"} <= set(logged)
+    assert logged["stream_chunk_size"] == CHUNK and "logits_chunk_size" not in logged  # no logit kernel runs
     assert isinstance(ours.maybe_activation_offload_context, contextlib.nullcontext)
     held_out = tiny_dataset("preference").select(range(8, 14))
     expected, metrics = ref.evaluate(held_out), ours.evaluate(held_out)

@@ -7,7 +7,9 @@ Two ways, and the output says which one it used:
   process (:mod:`streambp_trl.bench.measure`); lengths are multiples of ``--step``. On CUDA a length fits when it
   runs without running out of memory (and, with ``--budget``, when ``max_memory_allocated`` stays within it); on
   the CPU when the model's bytes plus the step's peak RSS above the loaded model stay within ``--budget``.
-* **estimated**: without a GPU, or with ``--gpu-memory``, from :mod:`streambp_trl.sizing.memory_model`.
+* **estimated**: without a GPU, or with ``--gpu`` / ``--gpu-memory``, from :mod:`streambp_trl.sizing.memory_model`:
+  for a card (``--gpu h200``, default ``h100``) its stated memory less 2 GiB for the CUDA context (78 GiB of an 80 GB
+  card, 139 of an H200's 141), or for the memory ``--gpu-memory`` says the step may use.
 
 The stream rows' chunk sizes default to ``"auto"``: a measured row runs what a trainer with
 ``stream_chunk_size="auto"`` runs (the engine's own policy, :mod:`streambp_trl.sizing.auto`); an estimate takes the
@@ -46,7 +48,20 @@ _LABELS = {
 ROWS: dict[str, tuple[Mode, str]] = {mode.memory_model_mode: (mode, label) for mode, label in _LABELS.items()}
 OFFLOAD_ROW = Mode.STREAM_OFFLOAD.memory_model_mode  # the row --offload adds to a measured run
 OPTIMIZER_BYTES = {"none": 0, "adamw": 8, "adamw-8bit": 2}  # state bytes per trainable parameter
-DEFAULT_GPU_MEMORY = "78GiB"  # an 80 GB card less the CUDA context and library workspaces
+# cards by the memory their makers state ("80 GB", "141 GB"), which is GiB: an H100's 80 GB is 80 GiB, of which
+# nvidia-smi shows 79.6; an H200's 141 GB shows 140.4
+GPUS = {"a100-40gb": 40, "a100-80gb": 80, "h100": 80, "h200": 141}
+CUDA_RESERVE_GIB = 2  # what a step cannot have of a card: the CUDA context and library workspaces
+DEFAULT_GPU = "h100"
+
+
+def gpu_budget(card: str) -> str:
+    """The memory a training step may use on ``card``: its stated size less :data:`CUDA_RESERVE_GIB`, as a size
+    (``"h100"``: ``"78GiB"``, ``"h200"``: ``"139GiB"``)."""
+    return f"{GPUS[card] - CUDA_RESERVE_GIB}GiB"
+
+
+DEFAULT_GPU_MEMORY = gpu_budget(DEFAULT_GPU)
 
 
 def _size_arg(text: str) -> int:
@@ -78,7 +93,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="measured runs: add the stream + offload row (trials up to a million tokens, needs host memory); "
         "an estimate always has it",
     )
-    p.add_argument("--gpu-memory", type=_size_arg, help="estimate for this much GPU memory (e.g. 80GiB, 141GB)")
+    card = p.add_mutually_exclusive_group()
+    card.add_argument(
+        "--gpu",
+        choices=GPUS,
+        help=f"estimate for this card: its stated memory (GiB) less {CUDA_RESERVE_GIB} GiB for the CUDA context: "
+        + ", ".join(f"{name} {gpu_budget(name)}" for name in GPUS)
+        + f" (default without a GPU: {DEFAULT_GPU})",
+    )
+    card.add_argument(
+        "--gpu-memory",
+        type=_size_arg,
+        help="estimate for this much memory, what the step may use (not the card's size: see --gpu), e.g. 78GiB",
+    )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to measure")
     p.add_argument("--budget", type=_size_arg, help="measured runs: the most the peak may reach (cpu: required)")
     p.add_argument("--chunk", type=_positive, help="stream_chunk_size (default: auto, as the trainers)")
@@ -322,8 +349,13 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
             f"Estimated from the memory model (streambp_trl.sizing.memory_model), not measured: budget "
             f"{_human(result['budget_bytes'])} of GPU memory (torch.cuda.max_memory_allocated)."
         )
-        if args.gpu_memory is None:
-            how += f" (No GPU here: {DEFAULT_GPU_MEMORY}, an 80 GB card less the CUDA context; see --gpu-memory.)"
+        if args.gpu:
+            how += f" ({args.gpu}: {GPUS[args.gpu]} GiB less {CUDA_RESERVE_GIB} GiB for the CUDA context.)"
+        elif args.gpu_memory is None:
+            how += (
+                f" (No GPU here: {DEFAULT_GPU_MEMORY}, an 80 GB card ({DEFAULT_GPU}) less the CUDA context; see --gpu "
+                "and --gpu-memory.)"
+            )
     else:
         env = result["env"]
         bound = f", budget {_human(result['budget_bytes'])}" if result["budget_bytes"] else ""
@@ -349,6 +381,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.gpu:
+        args.gpu_memory = mm.parse_size(gpu_budget(args.gpu))
     modes = list(dict.fromkeys([*(args.mode or ROWS), *([OFFLOAD_ROW] if args.offload else [])]))
     import torch
 

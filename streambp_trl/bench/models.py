@@ -63,7 +63,11 @@ def prepare_model(model: Any, spec: MeasureSpec, *, trainable: bool = True) -> A
     """Set ``model`` up for ``spec.mode`` (and LoRA); returns the model to call (a PEFT wrapper with LoRA)."""
     outputs = ("log_probs",) if spec.objective == "sft" else ("log_probs", "entropy")
     if spec.mode.checkpoints and trainable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)  # the name since transformers 5.23
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.mode is Mode.CHECKPOINT_CHUNKED_LOSS:
         import trl.kernels.chunked_logprob as trl_kernel
         from trl.trainer.utils import add_fused_lm_head

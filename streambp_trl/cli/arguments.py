@@ -4,16 +4,20 @@ up next to it), the reward functions of RL objectives and the launch checks; eve
 
 from __future__ import annotations
 
+import argparse
 import copy
+import dataclasses
 import difflib
 import importlib
 import os
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trl import ScriptArguments, TrlParser
 
+_OBJECTIVES = ("sft", "dpo", "kto", "grpo", "rloo", "reward", "distillation")
 # objectives whose trainers score generated completions with reward functions
 _RL = ("grpo", "rloo")
 # config fields that name inputs, and those of each `datasets:` entry: looked up next to the config file first
@@ -129,30 +133,103 @@ def read_config(path: str) -> dict:
     return config
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: ...)`` after each option's help, unless the help already says its default."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
 class _Parser(TrlParser):
     """``TrlParser`` whose mistakes raise :class:`UsageError` (argparse would print the usage of all ~400 options),
-    reading an ``int | str`` field (``stream_chunk_size``) as given, for the config to check: TRL's parser would
-    convert every value to int, ``'auto'`` included."""
+    that takes TRL's command lines as ``trl CMD`` does and a little more, and lists the stream options apart:
+
+    * every boolean field takes a bare ``--flag`` (True) and ``--no_flag`` (False) besides ``--flag true|false``: TRL's
+      parser gives ``--no_X`` only to fields whose default is True, and neither form to ``bool | None`` fields whose
+      default is decided later (``bf16``; ``gradient_checkpointing``, which a ``Stream*Config`` leaves unset so that
+      its default is the current name, ``activation_checkpointing``);
+    * an ``int | str`` field (``stream_chunk_size``) is read as given, for the config to check: TRL's parser would
+      convert every value to int, ``'auto'`` included;
+    * the options a ``Stream*Config`` adds to TRL's are one titled group of ``--help``, and a help text that says its
+      default is not given a second ``(default: ...)``."""
+
+    def __init__(self, dataclass_types, **kwargs):
+        super().__init__(dataclass_types, formatter_class=_HelpFormatter, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message}; `{self.prog} --help` lists the options")
 
     @staticmethod
     def _parse_dataclass_field(parser, dataclass_field):
-        if dataclass_field.type == int | str:
+        hint = dataclass_field.type
+        if hint == int | str:
             dataclass_field = copy.copy(dataclass_field)
             dataclass_field.type = str
+        unset_flag = hint in (bool, bool | None) and dataclass_field.default is None  # its default decided later
+        if unset_flag and "nargs" not in dataclass_field.metadata:
+            dataclass_field = copy.copy(dataclass_field)
+            dataclass_field.metadata = {**dataclass_field.metadata, "nargs": "?", "const": True}
         TrlParser._parse_dataclass_field(parser, dataclass_field)
+        negative = f"--no_{dataclass_field.name}"
+        if unset_flag and negative not in parser._option_string_actions:  # (TRL's gives it where the default is True)
+            help_text = f"Sets {dataclass_field.name} to False."
+            parser.add_argument(
+                negative,
+                negative.replace("_", "-"),
+                action="store_false",
+                dest=dataclass_field.name,
+                default=dataclass_field.default,
+                help=help_text,
+            )
 
-    def unknown(self, names: list[str], where: str) -> UsageError:
-        """The error for ``names`` (config fields or ``--options``) that no argument takes, with the closest ones."""
+    def _add_dataclass_arguments(self, dtype):
+        from ..trainers.stream_config import STREAM_FIELDS, StreamArguments
+
+        if not issubclass(dtype, StreamArguments):
+            return super()._add_dataclass_arguments(dtype)
+        group = self.add_argument_group(
+            "stream options (streambp-trl)",
+            "How the stream engine chunks each decoder layer and the LM head; the other options are TRL's.",
+        )
+        hints = typing.get_type_hints(dtype)
+        for dataclass_field in dataclasses.fields(dtype):
+            if dataclass_field.init:
+                dataclass_field.type = hints[dataclass_field.name]
+                parser = group if dataclass_field.name in STREAM_FIELDS else self
+                self._parse_dataclass_field(parser, dataclass_field)
+        return None
+
+    def unknown(self, names: list[str], where: str, hint: str = "") -> UsageError:
+        """The error for ``names`` (config fields or ``--options``) that no argument takes, with the closest ones
+        (and ``hint``, where they belong to another command)."""
         fields = sorted({action.dest for action in self._actions})
         hints = []
         for name in names:
             prefix = "--" if name.startswith("-") else ""
             close = difflib.get_close_matches(name.lstrip("-"), fields, n=1)
             hints.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
-        return UsageError(f"unknown {where}: {', '.join(hints)}; `{self.prog} --help` lists the options")
+        return UsageError(f"unknown {where}: {', '.join(hints)}; {hint or f'`{self.prog} --help` lists the options'}")
+
+
+def _other_objective(name: str, fields: list[str]) -> str | None:
+    """The other command whose config has every one of ``fields`` (``dpo`` for ``beta`` given to ``sft``), if any."""
+    for other in _OBJECTIVES:
+        config_cls, _ = _objective(other)
+        script_cls = RewardScriptArguments if other in _RL else ScriptArguments
+        known = {f.name for cls in (config_cls, script_cls) for f in dataclasses.fields(cls)}
+        if other != name and fields and set(fields) <= known:
+            return other
+    return None
+
+
+def _belongs(other: str | None, what: str) -> str:
+    """``what`` naming ``other``, and the command to run: ``the file looks like a DPO config: run `streambp-trl dpo```
+    for ``what`` = ``the file looks like {a} {label} config``; ``""`` without another command."""
+    if other is None:
+        return ""
+    label = other.upper() if len(other) <= 4 else other
+    article = "an" if label[0] in "AEFHILMNORSX" else "a"
+    return f"{what.format(a=article, label=label)}: run `streambp-trl {other}`"
 
 
 def _option(arg: str) -> str:
@@ -180,7 +257,9 @@ def parse_args(name: str, argv: list[str]) -> tuple:
             os.environ[key] = str(value)
         unknown = parser.set_defaults_with_config(**config)[::2]
         if unknown:
-            raise parser.unknown([key.removeprefix("--") for key in unknown], f"field in {path}")
+            names = [key.removeprefix("--") for key in unknown]
+            hint = _belongs(_other_objective(name, names), "the file looks like {a} {label} config")
+            raise parser.unknown(names, f"field in {path}", hint)
     elif not {"-h", "--help"} & set(argv) and "model_name_or_path" not in {_option(a) for a in argv}:
         raise UsageError(
             f"no config: give one, `streambp-trl {name} --config FILE.yaml` (configs/{name}_tiny.yaml trains a tiny "
@@ -191,9 +270,16 @@ def parse_args(name: str, argv: list[str]) -> tuple:
     except UsageError:
         raise
     except ValueError as error:  # a value the config classes refuse (their __post_init__)
+        if "support bf16" in str(error):  # transformers' "Your setup doesn't support bf16/gpu", naming no flag
+            raise UsageError(
+                "bf16 (TRL's default) needs a GPU that supports it, and this machine has none: set `--bf16 false` "
+                "(`bf16: false` in a config) to train in float32 (and `--use_cpu true` to say the CPU is meant)"
+            ) from error
         raise UsageError(_one_line(error)) from error
     if remaining:
-        raise parser.unknown([a for a in remaining if a.startswith("-")] or remaining, "option")
+        options = [a for a in remaining if a.startswith("-")] or remaining
+        hint = _belongs(_other_objective(name, [_option(a) for a in options]), "{label} options")
+        raise parser.unknown(options, "option", hint)
     return tuple(parsed)
 
 

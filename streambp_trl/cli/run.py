@@ -46,6 +46,22 @@ def _model_path(name: str, revision: str | None, field_name: str) -> str:
     return name
 
 
+# the builder of `datasets` that reads a data file, by its extension
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def _file_builder(path: str) -> str:
+    """The ``datasets`` builder for a data file given as ``dataset_name`` (``load_dataset`` takes a directory or a
+    Hub name there, not a file), or a :class:`UsageError` giving the form that loads it."""
+    extension = os.path.splitext(path)[1].lower()
+    if extension not in _FILE_BUILDERS:
+        raise UsageError(
+            f"dataset_name {path!r} is a file whose format its extension does not say ({', '.join(_FILE_BUILDERS)}): "
+            "give `datasets: [{path: json, data_files: FILE}]` (or csv, parquet, text) in the config"
+        )
+    return _FILE_BUILDERS[extension]
+
+
 def _load_dataset(script_args, dataset_args):
     from datasets import load_dataset
     from trl import get_dataset
@@ -53,6 +69,8 @@ def _load_dataset(script_args, dataset_args):
     try:
         if dataset_args.datasets:
             return get_dataset(dataset_args)
+        if script_args.dataset_name and os.path.isfile(script_args.dataset_name):
+            return load_dataset(_file_builder(script_args.dataset_name), data_files=script_args.dataset_name)
         if script_args.dataset_name:
             return load_dataset(script_args.dataset_name, name=script_args.dataset_config)
     except FileNotFoundError as error:
@@ -79,6 +97,40 @@ def _teacher(training_args, model_args) -> str:
     }
     training_args.teacher_model_init_kwargs = {**loading, **(training_args.teacher_model_init_kwargs or {})}
     return _model_path(name, revision, "teacher_model_name_or_path")
+
+
+def _check_rows(trainer, script_args) -> None:
+    """Refuse a training set that preparing emptied (every row dropped: truncated to ``max_length`` with no trained
+    token left), which would fail in the sampler with a long traceback (``num_samples=0``)."""
+    rows = trainer.train_dataset
+    if rows is None or not hasattr(rows, "__len__") or len(rows):
+        return
+    args = trainer.args
+    why = ""
+    if getattr(args, "max_length", None) is not None:
+        masked = [n for n in ("assistant_only_loss", "completion_only_loss") if getattr(args, n, None)]
+        why = f" (truncated to max_length={args.max_length}" + (
+            f", no token left to train with {' and '.join(masked)})" if masked else ")"
+        )
+    raise UsageError(
+        f"no training rows left: preparing split {script_args.dataset_train_split!r} dropped every row{why}; "
+        "raise max_length, or check the dataset's columns"
+    )
+
+
+# accelerate's distributed types in words
+_DISTRIBUTED = {"MULTI_CPU": "data parallel, gloo", "MULTI_GPU": "data parallel, DDP", "FSDP": "FSDP"}
+
+
+def _processes(trainer) -> str:
+    """``1 process (cpu)``, ``2 processes (data parallel, gloo, cpu)``, ``8 processes (DeepSpeed ZeRO-3, cuda)``."""
+    state = trainer.accelerator.state
+    kind = state.distributed_type.value
+    if kind == "DEEPSPEED":
+        kind = f"DeepSpeed ZeRO-{state.deepspeed_plugin.zero_stage}"
+    words = [] if kind == "NO" else [_DISTRIBUTED.get(kind, kind)]
+    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
+    return f"{processes} ({', '.join([*words, trainer.args.device.type])})"
 
 
 def train(objective: str, script_args, training_args, model_args, dataset_args) -> str:
@@ -131,9 +183,8 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
         **rewards,
         **teacher,
     )
-    state = trainer.accelerator.state
-    processes = f"{state.num_processes} process" + ("es" if state.num_processes > 1 else "")
-    trainer.accelerator.print(f"Training on {processes} ({state.distributed_type.value}, {trainer.args.device.type})")
+    _check_rows(trainer, script_args)
+    trainer.accelerator.print(f"Training on {_processes(trainer)}")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}")

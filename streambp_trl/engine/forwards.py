@@ -71,10 +71,13 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
         kwargs["logits_to_keep"] = 0  # KV-shared layers): every position, whose kept rows the head takes as before
     check_segmentable(decoder, state.settings.keep_every)  # FSDP/ZeRO-3 may have come after enabling
     hidden_states_kept = bool(kwargs.get("output_hidden_states") or decoder.config.output_hidden_states)
+    inputs = _inputs(args, kwargs)
     if chunk_size is not None:
         call = DecoderCall(chunk_size=chunk_size, inputs_rebuildable=not hidden_states_kept)
     else:
-        call = state.call_plan(_inputs(args, kwargs), rebuildable=not hidden_states_kept)
+        call = state.call_plan(inputs, rebuildable=not hidden_states_kept)
+        if torch.is_grad_enabled():
+            state.say_if_unstreamed(inputs, call.chunk_size)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
     # for an eval-mode streamed call, so dropout and the like stay off
     with (

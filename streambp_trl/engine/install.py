@@ -112,7 +112,7 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
     )
     fixed = None if chunk == AUTO else chunk
     auto = (
-        AutoChunks(lm, options.memory_budget, options.offload_checkpoints, options.keep_every, chunk=fixed)
+        AutoChunks(lm, options.memory_budget_bytes, options.offload_checkpoints, options.keep_every, chunk=fixed)
         if options.planned
         else None
     )

@@ -54,8 +54,10 @@ class StreamOptions:
             forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.kept.offload`); a
             no-op on CPU. ``None`` (default): each call's plan decides (:mod:`streambp_trl.sizing.plan`), off where no
             memory figure is known.
-        memory_budget: device bytes (or a size such as ``"78GiB"``, kept as bytes) the step may use, for ``"auto"``
-            chunk sizes; ``None``: the free memory of the CUDA device when a call starts.
+        memory_budget: the device memory the step may use, for ``"auto"`` chunk sizes: a size with its unit,
+            ``"78GiB"``, ``"80GB"``, ``"512MiB"`` (``"4096B"`` for bytes; a bare number is refused, ``80`` being far
+            more likely 80 GiB than 80 bytes), read into :attr:`memory_budget_bytes`; ``None``: the free memory of
+            the CUDA device when a call starts.
         keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
             other layers rebuild theirs in backward by one more chunked forward (see
             :mod:`streambp_trl.layers.kept.segments`). Not with ZeRO-3 or FSDP. ``None`` (default): each call's plan
@@ -78,9 +80,10 @@ class StreamOptions:
     stream_eval: bool = False
     verify: bool = True
     offload_checkpoints: bool | None = None
-    memory_budget: int | str | None = None
+    memory_budget: str | None = None
     keep_every: int | None = None
     token_mean_loss: bool = False
+    memory_budget_bytes: int | None = dataclasses.field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("stream_chunk_size", "logits_chunk_size"):
@@ -110,7 +113,7 @@ class StreamOptions:
                 f"got {self.offload_checkpoints!r}."
             )
         if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", parse_budget(self.memory_budget))
+            object.__setattr__(self, "memory_budget_bytes", parse_budget(self.memory_budget))
         if self.keep_every is not None and not _positive_int(self.keep_every):
             raise ValueError(
                 f"{_named('keep_every')} must be a positive integer number of layers (or None: planned per call), "

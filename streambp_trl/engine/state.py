@@ -49,6 +49,7 @@ class EngineState:
     head_form: str | None = dataclasses.field(default=None, compare=False)  # the latest call's logit gradient form
     # where a plan offloads checkpoints the options do not: the model's one offloader
     offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
+    unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
 
     def call_plan(self, inputs: torch.Tensor | None, rebuildable: bool) -> DecoderCall:
         """The :class:`~streambp_trl.layers.DecoderCall` of a streamed decoder call on ``inputs`` (batch, T, ...),
@@ -75,6 +76,29 @@ class EngineState:
             chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings
         )
 
+    def say_if_unstreamed(self, inputs: torch.Tensor | None, chunk: int | None) -> None:
+        """One warning, the first time a call with gradients runs its whole sequence as one chunk (``chunk`` tokens
+        or more): each layer is then checkpointed whole, as Hugging Face's checkpointing would, and nothing is
+        streamed. Names why (the fixed chunk, or what ``"auto"`` chose) and the setting to change."""
+        if self.unstreamed_said or chunk is None or inputs is None or inputs.dim() < 2 or inputs.shape[1] > chunk:
+            return
+        self.unstreamed_said = True
+        length = inputs.shape[1]
+        if self.options.stream_chunk_size == AUTO:
+            why = (
+                f"stream_chunk_size='auto' chose one chunk of {chunk} tokens, as the memory model finds the whole "
+                "sequence fits memory_budget (or the free memory)"
+            )
+            fix = f"set stream_chunk_size to fewer than {length} tokens to stream anyway"
+        else:
+            why = f"it is no longer than stream_chunk_size={chunk}"
+            fix = f"set stream_chunk_size below {length}, or train longer sequences (max_length)"
+        logger.warning(
+            f"StreamBP: a {length}-token sequence is not streamed: {why}; its decoder layers are checkpointed whole, "
+            f"which saves nothing over Hugging Face's checkpointing. To stream, {fix}. (Said once; later calls "
+            "whose sequence fits one chunk are not streamed either.)"
+        )
+
     def logits_tile(self, hidden: torch.Tensor) -> int:
         """Tokens per tile of the logit kernel for the (batch, T, hidden) states ``hidden``."""
         if self.options.logits_chunk_size != AUTO:
@@ -94,7 +118,7 @@ class EngineState:
         (:func:`~streambp_trl.sizing.auto.head_form`): ``"eager"`` only when the call's loss is a token mean
         (``token_mean``), else ``"fused"`` or ``"two-node"``. A change of form is logged (at info level)."""
         forms = ("two-node", "fused", "eager") if token_mean else ("two-node", "fused")
-        form = head_form(lm, head, n, tile, self.options.memory_budget, device, forms)
+        form = head_form(lm, head, n, tile, self.options.memory_budget_bytes, device, forms)
         if form != self.head_form:
             logger.info(f"StreamBP: the logit kernel's gradient for {n} scored rows takes the {form} form.")
         self.head_form = form

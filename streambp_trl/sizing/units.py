@@ -23,7 +23,7 @@ def parse_size(text: str | int, *, unit_required: bool = False) -> int:
         raise ValueError(f"not a size: {text!r} (examples: 80GiB, 78GB, 512MiB, 4096)")
     if unit_required and not unit:
         number = match.group(1)
-        raise ValueError(f"{text!r} has no unit: write {number}GiB (binary), {number}GB (decimal) or {number}MiB")
+        raise ValueError(f"{str(text)!r} has no unit: write {number}GiB (binary), {number}GB (decimal) or {number}MiB")
     return int(float(match.group(1)) * UNITS[unit])
 
 
@@ -40,9 +40,10 @@ def size_text(n_bytes: float) -> str:
 
 
 def parse_budget(value: str | int) -> int:
-    """A memory budget in bytes: a positive size (``parse_size``), else ``ValueError`` saying what to give."""
+    """A memory budget in bytes: a positive size with its unit (``parse_size``; ``80`` is refused, as 80 bytes is
+    never meant, ``4096B`` is bytes), else ``ValueError`` saying what to give."""
     try:
-        budget = parse_size(value)
+        budget = parse_size(value, unit_required=True)
     except ValueError as e:
         raise ValueError(f"memory_budget: {e}") from None
     if budget <= 0:

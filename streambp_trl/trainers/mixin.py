@@ -109,6 +109,7 @@ class StreamTrainerMixin:
     """
 
     stream_options: StreamOptions | None = None  # the policy's, once installed
+    logits_tiled = True  # the model's loss reads the logit kernel, whose tile (logits_chunk_size) is logged
 
     def __init__(self, *args, **kwargs):
         # Under ZeRO-3 the decoder layers must be leaf modules before DeepSpeed registers its hooks, which TRL does
@@ -185,7 +186,9 @@ class StreamTrainerMixin:
         if self.model.training and "loss" in logs:
             stream, logits = chunk_sizes(self.model)  # those of the last streamed call ("auto" chooses per shape)
             if stream is not None:
-                logs["stream_chunk_size"], logs["logits_chunk_size"] = stream, logits
+                logs["stream_chunk_size"] = stream
+                if self.logits_tiled:
+                    logs["logits_chunk_size"] = logits
         super().log(logs, *args, **kwargs)
 
 

@@ -15,8 +15,11 @@ class StreamRewardTrainer(StreamTrainerMixin, RewardTrainer):
     decoder streams chunk by chunk and the score head reads only the last non-pad token of each sequence (see
     `streambp_trl.engine.score_head`), so the rewards TRL's loss reads are exact: the Bradley-Terry loss, `margin`
     columns, `center_rewards_coefficient`, LoRA (`task_type="SEQ_CLS"`, the score head in `modules_to_save`) and the
-    metrics TRL logs are TRL's own code.
+    metrics TRL logs are TRL's own code. No logit kernel runs (the score head reads one row per sequence), so
+    `logits_chunk_size` is not logged.
     """
+
+    logits_tiled = False
 
     def __init__(self, model, args=None, *pos, **kwargs):
         args = take_over_checkpointing(args if args is not None else default_args(StreamRewardConfig, model, "Reward"))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+
+from transformers import TrainingArguments
 
 from ..engine.options import StreamOptions
 from ..layers import KV_MODES
@@ -36,7 +38,8 @@ class StreamArguments:
             one per layer, for host memory of layers x hidden x 2 bytes per token. `None`: each batch shape's plan
             turns it on where the layer inputs do not fit the GPU and the host has the memory.
         memory_budget (`str` or `None`, defaults to `None`):
-            GPU memory the step may use for `"auto"` chunk sizes, e.g. `"78GiB"`; `None`: the GPU's free memory.
+            GPU memory the step may use for `"auto"` chunk sizes, a size with its unit: `"78GiB"`, `"80GB"`,
+            `"512MiB"` (a bare number such as `80` is refused); `None`: the GPU's free memory.
         stream_keep_every (`int` or `None`, defaults to `None`):
             Keep only the first input of every `stream_keep_every` consecutive decoder layers (on the GPU, or in host
             memory with `offload_checkpoints`); the layers between rebuild theirs in backward by one more chunked
@@ -76,7 +79,10 @@ class StreamArguments:
     )
     memory_budget: str | None = field(
         default=None,
-        metadata={"help": "GPU memory for 'auto' chunk sizes, e.g. '78GiB' (default: the GPU's free memory)."},
+        metadata={
+            "help": "GPU memory for 'auto' chunk sizes, with its unit: '78GiB', '80GB', '512MiB' (a bare number is "
+            "refused) (default: the GPU's free memory)."
+        },
     )
     stream_keep_every: int | None = field(
         default=None,
@@ -89,11 +95,18 @@ class StreamArguments:
         default=None,
         metadata={
             "help": "Hugging Face activation checkpointing (default: on, as in TRL); a stream trainer takes it over: "
-            "the engine checkpoints and streams every decoder layer itself."
+            "the engine checkpoints and streams every decoder layer itself.",
+            "nargs": "?",
+            "const": True,
         },
     )
     gradient_checkpointing: bool | None = field(
-        default=None, metadata={"help": "Deprecated alias of `activation_checkpointing` (transformers)."}
+        default=None,
+        metadata={
+            "help": "Deprecated alias of `activation_checkpointing` (transformers).",
+            "nargs": "?",
+            "const": True,
+        },
     )
 
     def __post_init__(self):
@@ -116,6 +129,10 @@ class StreamArguments:
             keep_every=self.stream_keep_every,
             **engine_options,
         )
+
+
+# the options a Stream*Config adds to TRL's (the others re-declare TrainingArguments' checkpointing fields)
+STREAM_FIELDS = tuple(f.name for f in fields(StreamArguments) if f.name not in TrainingArguments.__dataclass_fields__)
 
 
 def stream_options(args, **engine_options) -> StreamOptions:
