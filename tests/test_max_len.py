@@ -8,9 +8,11 @@ import pytest
 
 from streambp_trl import cli
 from streambp_trl.bench import max_len as ml
+from streambp_trl.bench import plans
 from streambp_trl.bench.measure import bisect_max_len
 from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
 
 
@@ -96,6 +98,8 @@ def fake_model(monkeypatch):
     def from_name(cls, name):
         calls["shapes"].append(name)
         return shape
+
+    monkeypatch.setattr(plans, "host_room", lambda: 16 * 2**30)  # the plans' host memory: not this machine's now
 
     def peak(shape, setup, seq_len):
         calls["setups"].append(setup)
@@ -284,7 +288,10 @@ def test_keep_every_with_offload_says_why_it_fits_less(k, capsys):
     one, every_k = (mm.StepSetup(mode="stream+offload", keep_every=j) for j in (1, k))
     assert mm.max_len(shape, every_k, budget) < mm.max_len(shape, one, budget)
     assert mm.estimate_host_bytes(shape, every_k, 2**20) < mm.estimate_host_bytes(shape, one, 2**20)
-    assert (mm._saved_inputs(shape.layers, k, True), mm._saved_inputs(shape.layers, 1, True)) == (k + 1, 2)
+    assert (mm._saved_inputs(shape.layers, Layout(every=k), True), mm._saved_inputs(shape.layers, Layout(), True)) == (
+        k + 1,
+        2,
+    )
     cli.main(["max-len", "--model", "qwen3-8b", "--gpu-memory", "78GiB", "--keep-every", str(k)])
     assert (
         f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
@@ -322,3 +329,35 @@ def test_a_measured_row_of_0_says_why(fake_measure, capsys):
     cli.main(["max-len", "--model", "qwen3-tiny", "--device", "cpu", "--budget", "12MiB", "--step", "256"])
     out = capsys.readouterr().out
     assert "0 for every mode: 256 tokens already peak at 20.00 MiB, above the --budget of 12.00 MiB." in out
+
+
+def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys, monkeypatch):
+    """An estimate lists, per length, the plan the engine's own planner takes for a model of that shape within the
+    same budget (its chunk, kept inputs, offload, predicted peak and pinned host memory): Qwen3-8B, chunk 2048, 78 GiB,
+    20 GiB of host memory to pin. At 163,840 tokens one input is rebuilt (every input kept is over the budget less the
+    1 GiB margin) and that is what AutoChunks plans for a Qwen3-8B built on the meta device."""
+    import torch
+    import transformers
+
+    from streambp_trl.sizing import auto
+
+    monkeypatch.setattr(auto, "host_room", lambda: 20 * 2**30)
+    monkeypatch.setattr(plans, "host_room", lambda: 20 * 2**30)
+    argv = ["--model", "qwen3-8b", "--gpu-memory", "78GiB", "--chunk", "2048"]
+    result = ml.main([*argv, "--lengths", "131072", "163840", "262144"])
+    out = capsys.readouterr().out
+    assert "| 163,840 | chunk 2048, 1 layer input rebuilt in backward | 76.7 GiB | - |" in out
+    assert "| 131,072 | chunk 2048, every layer input kept |" in out
+    rows = {row["tokens"]: row for row in result["plans"]["rows"]}
+    config = transformers.Qwen3Config(
+        num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    planner = auto.AutoChunks(model, budget=78 * 2**30, offload=None, keep_every=None, chunk=2048)
+    for tokens, row in rows.items():
+        plan = planner.plan(1, tokens, torch.device("meta"))
+        assert (plan.chunk, plan.layout.every, plan.layout.drop, plan.offload) == (
+            row["chunk"], row["layout"]["every"], row["layout"]["drop"], row["offload"]
+        ), tokens  # fmt: skip

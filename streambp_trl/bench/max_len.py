@@ -36,6 +36,7 @@ from streambp_trl.sizing.shapes import NAMED_MODELS
 
 from .measure import bisect_max_len, measure
 from .metadata import environment
+from .plans import plan_rows, render_plans
 from .spec import MeasureSpec, Mode
 
 _LABELS = {
@@ -110,7 +111,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=_size_arg, help="measured runs: the most the peak may reach (cpu: required)")
     p.add_argument("--chunk", type=_positive, help="stream_chunk_size (default: auto, as the trainers)")
     p.add_argument("--logits-chunk", type=_positive, help="logits_chunk_size (default: the chunk)")
-    p.add_argument("--keep-every", type=_positive, default=1, help="stream rows: keep only every k-th layer's input")
+    p.add_argument(
+        "--keep-every",
+        type=_positive,
+        help="stream rows: keep only every k-th layer's input (default: 1 in the rows, chosen by the plan in the "
+        "plans of an estimate)",
+    )
+    p.add_argument(
+        "--lengths",
+        type=_positive,
+        nargs="+",
+        help='an estimate\'s plans: the lengths to show what "auto" would plan (default: 16,384 doubled up to the '
+        "longest any plan fits)",
+    )
+    p.add_argument(
+        "--host-memory",
+        type=_size_arg,
+        help="an estimate's plans: host memory offload may pin (default: 3/4 of this machine's available memory, "
+        "as the engine allows itself)",
+    )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 (float32 on the CPU)")
     p.add_argument("--optimizer", choices=OPTIMIZER_BYTES, default="none", help="optimizer state held during the step")
     p.add_argument("--mode", nargs="+", choices=ROWS, help="only these rows")
@@ -143,7 +162,7 @@ def _shape(name: str) -> mm.ModelShape | None:
 
 def _label(mode: str, args: argparse.Namespace) -> str:
     measured_mode, label = ROWS[mode]
-    if measured_mode.streams and args.keep_every > 1:
+    if measured_mode.streams and (args.keep_every or 1) > 1:
         label += f", keep_every={args.keep_every}"
     return label
 
@@ -158,7 +177,7 @@ def _setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
         chunk=args.chunk if stream else None,
         logits_chunk=(args.logits_chunk or args.chunk) if stream else None,
         optimizer_bytes_per_param=OPTIMIZER_BYTES[args.optimizer],
-        keep_every=args.keep_every if stream else 1,
+        keep_every=(args.keep_every or 1) if stream else 1,
     )
 
 
@@ -250,7 +269,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
                 device=device,
                 stream_chunk_size=args.chunk or AUTO,
                 logits_chunk_size=args.logits_chunk or args.chunk or AUTO,
-                keep_every=args.keep_every,
+                keep_every=args.keep_every or 1,
                 reserve_bytes=reserve,
             )
             record = measure(spec, args.timeout, log=False)
@@ -327,7 +346,7 @@ def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
         notes.append(f"0 for {who}: {why}.")
     if args.offload and result["kind"] == "estimated":
         notes.append("--offload changes nothing here: an estimate always has the stream + offload row.")
-    k = args.keep_every
+    k = args.keep_every or 1
     if k > 1 and any(row["mode"] == OFFLOAD_ROW for row in rows):
         notes.append(
             f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
@@ -374,6 +393,8 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
             length += " (the --limit)"
         peak, host = _size(row["peak_bytes"], unit), _size(row["host_bytes"], unit)
         lines.append(f"| {row['label']} | {length} | {peak} | {host} |")
+    if "plans" in result:
+        lines += ["", render_plans(result["plans"])]
     notes = _notes(result, args)
     return "\n".join([*lines, *([""] + notes if notes else [])])
 
@@ -400,7 +421,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"max-len: the memory model does not know the shape of --model {args.model!r} (a decoder with "
                 "hidden_size, intermediate_size, attention heads); measure it on a GPU instead."
             )
-        result = estimate(args, shape, modes, args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY))
+        budget = args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY)
+        result = estimate(args, shape, modes, budget)
+        setup = _setup(Mode.STREAM.memory_model_mode, args)
+        result["plans"] = plan_rows(shape, setup, budget, args.host_memory, args.lengths, args.keep_every)
     else:
         if not args.offload and args.mode is None:
             modes = [m for m in modes if m != OFFLOAD_ROW]

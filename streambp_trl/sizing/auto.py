@@ -157,7 +157,7 @@ class AutoChunks:
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         rebuildable = rebuildable and grad
         limit = room - margin(total)
-        host = _host_room() if can_offload and self.offload is not False else None
+        host = host_room() if can_offload and self.offload is not False else None
         plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
         if plan is not None:
             planned = (plan.layout.rebuilt(layers) and self.keep_every is None) or (plan.offload and not self.offload)
@@ -207,7 +207,7 @@ def offload_saves(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def _host_room() -> int:
+def host_room() -> int:
     """Pinned host bytes a plan may take: three quarters of the host memory available (pinned pages cannot be
     swapped out; the rest is left to the data loader, the optimizer's host side and the system)."""
     return psutil.virtual_memory().available * 3 // 4

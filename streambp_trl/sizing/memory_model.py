@@ -77,6 +77,7 @@ __all__ = [
     "gib",
     "head_backward_bytes",
     "largest_chunk",
+    "lora_layer_params",
     "max_len",
     "parse_budget",
     "parse_size",
@@ -140,6 +141,11 @@ def _lora_params(shape: ModelShape) -> int:
     ssm = 2 * shape.hidden + 4 * inner + 2 * rank + 2 * shape.ssm_state + (mlp if shape.ssm_mlp else 0)
     mixers = len(shape.linear_layers) * linear + len(shape.lightning_layers) * lightning + len(shape.ssm_layers) * ssm
     return (shape.full_layers * full + mixers) * _LORA_RANK
+
+
+def lora_layer_params(shape: ModelShape) -> int:
+    """Adapter parameters of one decoder layer, on average (:func:`_lora_params` over the layers)."""
+    return _lora_params(shape) // shape.layers
 
 
 def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
@@ -334,7 +340,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             setup.dtype_bytes,
             offload=setup.offload,
             head_trained=not setup.lora,
-            layer_trained_params=_lora_params(shape) // shape.layers if setup.lora else None,
+            layer_trained_params=lora_layer_params(shape) if setup.lora else None,
             keep_every=setup.keep_every,
             drop=setup.drop,
             head_form=setup.head_form,

@@ -86,8 +86,9 @@ def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layo
 @dataclasses.dataclass(frozen=True)
 class Planner:
     """What the plans of one model are chosen from: its ``shape``, parameter dtype (``db`` bytes), whether its LM
-    head is trained and whether it carries LoRA ``adapters``; and the user's fixed ``chunk``, ``keep_every`` and
-    ``offload`` (``None``: chosen by the plan)."""
+    head is trained and whether it carries LoRA ``adapters`` (``layer_trained_params``: a layer's trained parameters,
+    all of them by default); and the user's fixed ``chunk``, ``keep_every`` and ``offload`` (``None``: chosen by the
+    plan)."""
 
     shape: ModelShape
     db: int = 2
@@ -96,6 +97,7 @@ class Planner:
     chunk: int | None = None
     keep_every: int | None = None
     offload: bool | None = None
+    layer_trained_params: int | None = None
 
     def estimate(self, tokens: int, chunk: int, layout: Layout, offload: bool) -> tuple[int, int]:
         """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model)."""
@@ -110,6 +112,7 @@ class Planner:
             keep_every=layout.every,
             drop=layout.drop,
             adapters=self.adapters,
+            layer_trained_params=self.layer_trained_params,
         )
         mode = "stream+offload" if offload else "stream"
         setup = mm.StepSetup(mode=mode, dtype_bytes=self.db, keep_every=layout.every, drop=layout.drop)
