@@ -74,7 +74,8 @@ def _rel(a, b):
     ids=["plain", "temperature", "softcap_scale", "teacher_softcap"],
 )
 @pytest.mark.parametrize("with_norm", [True, False], ids=["norms", "no_norm"])
-def test_matches_plain_autograd_in_float64(beta, transform, with_norm):
+@pytest.mark.parametrize("fused_backward", [True, False], ids=["fused", "weight_apart"])
+def test_matches_plain_autograd_in_float64(beta, transform, with_norm, fused_backward):
     student, teacher, rows, norms, upstream = _inputs()
     norm, teacher_norm = norms if with_norm else (None, None)
     options = {
@@ -93,7 +94,15 @@ def test_matches_plain_autograd_in_float64(beta, transform, with_norm):
     for p in [*params, *teacher_params]:
         p.grad = None
     div, ent = chunked_divergence(
-        *student, *teacher, beta=beta, rows=rows, norm=norm, teacher_norm=teacher_norm, **options, **TILES
+        *student,
+        *teacher,
+        beta=beta,
+        rows=rows,
+        norm=norm,
+        teacher_norm=teacher_norm,
+        **options,
+        **TILES,
+        fused_backward=fused_backward,
     )
     assert _rel(div, ref_div) < EXACT and _rel(ent, ref_ent) < EXACT
     assert not ent.requires_grad
@@ -101,6 +110,26 @@ def test_matches_plain_autograd_in_float64(beta, transform, with_norm):
     for p, grad in zip(params, expected, strict=True):
         assert _rel(p.grad, grad) < EXACT
     assert all(p.grad is None for p in teacher_params)  # the teacher gets no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_weight_apart_is_the_fused_sweeps_gradient_bit_for_bit(dtype):
+    """The weight's gradient formed vocabulary tile by vocabulary tile after the hidden states' sweep (no (V, H)
+    accumulator) sums the same products in the same order as the fused sweep: equal bit for bit."""
+    grads = []
+    for fused in (True, False):
+        student, teacher, rows, (norm, teacher_norm), upstream = _inputs()
+        student = [t.detach().to(dtype).requires_grad_() for t in student]
+        teacher = [t.detach().to(dtype) for t in teacher]
+        norm, teacher_norm = norm.to(dtype), teacher_norm.to(dtype)
+        div, _ = chunked_divergence(
+            *student, *teacher, beta=0.5, rows=rows, norm=norm, teacher_norm=teacher_norm, **TILES,
+            fused_backward=fused,
+        )  # fmt: skip
+        (div * upstream.to(dtype)).sum().backward()
+        grads.append([p.grad for p in (*student, norm.weight)])
+    for fused, apart in zip(*grads, strict=True):
+        assert torch.equal(fused, apart)
 
 
 def test_every_row_no_bias_and_one_tile():

@@ -27,10 +27,13 @@ then chained through the transform to dL/dy, and one sweep over (token tile x vo
 the student's hidden states, final norm parameters, LM head weight and bias. The teacher gets no gradient.
 
 Memory beyond the inputs: a few tiles of (token_chunk x vocab_chunk), a few floats per row, and in backward dh
-(M, H_s), a (V, H_s) accumulator for dW (in the accumulation dtype) and a (V,) one for db. The hidden states are
-saved as they are (no gathered or normalised copy). Accumulation is float64 for float64 students and float32
-otherwise; the matmuls take each side's dtype (the autocast dtype, when autocast is on), and a half-precision
-product is accumulated and kept in float32 (its logits are not rounded to half precision, as in TRL's kernel).
+(M, H_s), a (V,) accumulator for db and dW (V, H_s): in the fused form (``fused_backward``) accumulated whole in the
+accumulation dtype beside the hidden states' sweep, else formed after it vocabulary tile by vocabulary tile in one
+(vocab_chunk, H_s) accumulator (both heads' logits computed once more), as the logit kernel's two-node form does.
+The hidden states are saved as they are (no gathered or normalised copy). Accumulation is float64 for float64
+students and float32 otherwise; the matmuls take each side's dtype (the autocast dtype, when autocast is on), and a
+half-precision product is accumulated and kept in float32 (its logits are not rounded to half precision, as in TRL's
+kernel).
 
 Sharded parameters: ``gathered`` (a factory of context managers, e.g. the engine's ZeRO-3 gather of both heads and
 norms) is entered once around the forward and once around the backward, whatever the number of tiles.
@@ -67,6 +70,7 @@ class DivergenceCall:
     acc: torch.dtype
     autocast: dict
     gathered: Callable[[], ContextManager] = contextlib.nullcontext
+    fused_backward: bool = True  # the weight's gradient in the hidden states' sweep (a (V, H_s) accumulator)
 
     def token_tiles(self) -> list[tuple[int, int]]:
         return [(i, min(i + self.token_chunk, self.n)) for i in range(0, self.n, self.token_chunk)]
@@ -197,14 +201,15 @@ class DivergenceNode(torch.autograd.Function):
         with call.gathered():
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, s_log_z, t_log_z, aux, *_ = ctx.saved_tensors
             s_weight, s_bias = s_weight.detach(), None if s_bias is None else s_bias.detach()
+            heads = (s_weight, s_bias, t_weight, t_bias, s_log_z, t_log_z, aux, g_divergence.to(call.acc))
+            fused_w = need_w and call.fused_backward
             dh = torch.zeros_like(s_hidden) if need_h else None
-            acc_w = torch.zeros(s_weight.shape, device=s_weight.device, dtype=call.acc) if need_w else None
+            acc_w = torch.zeros(s_weight.shape, device=s_weight.device, dtype=call.acc) if fused_w else None
             acc_b = torch.zeros(s_bias.shape, device=s_bias.device, dtype=call.acc) if need_b else None
             dparams = [torch.zeros(p.shape, device=p.device, dtype=acc_dtype(p.dtype)) for p in params]
             grad_params = [p for p, need in zip(params, need_p, strict=True) if need]
             need_dn = need_h or bool(grad_params)
-            g = g_divergence.to(call.acc)
-            for i, j in call.token_tiles():
+            for i, j in call.token_tiles() if need_dn or need_b or fused_w else ():
                 h = call.hidden_rows(s_hidden, i, j).detach()
                 with torch.enable_grad():
                     h.requires_grad_(need_h and call.norm is not None)
@@ -212,18 +217,11 @@ class DivergenceNode(torch.autograd.Function):
                 nt = call.teacher_rows(t_hidden, i, j)
                 dn = torch.zeros(ns.shape, device=ns.device, dtype=call.acc) if need_dn else None
                 for v0, v1 in call.vocab_tiles(s_weight.shape[0]):
-                    y, w = call.logits(0, ns.detach(), s_weight, s_bias, v0, v1)
-                    zs, tanh = call.student.with_tanh_(y)
-                    log_ps = zs.sub_(s_log_z[i:j, None])
-                    log_pt = call.teacher.forward_(call.logits(1, nt, t_weight, t_bias, v0, v1)[0])
-                    log_pt.sub_(t_log_z[i:j, None])
-                    dz = _dz(call, log_ps, log_pt, aux[i:j]).mul_(g[i:j, None])
-                    del log_ps, log_pt
-                    dy = call.student.chain_(dz, tanh)
+                    dy, w = _tile_gradient(call, ns.detach(), nt, heads, i, j, v0, v1)
                     dy_c = dy.to(call.cdt[0])
                     if need_dn:
                         addmm_acc(dn, dy_c, w)
-                    if need_w:
+                    if fused_w:
                         addmm_acc(acc_w[v0:v1], dy_c.t(), ns.detach())
                     if need_b:
                         acc_b[v0:v1] += dy.sum(0)
@@ -242,10 +240,45 @@ class DivergenceNode(torch.autograd.Function):
                 if need_h:
                     rows = torch.arange(i, j, device=dh.device) if call.rows is None else call.rows[i:j]
                     dh.index_add_(0, rows, dh_rows.to(dh.dtype))
-        dw = None if acc_w is None else acc_w.to(s_weight.dtype)
+            if fused_w:
+                dw = acc_w.to(s_weight.dtype)
+            else:
+                dw = _weight_gradient(call, s_hidden, t_hidden, heads) if need_w else None
         db = None if acc_b is None else acc_b.to(s_bias.dtype)
         grads = [d.to(p.dtype) if need else None for d, p, need in zip(dparams, params, need_p, strict=True)]
         return None, dh, dw, db, None, None, None, *grads
+
+
+def _tile_gradient(call: DivergenceCall, ns: torch.Tensor, nt: torch.Tensor, heads: tuple, i: int, j: int, v0, v1):
+    """dL/dy of the student's logits on rows [i, j) x vocabulary [v0, v1) (its normalised rows ``ns``, the teacher's
+    ``nt``; ``heads``: both heads, both log Z, the backward's auxiliary row statistic and dL/dD), in the accumulation
+    dtype, and the student's W tile in the matmul dtype."""
+    s_weight, s_bias, t_weight, t_bias, s_log_z, t_log_z, aux, g = heads
+    y, w = call.logits(0, ns, s_weight, s_bias, v0, v1)
+    zs, tanh = call.student.with_tanh_(y)
+    log_ps = zs.sub_(s_log_z[i:j, None])
+    log_pt = call.teacher.forward_(call.logits(1, nt, t_weight, t_bias, v0, v1)[0])
+    log_pt.sub_(t_log_z[i:j, None])
+    dz = _dz(call, log_ps, log_pt, aux[i:j]).mul_(g[i:j, None])
+    del log_ps, log_pt
+    return call.student.chain_(dz, tanh), w
+
+
+def _weight_gradient(call: DivergenceCall, s_hidden: torch.Tensor, t_hidden: torch.Tensor, heads: tuple):
+    """The student's LM head weight gradient in its own dtype, vocabulary tile by vocabulary tile: each tile's sum
+    over the token tiles (in their order, as the fused sweep adds them) in a (vocab_chunk, H_s) accumulator written
+    once, so no (V, H_s) float32 accumulator exists (both heads' logits are computed once more)."""
+    s_weight = heads[0]
+    dw = torch.empty_like(s_weight)
+    for v0, v1 in call.vocab_tiles(s_weight.shape[0]):
+        acc = torch.zeros((v1 - v0, s_weight.shape[1]), device=s_weight.device, dtype=call.acc)
+        for i, j in call.token_tiles():
+            ns = call.student_normed(call.hidden_rows(s_hidden, i, j))
+            nt = call.teacher_rows(t_hidden, i, j)
+            dy, _ = _tile_gradient(call, ns, nt, heads, i, j, v0, v1)
+            addmm_acc(acc, dy.to(call.cdt[0]).t(), ns)
+        dw[v0:v1] = acc
+    return dw
 
 
 def _dz(call: DivergenceCall, log_ps: torch.Tensor, log_pt: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
@@ -278,6 +311,7 @@ def chunked_divergence(
     token_chunk: int = 4096,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     gathered: Callable[[], ContextManager] | None = None,
+    fused_backward: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row generalised JSD between the student's and the teacher's next-token distributions, and the student's
     entropy (no gradient); see the module docstring.
@@ -287,7 +321,10 @@ def chunked_divergence(
     ``teacher_norm`` are each model's row-wise final norm (its ``forward`` applied to each tile), or ``None`` when
     its hidden states are final. Only the student gets gradients (hidden states, norm parameters, LM head).
     ``gathered``: a factory of context managers inside which both heads and norms hold their whole values
-    (sharded parameters); entered once for the forward and once for the backward.
+    (sharded parameters); entered once for the forward and once for the backward. ``fused_backward``: form the LM
+    head weight's gradient in the same sweep as the hidden states' (one recompute of both heads' logits, a (V, H_s)
+    accumulator), else vocabulary tile by vocabulary tile after it (two recomputes, no (V, H_s) accumulator beside
+    the gradient itself).
     Returns ``(divergence, entropy)``, each of shape (N,), in the accumulation dtype.
     """
     if not 0.0 <= beta <= 1.0:
@@ -325,6 +362,7 @@ def chunked_divergence(
         acc=acc_dtype(student_hidden.dtype),
         autocast=autocast_state(device),
         gathered=gathered or contextlib.nullcontext,
+        fused_backward=fused_backward,
     )
     with call.gathered():  # the autograd node records the parameters' whole shapes
         norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []

@@ -127,6 +127,9 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
         norm_params = [p for n in (norm, teacher_norm) if n is not None for p in n.parameters()]
         s_softcap, s_scale = logit_transform(student.config.get_text_config())
         t_softcap, t_scale = logit_transform(teacher.config.get_text_config())
+        rows, tile = positions[valid], student._streambp.logits_tile(hidden)
+        # the weight's gradient in the hidden states' sweep where its (V, H) float32 accumulator fits, else apart
+        form = student._streambp.logit_gradient_form(student, s_head, rows.shape[0], tile, device, token_mean=False)
         divergence, entropy = chunked_divergence(
             hidden.to(device).reshape(batch * length, -1),
             _whole(s_head.weight),
@@ -135,7 +138,7 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
             _whole(t_head.weight),
             _whole(t_head.bias),
             beta=self.beta,
-            rows=positions[valid],
+            rows=rows,
             norm=norm,
             teacher_norm=teacher_norm,
             temperature=self.temperature,
@@ -143,8 +146,9 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
             student_logit_scale=s_scale,
             teacher_softcap=t_softcap,
             teacher_logit_scale=t_scale,
-            token_chunk=student._streambp.logits_tile(hidden),
+            token_chunk=tile,
             gathered=zero3_gathered([s_head.weight, s_head.bias, t_head.weight, t_head.bias, *norm_params]),
+            fused_backward=form == "fused",
         )
         num_valid = valid.sum()
         if num_items_in_batch is None:
