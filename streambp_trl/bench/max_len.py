@@ -34,35 +34,24 @@ from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.auto import AUTO
 from streambp_trl.sizing.shapes import NAMED_MODELS
 
+from .max_len_output import render
+from .max_len_rows import (
+    CUDA_RESERVE_GIB,
+    DEFAULT_GPU,
+    DEFAULT_GPU_MEMORY,
+    GPUS,
+    OFFLOAD_ROW,
+    OPTIMIZER_BYTES,
+    ROWS,
+    gpu_budget,
+    human,
+    row_label,
+    row_setup,
+)
 from .measure import bisect_max_len, measure
 from .metadata import environment
-from .plans import plan_rows, render_plans
+from .plans import plan_rows
 from .spec import MeasureSpec, Mode
-
-_LABELS = {
-    Mode.CHECKPOINT: "HF gradient checkpointing",
-    Mode.CHECKPOINT_CHUNKED_LOSS: "TRL's default (checkpointing + fused LM head)",
-    Mode.STREAM: "stream (streambp-trl)",
-    Mode.STREAM_OFFLOAD: "stream + checkpoint offload",
-}
-# a row by its memory-model name (the --mode choices, the rows of the output) -> (its measured mode, its label)
-ROWS: dict[str, tuple[Mode, str]] = {mode.memory_model_mode: (mode, label) for mode, label in _LABELS.items()}
-OFFLOAD_ROW = Mode.STREAM_OFFLOAD.memory_model_mode  # the row --offload adds to a measured run
-OPTIMIZER_BYTES = {"none": 0, "adamw": 8, "adamw-8bit": 2}  # state bytes per trainable parameter
-# cards by the memory their makers state ("80 GB", "141 GB"), which is GiB: an H100's 80 GB is 80 GiB, of which
-# nvidia-smi shows 79.6; an H200's 141 GB shows 140.4
-GPUS = {"a100-40gb": 40, "a100-80gb": 80, "h100": 80, "h200": 141}
-CUDA_RESERVE_GIB = 2  # what a step cannot have of a card: the CUDA context and library workspaces
-DEFAULT_GPU = "h100"
-
-
-def gpu_budget(card: str) -> str:
-    """The memory a training step may use on ``card``: its stated size less :data:`CUDA_RESERVE_GIB`, as a size
-    (``"h100"``: ``"78GiB"``, ``"h200"``: ``"139GiB"``)."""
-    return f"{GPUS[card] - CUDA_RESERVE_GIB}GiB"
-
-
-DEFAULT_GPU_MEMORY = gpu_budget(DEFAULT_GPU)
 
 
 def _size_arg(text: str) -> int:
@@ -160,34 +149,6 @@ def _shape(name: str) -> mm.ModelShape | None:
         return None
 
 
-def _label(mode: str, args: argparse.Namespace) -> str:
-    measured_mode, label = ROWS[mode]
-    if measured_mode.streams and (args.keep_every or 1) > 1:
-        label += f", keep_every={args.keep_every}"
-    return label
-
-
-def _setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
-    stream = ROWS[mode][0].streams
-    return mm.StepSetup(
-        mode=mode,
-        objective=args.objective,
-        lora=args.lora,
-        dtype_bytes=4 if args.dtype == "float32" else 2,
-        chunk=args.chunk if stream else None,
-        logits_chunk=(args.logits_chunk or args.chunk) if stream else None,
-        optimizer_bytes_per_param=OPTIMIZER_BYTES[args.optimizer],
-        keep_every=(args.keep_every or 1) if stream else 1,
-    )
-
-
-def _human(n_bytes: float) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if n_bytes >= mm.UNITS[unit.lower()]:
-            return f"{n_bytes / mm.UNITS[unit.lower()]:.2f} {unit}"
-    return f"{n_bytes:.0f} bytes"
-
-
 def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step: int) -> str:
     """Why not even ``step`` tokens fit in ``budget``: the weights, gradients and optimizer state alone, or the
     step's peak at ``step`` tokens."""
@@ -195,22 +156,22 @@ def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step:
     held = "the weights and gradients" + (" and optimizer states" if setup.optimizer_bytes_per_param else "")
     if static > budget:
         return (
-            f"{held} alone need {_human(static)} ({shape.params / 1e9:.2f}B parameters), above the budget of "
-            f"{_human(budget)}: try --lora or a larger --gpu-memory"
+            f"{held} alone need {human(static)} ({shape.params / 1e9:.2f}B parameters), above the budget of "
+            f"{human(budget)}: try --lora or a larger --gpu-memory"
         )
     peak = mm.estimate_peak_bytes(shape, setup, step)
-    return f"{step:,} tokens need {_human(peak)} ({held}: {_human(static)}), above the budget of {_human(budget)}"
+    return f"{step:,} tokens need {human(peak)} ({held}: {human(static)}), above the budget of {human(budget)}"
 
 
 def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], budget: int) -> dict[str, Any]:
     rows = []
     for mode in modes:
-        setup = _setup(mode, args)
+        setup = row_setup(mode, args)
         length = mm.max_len(shape, setup, budget, step=args.step)
         rows.append(
             {
                 "mode": mode,
-                "label": _label(mode, args),
+                "label": row_label(mode, args),
                 "max_len": length,
                 "peak_bytes": mm.estimate_peak_bytes(shape, setup, length) if length else None,
                 "host_bytes": mm.estimate_host_bytes(shape, setup, length) if length and setup.offload else None,
@@ -229,7 +190,7 @@ def _start_hint(args: argparse.Namespace, shape: mm.ModelShape | None, mode: str
     """The memory model's length for the GPU's memory: the first trial (None when there is no estimate)."""
     if device != "cuda" or shape is None:
         return None
-    return mm.max_len(shape, _setup(mode, args), args.budget or _gpu_bytes(), step=args.step) or None
+    return mm.max_len(shape, row_setup(mode, args), args.budget or _gpu_bytes(), step=args.step) or None
 
 
 def _gpu_bytes() -> int:
@@ -243,7 +204,7 @@ def _why_measured_none_fits(record: dict[str, Any], budget: int | None) -> str:
     n = f"{record['seq_len']:,} tokens"
     if record["status"] == "oom":
         return f"{n} already ran out of memory"
-    return f"{n} already peak at {_human(record['total_peak_mb'] * 2**20)}, above the --budget of {_human(budget)}"
+    return f"{n} already peak at {human(record['total_peak_mb'] * 2**20)}, above the --budget of {human(budget)}"
 
 
 def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[str], device: str) -> dict[str, Any]:
@@ -252,7 +213,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     trainable = shape.params if shape is not None and not args.lora else 0  # an optimizer placeholder of this size
     reserve = trainable * OPTIMIZER_BYTES[args.optimizer]
-    width = max(len(_label(mode, args)) for mode in modes)
+    width = max(len(row_label(mode, args)) for mode in modes)
     rows, all_trials = [], []
     for mode in modes:
         records: dict[int, dict[str, Any]] = {}
@@ -279,7 +240,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
                 raise _ProbeError
             return record["total_peak_mb"] * 2**20 if record["status"] == "ok" else None
 
-        bar = tqdm(desc=f"{_label(mode, args):<{width}}", unit="trial", file=sys.stderr, dynamic_ncols=True)
+        bar = tqdm(desc=f"{row_label(mode, args):<{width}}", unit="trial", file=sys.stderr, dynamic_ncols=True)
 
         def progress(n: int, fits: bool, bar=bar) -> None:
             bar.update(1)
@@ -304,7 +265,7 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
         rows.append(
             {
                 "mode": mode,
-                "label": _label(mode, args),
+                "label": row_label(mode, args),
                 "max_len": best,
                 "first_failure": first_failure,
                 "peak_bytes": at_best["total_peak_mb"] * 2**20 if at_best else None,
@@ -322,81 +283,6 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
 
 class _ProbeError(Exception):
     """A trial failed for another reason than memory (its error goes in the row)."""
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Output
-# ------------------------------------------------------------------------------------------------------------
-
-
-def _size(value: float | None, unit: str = "GiB") -> str:
-    return "-" if value is None else f"{value / mm.UNITS[unit.lower()]:.2f}"
-
-
-def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
-    """Lines under the table: why a row is 0, what ``--offload`` does in an estimate, and why ``keep_every`` with
-    offload fits less than offload alone."""
-    rows, notes = result["rows"], []
-    zero: dict[str, list[str]] = {}
-    for row in rows:
-        if row.get("why"):
-            zero.setdefault(row["why"], []).append(row["label"])
-    for why, labels in zero.items():
-        who = "every mode" if len(labels) == len(rows) > 1 else "; ".join(labels)
-        notes.append(f"0 for {who}: {why}.")
-    if args.offload and result["kind"] == "estimated":
-        notes.append("--offload changes nothing here: an estimate always has the stream + offload row.")
-    k = args.keep_every or 1
-    if k > 1 and any(row["mode"] == OFFLOAD_ROW for row in rows):
-        notes.append(
-            f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
-            f"inputs (the kept one and {k - 1} rebuilt) and the prefetched input of the segment below, {k + 1} on "
-            f"the GPU against 2; what it saves is host memory (about 1/{k})."
-        )
-    return notes
-
-
-def render(result: dict[str, Any], args: argparse.Namespace) -> str:
-    training = "LoRA" if args.lora else "full fine-tuning"
-    what = f"{args.model}, {args.objective.upper()} ({training}), one forward+backward, batch 1"
-    if args.optimizer != "none":
-        what += f", {args.optimizer} states held"
-    sizes = [r[k] or 0 for r in result["rows"] for k in ("peak_bytes", "host_bytes")] + [result["budget_bytes"] or 0]
-    unit = "GiB" if max(sizes) >= 2**30 else "MiB"
-    if result["kind"] == "estimated":
-        how = (
-            f"Estimated from the memory model (streambp_trl.sizing.memory_model), not measured: budget "
-            f"{_human(result['budget_bytes'])} of GPU memory (torch.cuda.max_memory_allocated)."
-        )
-        if args.gpu:
-            how += f" ({args.gpu}: {GPUS[args.gpu]} GiB less {CUDA_RESERVE_GIB} GiB for the CUDA context.)"
-        elif args.gpu_memory is None:
-            how += (
-                f" (No GPU here: {DEFAULT_GPU_MEMORY}, an 80 GB card ({DEFAULT_GPU}) less the CUDA context; see --gpu "
-                "and --gpu-memory.)"
-            )
-    else:
-        env = result["env"]
-        bound = f", budget {_human(result['budget_bytes'])}" if result["budget_bytes"] else ""
-        peak = "model + peak RSS above it" if env["device"] == "cpu" else "torch.cuda.max_memory_allocated"
-        how = (
-            f"Measured on {env['device_name']} ({env['device']}){bound}: each length one real forward+backward "
-            f"in a fresh process, {result['dtype']}, lengths in multiples of {args.step}; peak = {peak}."
-        )
-    head = f"| mode | max length | peak {unit} at that length | host {unit} |"
-    lines = [what, how, "", head, "|---|---:|---:|---:|"]
-    for row in result["rows"]:
-        length = f"{row['max_len']:,}" if row["max_len"] is not None else "-"
-        if row.get("error"):
-            length = f"failed: {row['error'][:60]}"
-        elif row["max_len"] and result["kind"] == "measured" and row.get("first_failure") is None:
-            length += " (the --limit)"
-        peak, host = _size(row["peak_bytes"], unit), _size(row["host_bytes"], unit)
-        lines.append(f"| {row['label']} | {length} | {peak} | {host} |")
-    if "plans" in result:
-        lines += ["", render_plans(result["plans"])]
-    notes = _notes(result, args)
-    return "\n".join([*lines, *([""] + notes if notes else [])])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -423,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
         budget = args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY)
         result = estimate(args, shape, modes, budget)
-        setup = _setup(Mode.STREAM.memory_model_mode, args)
+        setup = row_setup(Mode.STREAM.memory_model_mode, args)
         result["plans"] = plan_rows(shape, setup, budget, args.host_memory, args.lengths, args.keep_every)
     else:
         if not args.offload and args.mode is None:

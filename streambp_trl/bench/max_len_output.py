@@ -1,0 +1,81 @@
+"""The output of ``streambp-trl max-len``: its table, the plans of an estimate and the notes under them."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from streambp_trl.sizing import memory_model as mm
+
+from .max_len_rows import CUDA_RESERVE_GIB, DEFAULT_GPU, DEFAULT_GPU_MEMORY, GPUS, OFFLOAD_ROW, human
+from .plans import render_plans
+
+
+def _size(value: float | None, unit: str = "GiB") -> str:
+    return "-" if value is None else f"{value / mm.UNITS[unit.lower()]:.2f}"
+
+
+def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """Lines under the table: why a row is 0, what ``--offload`` does in an estimate, and why ``keep_every`` with
+    offload fits less than offload alone."""
+    rows, notes = result["rows"], []
+    zero: dict[str, list[str]] = {}
+    for row in rows:
+        if row.get("why"):
+            zero.setdefault(row["why"], []).append(row["label"])
+    for why, labels in zero.items():
+        who = "every mode" if len(labels) == len(rows) > 1 else "; ".join(labels)
+        notes.append(f"0 for {who}: {why}.")
+    if args.offload and result["kind"] == "estimated":
+        notes.append("--offload changes nothing here: an estimate always has the stream + offload row.")
+    k = args.keep_every or 1
+    if k > 1 and any(row["mode"] == OFFLOAD_ROW for row in rows):
+        notes.append(
+            f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
+            f"inputs (the kept one and {k - 1} rebuilt) and the prefetched input of the segment below, {k + 1} on "
+            f"the GPU against 2; what it saves is host memory (about 1/{k})."
+        )
+    return notes
+
+
+def render(result: dict[str, Any], args: argparse.Namespace) -> str:
+    training = "LoRA" if args.lora else "full fine-tuning"
+    what = f"{args.model}, {args.objective.upper()} ({training}), one forward+backward, batch 1"
+    if args.optimizer != "none":
+        what += f", {args.optimizer} states held"
+    sizes = [r[k] or 0 for r in result["rows"] for k in ("peak_bytes", "host_bytes")] + [result["budget_bytes"] or 0]
+    unit = "GiB" if max(sizes) >= 2**30 else "MiB"
+    if result["kind"] == "estimated":
+        how = (
+            f"Estimated from the memory model (streambp_trl.sizing.memory_model), not measured: budget "
+            f"{human(result['budget_bytes'])} of GPU memory (torch.cuda.max_memory_allocated)."
+        )
+        if args.gpu:
+            how += f" ({args.gpu}: {GPUS[args.gpu]} GiB less {CUDA_RESERVE_GIB} GiB for the CUDA context.)"
+        elif args.gpu_memory is None:
+            how += (
+                f" (No GPU here: {DEFAULT_GPU_MEMORY}, an 80 GB card ({DEFAULT_GPU}) less the CUDA context; see --gpu "
+                "and --gpu-memory.)"
+            )
+    else:
+        env = result["env"]
+        bound = f", budget {human(result['budget_bytes'])}" if result["budget_bytes"] else ""
+        peak = "model + peak RSS above it" if env["device"] == "cpu" else "torch.cuda.max_memory_allocated"
+        how = (
+            f"Measured on {env['device_name']} ({env['device']}){bound}: each length one real forward+backward "
+            f"in a fresh process, {result['dtype']}, lengths in multiples of {args.step}; peak = {peak}."
+        )
+    head = f"| mode | max length | peak {unit} at that length | host {unit} |"
+    lines = [what, how, "", head, "|---|---:|---:|---:|"]
+    for row in result["rows"]:
+        length = f"{row['max_len']:,}" if row["max_len"] is not None else "-"
+        if row.get("error"):
+            length = f"failed: {row['error'][:60]}"
+        elif row["max_len"] and result["kind"] == "measured" and row.get("first_failure") is None:
+            length += " (the --limit)"
+        peak, host = _size(row["peak_bytes"], unit), _size(row["host_bytes"], unit)
+        lines.append(f"| {row['label']} | {length} | {peak} | {host} |")
+    if "plans" in result:
+        lines += ["", render_plans(result["plans"])]
+    notes = _notes(result, args)
+    return "\n".join([*lines, *([""] + notes if notes else [])])
