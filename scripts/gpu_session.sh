@@ -2,7 +2,10 @@
 # The GPU kit for one short lease (about 9 minutes on an H200): its checks in priority order, each under its own time
 # limit, everything written under OUT (default: gpu_session/) and packed into OUT.tgz at the end.
 #
-#   bash scripts/gpu_session.sh [OUT]
+#   bash scripts/gpu_session.sh [OUT]                 # the checks below
+#   bash scripts/gpu_session.sh [OUT] long-context    # only scripts/gpu_long_context.py (one call, under 9 minutes):
+#       TRL's default and "auto" at 163,840 and 262,144 tokens and a StreamSFTTrainer LoRA run at 131,072, the
+#       allocator capped at 78 GiB
 #
 # 1. tests/test_cuda.py with its JSON-lines report (exactness, kernels, offload, memory model): about 110 s;
 # 2. scripts/gpu_bench.py at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
@@ -23,6 +26,13 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFE
   python3 -c "import sys, torch, transformers, trl; print(sys.version.split()[0], torch.__version__, transformers.__version__, trl.__version__, torch.backends.cudnn.version())"
 } > "$OUT/device.txt" 2>&1
 cat "$OUT/device.txt"
+
+if [ "${2:-}" = "long-context" ]; then
+  echo "== scripts/gpu_long_context.py"
+  timeout 530 python3 scripts/gpu_long_context.py --out-dir "$OUT" --timeout 120 > "$OUT/gpu_long_context.log" 2>&1
+  echo "rc=$?"; tail -12 "$OUT/gpu_long_context.log"
+  exit 0
+fi
 
 echo "== tests/test_cuda.py"
 STREAMBP_CUDA_REPORT="$OUT/test_cuda.jsonl" timeout 175 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_cuda.py \

@@ -218,3 +218,46 @@ def test_the_worker_records_the_logit_form_it_ran_and_its_budget():
     record = run_worker(MeasureSpec(**spec, memory_budget="1GiB"))
     assert record["status"] == "ok" and record["head_form"] in HEAD_FORMS and record["memory_budget"] == "1GiB"
     assert "head_form" not in run_worker(MeasureSpec(**{**spec, "mode": "checkpoint"}))
+
+
+def test_the_worker_records_the_plan_auto_chose():
+    """A planned stream measurement (kept inputs and offload left to the plan, as the trainers leave them) records
+    the plan in words; with every choice fixed nothing is planned."""
+    from streambp_trl.bench.worker import run_worker
+
+    spec = dict(mode="stream", seq_len=64, model="qwen3-tiny", device="cpu", dtype="float32", stream_chunk_size=32)
+    record = run_worker(MeasureSpec(**spec, memory_budget="1GiB", planned=True))
+    assert record["plan"] == "64 tokens: chunk 32, every layer input kept"
+    assert run_worker(MeasureSpec(**spec, memory_budget="1GiB"))["plan"] is None  # chunk, kept inputs, offload fixed
+
+
+@pytest.mark.slow
+def test_long_context_kit_on_the_cpu(tmp_path):
+    """scripts/gpu_long_context.py end to end on a tiny model: TRL's default, "auto" at two lengths and the
+    StreamSFTTrainer LoRA run, each in a fresh process, written as JSON lines and a table with the plans."""
+    script = SCRIPT.with_name("gpu_long_context.py")
+    cmd = [sys.executable, str(script), "--device", "cpu", "--model", "qwen3-tiny", "--dtype", "float32"]
+    cmd += [
+        "--lengths",
+        "256",
+        "512",
+        "--trainer-length",
+        "128",
+        "--cap",
+        "none",
+        "--budget",
+        "1GiB",
+        "--warmup",
+        "64",
+    ]
+    cmd += ["--out-dir", str(tmp_path), "--name", "lc"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "lc.jsonl").read_text().splitlines()]
+    assert [(r["mode"], r["seq_len"]) for r in records] == [
+        ("checkpoint+chunked-loss", 256), ("stream auto", 256), ("stream auto", 512), ("StreamSFTTrainer+LoRA", 128)
+    ]  # fmt: skip
+    assert all(r.get("status", "ok") == "ok" for r in records), records
+    assert records[2]["plan"].startswith("512 tokens: chunk 512") and len(records[3]["losses"]) == 2
+    assert "| stream auto | 512 | ok |" in (tmp_path / "lc.md").read_text()

@@ -52,8 +52,8 @@ def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
         "logits_chunk_size": spec.logits_chunk_size,
         "kv_mode": spec.kv_mode,
         "temperature": TEMPERATURE[spec.objective],
-        "offload_checkpoints": spec.mode is Mode.STREAM_OFFLOAD,
-        "keep_every": spec.keep_every,
+        "offload_checkpoints": None if spec.planned else spec.mode is Mode.STREAM_OFFLOAD,
+        "keep_every": None if spec.planned else spec.keep_every,
         "token_mean_loss": spec.objective == "sft",  # as StreamSFTTrainer sets it for TRL's nll loss
         "memory_budget": spec.memory_budget,
     }

@@ -95,6 +95,8 @@ class MeasureSpec:
     reserve_bytes: int = 0  # a tensor held through the step like optimizer states, counted with the model
     warmup_seq_len: int | None = None  # the warm-up step's length (fresh random ids); None: seq_len
     memory_budget: str | None = None  # stream modes: enable_streambp's memory_budget ("78GiB"); None: free memory
+    planned: bool = False  # stream mode: kept layer inputs and offload left to each call's plan (as the trainers)
+    memory_cap: str | None = None  # CUDA: PyTorch's allocator capped at this size, e.g. "78GiB" (an 80 GB card's)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))

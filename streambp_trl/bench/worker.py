@@ -37,8 +37,9 @@ from streambp_trl.bench.memory_meter import MemoryMeter, PhaseMarks
 from streambp_trl.bench.metadata import engine_hash
 from streambp_trl.bench.models import build_model, prepare_model, trl_token_chunk
 from streambp_trl.bench.spec import TEMPERATURE, MeasureSpec, Mode
-from streambp_trl.engine import chunk_sizes, last_head_form
+from streambp_trl.engine import chunk_sizes, last_head_form, last_plan
 from streambp_trl.sizing.auto import AUTO
+from streambp_trl.sizing.units import parse_size
 
 RESULT_PREFIX = "BENCH_BP_RESULT "
 
@@ -98,6 +99,9 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
     import torch
 
     device = torch.device(spec.device)
+    if spec.memory_cap is not None and device.type == "cuda":  # an 80 GB card's limits on a larger one
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(spec.memory_cap) / total), device)
     objective = spec.objective
     record: dict[str, Any] = {k: getattr(spec, k) for k in ("mode", "seq_len", "batch_size", "dtype", "model")}
     if objective != "sft":
@@ -165,6 +169,8 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
             record["stream_chunk_size"], record["logits_chunk_size"] = chunk_sizes(policy)  # what "auto" chose
         if spec.mode.streams:  # the logit kernel's gradient form, chosen for the budget (or the free memory)
             record.update(head_form=last_head_form(policy), memory_budget=spec.memory_budget)
+            plan = last_plan(policy)
+            record["plan"] = None if plan is None else plan.describe(tokens, len(policy._streambp.layers))
     except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
         if not is_oom(exc):
             raise

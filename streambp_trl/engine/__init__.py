@@ -2,7 +2,7 @@
 
 * :mod:`.options`: :class:`StreamOptions`, the engine's options, validated once;
 * :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`,
-  :func:`last_head_form`, :func:`packed_rows_refusal`;
+  :func:`last_head_form`, :func:`last_plan`, :func:`packed_rows_refusal`;
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
 * :mod:`.model_parts`: finding the decoder, its layers, its final norm and the LM head;
@@ -16,6 +16,7 @@ from .install import (
     enable_streambp,
     is_streaming,
     last_head_form,
+    last_plan,
     packed_rows_refusal,
 )
 from .model_parts import lm_head_linear
@@ -28,6 +29,7 @@ __all__ = [
     "disable_streambp",
     "enable_streambp",
     "last_head_form",
+    "last_plan",
     "is_streaming",
     "packed_rows_refusal",
     "lm_head_linear",

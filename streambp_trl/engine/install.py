@@ -40,6 +40,7 @@ from ..layers.layer_args import keeps_position_history
 from ..layers.sharding import check_segmentable
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks
+from ..sizing.plan import StepPlan
 from . import probe
 from .forwards import head_logits, stream_decoder_forward, stream_forward, streamed_decoder_call
 from .model_parts import causal_lm, decoder_keywords, decoder_layers, final_norm_name, find_decoder, lm_head_linear
@@ -198,6 +199,13 @@ def chunk_sizes(model: nn.Module) -> tuple[int | None, int | None]:
     ``None`` before any call or without StreamBP)."""
     state = getattr(causal_lm(model), "_streambp", None)
     return (None, None) if state is None else state.last_chunk_sizes()
+
+
+def last_plan(model: nn.Module) -> StepPlan | None:
+    """The plan of the latest streamed call of a streaming ``model`` (:mod:`streambp_trl.sizing.plan`), or ``None``
+    (nothing planned: every choice fixed, or not streaming)."""
+    state = getattr(causal_lm(model), "_streambp", None)
+    return None if state is None or state.auto is None else state.auto.last_plan
 
 
 def last_head_form(model: nn.Module) -> str | None:
