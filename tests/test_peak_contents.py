@@ -6,8 +6,8 @@ must take the forms that hold least: at the peak there is no float32 (vocab x hi
 accumulated whole), no float32 (tokens x hidden) one, and no full-length (tokens x hidden) tensor beyond the saved
 layer inputs and the hidden states' gradient (two layers: one saved input, the first layer's being rebuilt from the
 token ids, and one gradient; or, in the head's backward, the final hidden states the head reads). The calls are
-those of every stream trainer: SFT's token mean, the weighted rows of DPO / KTO / GRPO / RLOO, and the model's own
-``labels=`` loss.
+those of every stream trainer: SFT's token mean, the weighted rows of DPO / KTO / GRPO / RLOO, the model's own
+``labels=`` loss, and the distillation trainer's divergence kernel (in the form the trainer takes for the model).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def records() -> dict[str, dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "cuda_sim_peak.py"), str(CUDASIM), str(SEQ_LEN), "token-mean"]
-        + ["weighted", "labels"],
+        + ["weighted", "labels", "distillation"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -48,7 +48,7 @@ def records() -> dict[str, dict]:
     return {r["case"]: r for r in map(json.loads, (x for x in proc.stdout.splitlines() if x.startswith("{")))}
 
 
-@pytest.mark.parametrize("case", ["token-mean", "weighted", "labels"])
+@pytest.mark.parametrize("case", ["token-mean", "weighted", "labels", "distillation"])
 def test_nothing_whole_beyond_the_inputs_and_their_gradient_at_the_peak(records, case):
     live = records[case]["live"]
     numel = [math.prod(shape) for _, _, shape, *_ in live]
