@@ -98,7 +98,9 @@ def test_stream_options_are_one_titled_group_each_default_once(objective):
     group = text[text.index(title) :]
     group = group[: group.find("\n\n", group.index("\n  --"))]
     options = re.findall(r"^  (--\w+)", group, flags=re.MULTILINE)
-    assert options == [f"--{name}" for name in STREAM_FIELDS]
+    # a boolean whose default is decided later (offload_checkpoints: None, planned per call) has its --no_ form too
+    negated = {"offload_checkpoints"}
+    assert options == [f"--{p}{name}" for name in STREAM_FIELDS for p in ("", "no_")[: 1 + (name in negated)]]
     entries = re.split(r"\n  (?=--)", group)[1:]
     for entry in entries:
         assert " ".join(entry.split()).count("(default") == 1, entry
@@ -182,3 +184,12 @@ def test_a_training_set_emptied_by_preparing_is_one_line():
         "to train with assistant_only_loss); raise max_length, or check the dataset's columns"
     )
     _check_rows(SimpleNamespace(train_dataset=[{"input_ids": [1]}], args=args), script)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"), [([], None), (["--offload_checkpoints"], True), (["--no_offload_checkpoints"], False)]
+)
+def test_offload_checkpoints_is_planned_unless_given(argv, expected):
+    """offload_checkpoints left out is None (each call's plan decides); a bare flag or its --no_ form fixes it."""
+    _, training, _, _ = parse_args("sft", ["--model_name_or_path", "m", "--use_cpu", "--bf16", "false", *argv])
+    assert training.offload_checkpoints is expected and training.to_options().offload_checkpoints is expected
