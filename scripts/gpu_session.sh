@@ -12,7 +12,7 @@
 # 3. scripts/gpu_profile.py at 16,000 tokens (a length no multiple of the chunk: cuDNN's padded last chunk): 80 s;
 # 4. Qwen3.5-9B with LoRA, one stream step at the simulator's longest length in 78 GiB (234,496 tokens, chunk 2048,
 #    memory_budget 78GiB: the two-node logit form the simulation ran), with the time left (about 4 minutes).
-# Wheels under .whl/ (transformers, trl, datasets, peft and their needs: README's GPU section) are installed first.
+# Wheels under .whl/ (transformers, trl, datasets, peft and their needs: docs/benchmarks.md, the GPU kit) are installed first.
 OUT=${1:-gpu_session}
 T0=$SECONDS
 mkdir -p "$OUT"

@@ -4,7 +4,7 @@ Runs :func:`streambp_trl.bench.model_support.classify` (a tiny random float64 mo
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, streamed and compared with plain autograd) and writes
 
 * ``tests/causal_lm_support.json``: the status ``tests/test_every_causal_lm.py`` then holds every model type to, and
-* the model-support table of ``README.md`` (between its ``model-support`` markers).
+* the model-support table of ``docs/support.md`` (between its ``model-support`` markers).
 
     python scripts/model_support.py            # about a minute on a CPU
 """
@@ -91,12 +91,12 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"inexact models: {bad}")
     SUPPORT_TABLE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    page = ROOT / "docs" / "support.md"
+    text = page.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{_table(results)}\n{END}{tail}")
-    print(f"wrote {SUPPORT_TABLE.relative_to(ROOT)} and the table in README.md")
+    page.write_text(f"{head}{START}\n{_table(results)}\n{END}{tail}")
+    print(f"wrote {SUPPORT_TABLE.relative_to(ROOT)} and the table in {page.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

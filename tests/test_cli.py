@@ -176,7 +176,9 @@ def test_tiny_configs_of_every_objective_train_and_save(tmp_path, objective):
     AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("config", ["dpo_qwen3_8b.yaml", "sft_qwen3_8b.yaml", "grpo_qwen3_4b.yaml"])
+@pytest.mark.parametrize(
+    "config", ["dpo_qwen3_8b.yaml", "sft_qwen3_8b.yaml", "grpo_qwen3_8b.yaml", "sft_qwen3_5_9b_lora.yaml"]
+)
 def test_hub_example_configs_parse(config):
     """The Hub examples cannot run offline; their fields must still all be known to the parser."""
     from streambp_trl.cli import parse_args
@@ -186,6 +188,33 @@ def test_hub_example_configs_parse(config):
     )
     assert model_args.model_name_or_path.startswith("Qwen/")
     assert training_args.stream_chunk_size in (4096, "auto") and not training_args.offload_checkpoints
+
+
+@pytest.mark.parametrize(
+    ("config", "objective", "shape"),
+    [
+        ("sft_qwen3_8b.yaml", "sft", "qwen3-8b"),
+        ("dpo_qwen3_8b.yaml", "dpo", "qwen3-8b"),
+        ("grpo_qwen3_8b.yaml", "grpo", "qwen3-8b"),
+        ("sft_qwen3_5_9b_lora.yaml", "sft", "qwen3.5-9b"),
+    ],
+)
+def test_hub_example_configs_need_streaming(config, objective, shape):
+    """Each Hub example trains at a length the memory model puts past TRL's default (checkpointing + its fused LM
+    head) and within streaming, on the 80 GB card its comment names (78 GiB usable), as max-len estimates it."""
+    from streambp_trl.cli import parse_args
+    from streambp_trl.sizing.memory_model import StepSetup, max_len
+    from streambp_trl.sizing.model_shape import ModelShape
+
+    _, training_args, model_args, _ = parse_args(
+        config.split("_")[0], ["--config", str(ROOT / "configs" / config), "--use_cpu", "true", "--bf16", "false"]
+    )
+    length = training_args.max_completion_length if objective == "grpo" else training_args.max_length
+    model = ModelShape.from_name(shape)
+    budget = 78 * 2**30
+    trl = max_len(model, StepSetup(mode="trl-default", objective=objective, lora=model_args.use_peft), budget)
+    stream = max_len(model, StepSetup(mode="stream", objective=objective, lora=model_args.use_peft), budget)
+    assert trl < length <= stream, (trl, length, stream)
 
 
 def test_unknown_reward_function_fails_before_training(tmp_path):

@@ -57,7 +57,7 @@ def test_exact_or_refused(model_type):
 
 
 def test_support_table_covers_every_model_type():
-    """The table the README is generated from lists exactly the causal LMs of the installed transformers."""
+    """The table docs/support.md is generated from lists exactly the causal LMs of the installed transformers."""
     assert set(_expected()) == set(ZOO_TYPES) - set(NOT_BUILDABLE)
 
 
