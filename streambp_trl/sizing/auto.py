@@ -1,22 +1,25 @@
-"""``stream_chunk_size="auto"``: the chunk of each streamed call, chosen from the memory model and a memory budget.
+"""Plans per call shape: ``stream_chunk_size="auto"``, and ``keep_every`` / ``offload_checkpoints`` left at ``None``.
 
-For a call on ``rows`` sequences of ``seq_len`` tokens the largest chunk of :data:`memory_model.CHUNKS` (the fewest
-kernel launches) is taken whose estimated activations (:func:`memory_model.estimate_activation_bytes`) fit:
+For a call on ``rows`` sequences of ``seq_len`` tokens, :class:`AutoChunks` asks the planner (:mod:`.plan`) for the
+fastest plan (chunk, kept layer inputs, offload; the user's fixed choices kept) whose estimated activations
+(:func:`memory_model.estimate_activation_bytes`) fit the room less a fragmentation margin:
 
 * a given ``memory_budget`` (bytes of the whole device the step may use): weights and parameter gradients, as the
   model holds them, plus the activations must fit in it;
 * otherwise, on a CUDA device, the memory still free when the call starts (free on the device plus what PyTorch's
-  allocator holds unused), less the parameter gradients not yet allocated;
-* otherwise, on the CPU, the host memory available (``psutil``), less the parameter gradients not yet allocated: the
-  largest chunk that fits is also the fastest there (fewest operations per token);
-* without any memory figure (another device type, or a model whose config lacks the usual size fields): an eighth of
-  the sequence, clamped to [512, 4096] (:func:`rule_of_thumb`).
+  allocator holds unused, within the process's share), less the parameter gradients not yet allocated;
+* otherwise, on the CPU, the host memory available (``psutil``), less the parameter gradients not yet allocated (no
+  offload there: it would keep the tensors where they are);
+* without any memory figure (another device type, or a model whose config lacks the usual size fields): the user's
+  choices, else an eighth of the sequence clamped to [512, 4096] (:func:`rule_of_thumb`), every input kept.
 
-Where no chunk fits, the smallest is taken (the step may then run out of memory: the budget is too small for the
-length). A decision is kept per (rows, length), so every step of the same shape streams the same way.
+Offload's pinned host memory must fit :func:`host_room`. Where nothing fits, a call with grad raises before its step
+(naming the longest length each way of running allows) when the figure is a budget or a CUDA device's free memory;
+otherwise (no grad, or the CPU without a budget) the smallest chunk is taken with a warning. A decision is kept per
+shape, so every step of the same shape streams the same way, and logged once.
 
-:func:`head_form` chooses the form of the logit kernel's gradient for each call the same way: the one that computes
-the logits fewest times whose buffers fit the memory left.
+:func:`head_form` chooses the form of the logit kernel's gradient for each call from the memory free at the head:
+the one that computes the logits fewest times whose buffers fit, the least memory where no figure is known.
 """
 
 from __future__ import annotations
