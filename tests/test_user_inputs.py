@@ -1,0 +1,45 @@
+"""What a user's own inputs and settings get from a streaming model: plain autograd's loss and gradients (float64,
+relative error < 1e-10), or a clear error naming the problem and the fix, never a silently different result.
+
+* the probe of ``enable_streambp`` leaves the model's state as it found it (a dynamic rotary embedding's frequencies);
+"""
+
+import copy
+
+import torch
+from helpers import assert_matches_plain
+from models import batch, tiny_model
+
+from streambp_trl import disable_streambp, enable_streambp
+
+CHUNK = 5
+DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+
+
+def _rotary_state(model) -> dict:
+    rotary = model.model.rotary_emb
+    return {
+        "inv_freq": rotary.inv_freq.clone(),
+        "original_inv_freq": rotary.original_inv_freq.clone(),
+        "max_seq_len_cached": int(rotary.max_seq_len_cached),
+        "attention_scaling": float(rotary.attention_scaling),
+    }
+
+
+def test_the_probe_leaves_a_dynamic_rope_as_it_found_it():
+    """A dynamic-NTK Llama that has run 64 positions keeps frequencies for 64; the probe's 11-token forwards hit
+    transformers' reset branch and put them back to those of 16 positions, so the streamed model computed other
+    frequencies than the plain one (gradient 5e-2 off) and ``disable_streambp`` did not bring them back."""
+    reference = tiny_model("llama", rope_parameters=DYNAMIC_ROPE, max_position_embeddings=16)
+    with torch.no_grad():
+        reference(input_ids=torch.randint(3, 100, (1, 64)), use_cache=False)
+    before = _rotary_state(reference)
+    assert before["max_seq_len_cached"] == 64
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK, verify=True)
+    for key, value in _rotary_state(streamed).items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(before[key])), key
+    assert_matches_plain(reference, streamed, *batch())
+    after = _rotary_state(streamed)
+    disable_streambp(streamed)
+    for key, value in _rotary_state(streamed).items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[key])), key
