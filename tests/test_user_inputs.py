@@ -2,15 +2,18 @@
 relative error < 1e-10), or a clear error naming the problem and the fix, never a silently different result.
 
 * the probe of ``enable_streambp`` leaves the model's state as it found it (a dynamic rotary embedding's frequencies);
+* a rotary embedding computed inside the layers whose frequencies depend on each call's positions is refused;
 """
 
 import copy
 
+import pytest
 import torch
 from helpers import assert_matches_plain
 from models import batch, tiny_model
 
 from streambp_trl import disable_streambp, enable_streambp
+from streambp_trl.bench.zoo import tiny_causal_lm
 
 CHUNK = 5
 DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
@@ -43,3 +46,41 @@ def test_the_probe_leaves_a_dynamic_rope_as_it_found_it():
     disable_streambp(streamed)
     for key, value in _rotary_state(streamed).items():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[key])), key
+
+
+@pytest.mark.parametrize(
+    ("model_type", "rope"),
+    [
+        ("moshi", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+        (
+            "moshi",
+            {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 8,
+                "short_factor": [1.0] * 4,
+                "long_factor": [2.0] * 4,
+            },
+        ),
+        (
+            "deepseek_v4",
+            {
+                "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+                "compress": {
+                    "rope_type": "dynamic",
+                    "factor": 2.0,
+                    "rope_theta": 160000.0,
+                    "partial_rotary_factor": 0.125,
+                },
+            },
+        ),
+    ],
+)
+def test_a_rope_computed_in_the_layers_from_each_calls_positions_is_refused(model_type, rope):
+    """Moshi's attention computes its rotary embedding in each call: with dynamic scaling each chunk saw its own
+    highest position (21, 28, ... instead of 45) and the backward, last chunk first, another cache state (streamed
+    gradient 0.07 off plain's here). DeepSeek-V4's compressor and indexer do the same. The probe's 11 tokens stay
+    under max_position_embeddings, so the refusal reads the structure: a transformers dynamic rope inside a layer."""
+    model = tiny_causal_lm(model_type, rope_parameters=rope, max_position_embeddings=16)
+    with pytest.raises(ValueError, match=r"inside its decoder layers, .* highest position of each call .* rope_type"):
+        enable_streambp(model, stream_chunk_size=CHUNK)
