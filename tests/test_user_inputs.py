@@ -3,13 +3,14 @@ relative error < 1e-10), or a clear error naming the problem and the fix, never 
 
 * the probe of ``enable_streambp`` leaves the model's state as it found it (a dynamic rotary embedding's frequencies);
 * a rotary embedding computed inside the layers whose frequencies depend on each call's positions is refused;
+* a 4D attention mask that lets a query see a later key is refused at the first forward;
 """
 
 import copy
 
 import pytest
 import torch
-from helpers import assert_matches_plain
+from helpers import assert_matches_plain, max_rel_grad_error
 from models import batch, tiny_model
 
 from streambp_trl import disable_streambp, enable_streambp
@@ -84,3 +85,36 @@ def test_a_rope_computed_in_the_layers_from_each_calls_positions_is_refused(mode
     model = tiny_causal_lm(model_type, rope_parameters=rope, max_position_embeddings=16)
     with pytest.raises(ValueError, match=r"inside its decoder layers, .* highest position of each call .* rope_type"):
         enable_streambp(model, stream_chunk_size=CHUNK)
+
+
+def _prefix_lm_mask(mask2d: torch.Tensor, prefix: int) -> torch.Tensor:
+    """Causal and padding, and the first ``prefix`` positions attending to each other both ways (a prefix LM)."""
+    seq = mask2d.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    causal[:prefix, :prefix] = True
+    return (causal[None, None] & mask2d.bool()[:, None, None, :]) | torch.eye(seq, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_4d_mask_that_looks_ahead_is_refused(additive):
+    """A prefix-LM mask given as a 4D mask: each chunk was cut with keys up to its own end, so the allowed entries
+    above the diagonal were dropped silently (a block inside one chunk came out exact, so the result depended on the
+    chunk size). Refused at the first forward, naming the fix; a causal 4D mask is still honoured."""
+    reference = tiny_model("llama")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK)
+    ids, mask2d, labels = batch(padding="right")
+    look_ahead = _prefix_lm_mask(mask2d, prefix=9)
+    if additive:
+        look_ahead = torch.zeros(look_ahead.shape, dtype=torch.float64).masked_fill(~look_ahead, -torch.inf)
+    with pytest.raises(ValueError, match="4D attention mask lets a query attend to a later key .* causal mask"):
+        streamed(input_ids=ids, attention_mask=look_ahead, labels=labels)
+    causal = _prefix_lm_mask(mask2d, prefix=1)
+    if additive:
+        causal = torch.zeros(causal.shape, dtype=torch.float64).masked_fill(~causal, torch.finfo(torch.float64).min)
+    logits = reference(input_ids=ids, attention_mask=causal, use_cache=False).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    ref_loss.backward()
+    loss = streamed(input_ids=ids, attention_mask=causal, labels=labels).loss
+    loss.backward()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
+    assert max_rel_grad_error(reference, streamed)[0] < 1e-10
