@@ -4,12 +4,14 @@ relative error < 1e-10), or a clear error naming the problem and the fix, never 
 * the probe of ``enable_streambp`` leaves the model's state as it found it (a dynamic rotary embedding's frequencies);
 * a rotary embedding computed inside the layers whose frequencies depend on each call's positions is refused;
 * a 4D attention mask that lets a query see a later key is refused at the first forward;
+* the loss takes ``ignore_index`` as transformers' does, and refuses other arguments of the model's loss function;
 """
 
 import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import assert_matches_plain, max_rel_grad_error
 from models import batch, tiny_model
 
@@ -112,9 +114,46 @@ def test_a_4d_mask_that_looks_ahead_is_refused(additive):
     if additive:
         causal = torch.zeros(causal.shape, dtype=torch.float64).masked_fill(~causal, torch.finfo(torch.float64).min)
     logits = reference(input_ids=ids, attention_mask=causal, use_cache=False).logits
-    ref_loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    ref_loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
     ref_loss.backward()
     loss = streamed(input_ids=ids, attention_mask=causal, labels=labels).loss
     loss.backward()
     assert abs(loss.item() - ref_loss.item()) <= 1e-10 * ref_loss.item()
     assert max_rel_grad_error(reference, streamed)[0] < 1e-10
+
+
+def test_the_loss_takes_ignore_index_as_transformers_loss_does():
+    """``model(..., labels=..., ignore_index=0)``: transformers' loss ignores the labels equal to 0; the streamed loss
+    was plain's without ``ignore_index`` (5.6877 against 5.7091). Loss and gradients now equal plain's."""
+    reference = tiny_model("llama")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK)
+    ids, mask, _ = batch(padding="right")
+    labels = ids.clone()  # padding is token 0: ignored with the prompt
+    labels[:, :6] = 0
+    out = reference(input_ids=ids, attention_mask=mask, labels=labels, ignore_index=0)
+    # transformers' loss takes float32 logits: the same loss in float64
+    expected = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=0)
+    assert abs(out.loss.item() - expected.item()) < 1e-6 * expected.item()
+    expected.backward()
+    loss = streamed(input_ids=ids, attention_mask=mask, labels=labels, ignore_index=0).loss
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * expected.item()
+    assert max_rel_grad_error(reference, streamed)[0] < 1e-10
+    with pytest.raises(ValueError, match=r"labels must be token ids in \[0, 101\) or 0 \(ignore_index"):
+        streamed(input_ids=ids, attention_mask=mask, labels=labels.masked_fill(labels == 0, -100), ignore_index=0)
+
+
+def test_a_loss_argument_the_kernel_does_not_take_is_refused():
+    """A model whose loss function takes another argument (here label smoothing) gets it from a plain call's
+    ``**kwargs``; the streamed loss dropped it silently."""
+
+    def smoothed(logits, labels, vocab_size, label_smoothing=0.0, **kwargs):
+        return F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), label_smoothing=label_smoothing
+        )
+
+    streamed = enable_streambp(tiny_model("llama"), stream_chunk_size=CHUNK)
+    streamed.loss_function = smoothed
+    ids, mask, labels = batch()
+    with pytest.raises(ValueError, match=r"not \['label_smoothing'\] .* disable_streambp"):
+        streamed(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1)

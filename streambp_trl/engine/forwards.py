@@ -9,6 +9,7 @@ the kernel when it is the decoder's last step), so neither a (T x T) mask nor (t
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -26,6 +27,12 @@ from .model_parts import lm_head_linear
 from .state import EngineState
 from .support import router_loss_refusal
 from .zero3 import zero3_gathered
+
+# the arguments of transformers' causal-LM loss (``ForCausalLMLoss``) that the logit kernel's loss takes (or that
+# ``stream_forward`` reads): its inputs, ``ignore_index``, ``shift_labels`` and ``num_items_in_batch``
+_KERNEL_LOSS_ARGUMENTS = frozenset(
+    {"logits", "labels", "vocab_size", "ignore_index", "shift_labels", "num_items_in_batch"}
+)
 
 
 def decoder_streams(training: bool, state: EngineState, kwargs: dict) -> bool:
@@ -118,14 +125,33 @@ def head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
-def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
-    valid = (labels == -100) | ((labels >= 0) & (labels < vocab_size))
+def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    valid = (labels == ignore_index) | ((labels >= 0) & (labels < vocab_size))
     if not bool(valid.all()):
         value = labels[~valid][0].item()
         raise ValueError(
-            f"labels must be token ids in [0, {vocab_size}) or -100 (ignored), got {value}. Mark positions "
-            "without a loss with -100."
+            f"labels must be token ids in [0, {vocab_size}) or {ignore_index} (ignore_index: ignored), got {value}. "
+            f"Mark positions without a loss with {ignore_index}."
         )
+
+
+def _loss_arguments(lm: PreTrainedModel, kwargs: dict) -> int:
+    """The ``ignore_index`` of a call's loss (popped from ``kwargs``; -100 unless given, as in transformers' loss). Any
+    other argument the model's own loss function names (``lm.loss_function``, which a transformers forward hands its
+    ``**kwargs``) and the logit kernel does not take is refused, not dropped: the kernel computes the loss itself."""
+    ignore_index = kwargs.pop("ignore_index", -100)
+    loss = getattr(lm, "loss_function", None)
+    named = inspect.signature(loss).parameters if callable(loss) else {}
+    dropped = sorted(
+        k for k in kwargs if k in named and k not in _KERNEL_LOSS_ARGUMENTS and named[k].kind != named[k].VAR_KEYWORD
+    )
+    if dropped:
+        raise ValueError(
+            f"StreamBP computes the loss of {type(lm).__name__} with its logit kernel, which takes labels, "
+            f"shift_labels, ignore_index and num_items_in_batch, not {dropped} (arguments of the model's loss "
+            f"function); drop them, or disable_streambp(model) to compute the loss from full logits."
+        )
+    return int(ignore_index)
 
 
 def _scored_rows(
@@ -214,6 +240,7 @@ def stream_forward(
             "StreamBP's) scores every position whose label is not -100, with outputs of shape (batch, seq_len - 1). "
             "Set the labels of the positions to skip to -100 instead (as TRL's GRPO does), and drop logits_to_keep."
         )
+    ignore_index = _loss_arguments(self, kwargs)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
@@ -240,10 +267,10 @@ def stream_forward(
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)
     labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep)
-    _check_labels(labels, head.weight.shape[0])
-    mask = labels != -100
+    _check_labels(labels, head.weight.shape[0], ignore_index)
+    mask = labels != ignore_index
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
-        raise ValueError("Every label is -100: there is no token to compute the loss on.")
+        raise ValueError(f"Every label is {ignore_index} (ignored): there is no token to compute the loss on.")
     softcap, scale = logit_transform(self.config.get_text_config())
     # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
     rows = scored[mask]
