@@ -6,6 +6,7 @@ relative error < 1e-10), or a clear error naming the problem and the fix, never 
 * a 4D attention mask that lets a query see a later key is refused at the first forward;
 * the loss takes ``ignore_index`` as transformers' does, and refuses other arguments of the model's loss function;
 * ``torch_compile=True`` is refused when a stream trainer is built;
+* packed rows given by position ids alone attend as plain's do, across the documents where plain builds a cache;
 """
 
 import copy
@@ -18,6 +19,7 @@ from models import batch, tiny_model
 
 import streambp_trl
 from streambp_trl import disable_streambp, enable_streambp
+from streambp_trl.bench.model_support import packed_row
 from streambp_trl.bench.zoo import tiny_causal_lm
 
 CHUNK = 5
@@ -184,3 +186,27 @@ def test_torch_compile_is_refused_at_construction(tmp_path, trainer_cls, config_
         given = {"train_dataset": tiny_dataset("chat", 4), "processing_class": load_tokenizer()}
     with pytest.raises(ValueError, match=r"torch_compile=True is not supported yet .* set torch_compile=False"):
         trainer_cls(model=load_model(), args=config, **given)
+
+
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_packed_rows_without_a_mask_attend_as_plain(use_cache):
+    """One row of documents, position ids that restart, no mask: with ``use_cache`` at its default (on) the plain
+    forward builds a cache, which turns off transformers' packed-row detection, so it attends across the documents;
+    the stream kept them apart (loss 4.67021 against plain's 4.67158). Now as plain either way: across the documents
+    by default, apart with ``use_cache=False`` (TRL's padding-free batches); the decoder's own call too."""
+    reference = tiny_model("llama")
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK)
+    _, inputs = packed_row()
+    ids, positions, labels = inputs["input_ids"], inputs["position_ids"], inputs["labels"]
+    call = {} if use_cache is None else {"use_cache": use_cache}
+    logits = reference(input_ids=ids, position_ids=positions, **call).logits
+    expected = F.cross_entropy(logits[0, :-1], labels[0, 1:])
+    expected.backward()
+    loss = streamed(input_ids=ids, position_ids=positions, labels=labels, **call).loss
+    loss.backward()
+    assert abs(loss.item() - expected.item()) <= 1e-10 * expected.item()
+    assert max_rel_grad_error(reference, streamed)[0] < 1e-10
+    with torch.no_grad():
+        hidden = streamed.model(input_ids=ids, position_ids=positions, **call).last_hidden_state
+        plain = reference.model(input_ids=ids, position_ids=positions, **call).last_hidden_state
+    torch.testing.assert_close(hidden, plain, rtol=1e-10, atol=1e-12)

@@ -72,6 +72,7 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
             "output_attentions=True is not available while StreamBP streams the decoder in training mode: the "
             "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
         )
+    _packing_as_plain(decoder, args, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
     kwargs["use_cache"] = False
     if "logits_to_keep" in kwargs:  # a decoder that would run its last layers on the kept positions only (Gemma 4's
@@ -90,6 +91,34 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
         call.embeddings.watch(decoder) if call.inputs_rebuildable else contextlib.nullcontext(),
     ):
         return original(decoder, "forward")(*args, **kwargs)
+
+
+def _packing_as_plain(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Give a decoder call with ``position_ids`` and no attention mask an all-ones one where its plain forward would
+    build a key/value cache: the streamed call then attends as the plain one does.
+
+    transformers reads packed rows from position ids that restart only in a call without a cache (masking_utils'
+    packed-sequence detection: "generally a training setup"). A decoder's own forward builds a cache when
+    ``use_cache`` is on (the argument, else ``config.use_cache``, which is on by default; off under Hugging Face
+    gradient checkpointing in training), so such a call (``model(input_ids, position_ids=..., labels=...)`` with
+    ``use_cache`` left at its default) attends across the documents. A streamed call has no cache; an all-ones mask
+    turns the detection off as the cache does and masks nothing (TRL's padding-free batches pass
+    ``use_cache=False``: their documents stay apart, in both)."""
+    cache = cache_argument(kwargs) is not None
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", False)
+    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
+        use_cache = False
+    inputs = _inputs(args, kwargs)
+    if (
+        (cache or use_cache)
+        and kwargs.get("position_ids") is not None
+        and kwargs.get("attention_mask") is None
+        and len(args) <= 1  # (a positional attention mask would follow the inputs)
+        and inputs is not None
+    ):
+        kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
 
 
 def _inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -244,6 +273,7 @@ def stream_forward(
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
+    _packing_as_plain(state.decoder, args, kwargs)  # (before the call's use_cache is set aside)
     kwargs["use_cache"] = False
     if state.decoder_keywords is not None:  # the model's forward hands its decoder these alone (the rest: its loss)
         kwargs = {k: v for k, v in kwargs.items() if k in state.decoder_keywords}
