@@ -7,6 +7,7 @@ relative error < 1e-10), or a clear error naming the problem and the fix, never 
 * the loss takes ``ignore_index`` as transformers' does, and refuses other arguments of the model's loss function;
 * ``torch_compile=True`` is refused when a stream trainer is built;
 * packed rows given by position ids alone attend as plain's do, across the documents where plain builds a cache;
+* eager attention, whose fully masked (left-padding) rows differ from the stream's, is warned about at enable.
 """
 
 import copy
@@ -210,3 +211,21 @@ def test_packed_rows_without_a_mask_attend_as_plain(use_cache):
         hidden = streamed.model(input_ids=ids, position_ids=positions, **call).last_hidden_state
         plain = reference.model(input_ids=ids, position_ids=positions, **call).last_hidden_state
     torch.testing.assert_close(hidden, plain, rtol=1e-10, atol=1e-12)
+
+
+def test_eager_attention_says_at_enable_what_left_padding_changes(caplog):
+    """Under eager attention a fully masked pad query averages over every key (in float32; NaN in float64), and the
+    first real token of a left-padded row is predicted from it; the stream gives that row zero output, as SDPA does,
+    so that loss term of a plain ``model(..., labels=...)`` call differs (Qwen3 eager 0.28, Gemma 2 0.39, silently).
+    Said at enable; the streamed result is the SDPA model's, exactly."""
+    with caplog.at_level("WARNING", logger="streambp_trl.engine.support"):
+        streamed = enable_streambp(tiny_model("qwen3", attn_implementation="eager"), stream_chunk_size=CHUNK)
+    assert "first real token of a left-padded row" in caplog.text and "attn_implementation='sdpa'" in caplog.text
+    caplog.clear()
+    reference = tiny_model("qwen3")
+    with caplog.at_level("WARNING", logger="streambp_trl.engine.support"):
+        enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK)
+    assert "left-padded" not in caplog.text
+    ids, mask, _ = batch(padding="left")
+    labels = ids.masked_fill(mask == 0, -100)  # the first real token scored
+    assert_matches_plain(reference, streamed, ids, mask, labels)

@@ -154,6 +154,16 @@ def check_supported(
             "Set config.output_router_logits=False.",
         )
     _check_modules(lm, layers)
+    if getattr(config, "_attn_implementation", None) == "eager":
+        logger.warning(
+            f"StreamBP streams {type(lm).__name__} with attention whose fully masked query rows (the padding of a "
+            "left-padded row) give zero output, as SDPA's do; its eager attention instead takes the softmax of "
+            "tied lowest-value scores there, an average over every key of the row, later ones included (NaN in "
+            "float64, where the scores overflow). So the loss term of the first real token of a left-padded row, "
+            "which the logits of the pad before it score, differs from a plain model(..., labels=...) call; every "
+            "other term and gradient is the same. TRL's trainers never score that token; elsewhere set its label to "
+            "-100, pad on the right, or use attn_implementation='sdpa'."
+        )
     for module in decoder.modules():
         for called in sorted(names_called(type(module)) & _WHOLE_SEQUENCE_CALLS.keys()):
             logger.warning(
