@@ -75,7 +75,7 @@ def _against_the_plain_row(family: str) -> tuple[float, float, float]:
     docs, inputs = packed_row()
     labels = inputs.pop("labels")
     with Float64Internals():
-        logits = reference(**inputs, use_cache=False).logits
+        logits = reference(**inputs).logits
         ref_loss = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
         ref_loss.backward()
         loss = streamed(**inputs, labels=labels).loss

@@ -63,6 +63,22 @@ class StreamMask:
             return self
         raise TypeError(f"StreamBP's attention mask describes the whole sequence and is not sliced ({index!r}).")
 
+    @classmethod
+    def of_dense(cls, mask: torch.Tensor, batch_size: int) -> StreamMask:
+        """A user-given 4D mask (batch or 1, 1 or heads, T, T; bool, or additive with its dtype's lowest value or -inf
+        where masked) over the whole sequence, to be sliced per chunk. Refused if it lets a query attend to a later key
+        (a prefix-LM mask's bidirectional block): a chunk attends to the keys up to its own end, and the later ones do
+        not exist yet when it runs. Holds one (T x T) bool tensor per mask row while it checks (one host read)."""
+        attends = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        if bool(attends.triu(1).any()):
+            raise ValueError(
+                "StreamBP: the 4D attention mask lets a query attend to a later key (an allowed entry above the "
+                "diagonal, e.g. a prefix-LM block that sees its whole prefix): a streamed chunk attends only to keys "
+                "up to its own end, so those entries would be dropped. Pass a causal mask (nothing allowed above the "
+                "diagonal), or disable_streambp(model) to train with this one."
+            )
+        return cls(batch_size=batch_size, dense=mask)
+
     def apart(self, documents: tuple[int, ...]) -> StreamMask:
         """The same mask, keeping the documents that start at ``documents`` (absolute positions) apart as well."""
         return dataclasses.replace(self, documents=documents)

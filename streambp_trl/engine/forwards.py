@@ -9,6 +9,7 @@ the kernel when it is the decoder's last step), so neither a (T x T) mask nor (t
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
@@ -26,6 +27,12 @@ from .model_parts import lm_head_linear
 from .state import EngineState
 from .support import router_loss_refusal
 from .zero3 import zero3_gathered
+
+# the arguments of transformers' causal-LM loss (``ForCausalLMLoss``) that the logit kernel's loss takes (or that
+# ``stream_forward`` reads): its inputs, ``ignore_index``, ``shift_labels`` and ``num_items_in_batch``
+_KERNEL_LOSS_ARGUMENTS = frozenset(
+    {"logits", "labels", "vocab_size", "ignore_index", "shift_labels", "num_items_in_batch"}
+)
 
 
 def decoder_streams(training: bool, state: EngineState, kwargs: dict) -> bool:
@@ -65,6 +72,7 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
             "output_attentions=True is not available while StreamBP streams the decoder in training mode: the "
             "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
         )
+    _packing_as_plain(decoder, args, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
     kwargs["use_cache"] = False
     if "logits_to_keep" in kwargs:  # a decoder that would run its last layers on the kept positions only (Gemma 4's
@@ -88,6 +96,34 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
         call.embeddings.watch(decoder) if call.inputs_rebuildable else contextlib.nullcontext(),
     ):
         return original(decoder, "forward")(*args, **kwargs)
+
+
+def _packing_as_plain(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Give a decoder call with ``position_ids`` and no attention mask an all-ones one where its plain forward would
+    build a key/value cache: the streamed call then attends as the plain one does.
+
+    transformers reads packed rows from position ids that restart only in a call without a cache (masking_utils'
+    packed-sequence detection: "generally a training setup"). A decoder's own forward builds a cache when
+    ``use_cache`` is on (the argument, else ``config.use_cache``, which is on by default; off under Hugging Face
+    gradient checkpointing in training), so such a call (``model(input_ids, position_ids=..., labels=...)`` with
+    ``use_cache`` left at its default) attends across the documents. A streamed call has no cache; an all-ones mask
+    turns the detection off as the cache does and masks nothing (TRL's padding-free batches pass
+    ``use_cache=False``: their documents stay apart, in both)."""
+    cache = cache_argument(kwargs) is not None
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", False)
+    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
+        use_cache = False
+    inputs = _inputs(args, kwargs)
+    if (
+        (cache or use_cache)
+        and kwargs.get("position_ids") is not None
+        and kwargs.get("attention_mask") is None
+        and len(args) <= 1  # (a positional attention mask would follow the inputs)
+        and inputs is not None
+    ):
+        kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
 
 
 def _inputs(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -123,14 +159,33 @@ def head_logits(lm: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
-def _check_labels(labels: torch.Tensor, vocab_size: int) -> None:
-    valid = (labels == -100) | ((labels >= 0) & (labels < vocab_size))
+def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    valid = (labels == ignore_index) | ((labels >= 0) & (labels < vocab_size))
     if not bool(valid.all()):
         value = labels[~valid][0].item()
         raise ValueError(
-            f"labels must be token ids in [0, {vocab_size}) or -100 (ignored), got {value}. Mark positions "
-            "without a loss with -100."
+            f"labels must be token ids in [0, {vocab_size}) or {ignore_index} (ignore_index: ignored), got {value}. "
+            f"Mark positions without a loss with {ignore_index}."
         )
+
+
+def _loss_arguments(lm: PreTrainedModel, kwargs: dict) -> int:
+    """The ``ignore_index`` of a call's loss (popped from ``kwargs``; -100 unless given, as in transformers' loss). Any
+    other argument the model's own loss function names (``lm.loss_function``, which a transformers forward hands its
+    ``**kwargs``) and the logit kernel does not take is refused, not dropped: the kernel computes the loss itself."""
+    ignore_index = kwargs.pop("ignore_index", -100)
+    loss = getattr(lm, "loss_function", None)
+    named = inspect.signature(loss).parameters if callable(loss) else {}
+    dropped = sorted(
+        k for k in kwargs if k in named and k not in _KERNEL_LOSS_ARGUMENTS and named[k].kind != named[k].VAR_KEYWORD
+    )
+    if dropped:
+        raise ValueError(
+            f"StreamBP computes the loss of {type(lm).__name__} with its logit kernel, which takes labels, "
+            f"shift_labels, ignore_index and num_items_in_batch, not {dropped} (arguments of the model's loss "
+            f"function); drop them, or disable_streambp(model) to compute the loss from full logits."
+        )
+    return int(ignore_index)
 
 
 def _scored_rows(
@@ -219,9 +274,11 @@ def stream_forward(
             "StreamBP's) scores every position whose label is not -100, with outputs of shape (batch, seq_len - 1). "
             "Set the labels of the positions to skip to -100 instead (as TRL's GRPO does), and drop logits_to_keep."
         )
+    ignore_index = _loss_arguments(self, kwargs)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
+    _packing_as_plain(state.decoder, args, kwargs)  # (before the call's use_cache is set aside)
     kwargs["use_cache"] = False
     if state.decoder_keywords is not None:  # the model's forward hands its decoder these alone (the rest: its loss)
         kwargs = {k: v for k, v in kwargs.items() if k in state.decoder_keywords}
@@ -245,10 +302,10 @@ def stream_forward(
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)
     labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep)
-    _check_labels(labels, head.weight.shape[0])
-    mask = labels != -100
+    _check_labels(labels, head.weight.shape[0], ignore_index)
+    mask = labels != ignore_index
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
-        raise ValueError("Every label is -100: there is no token to compute the loss on.")
+        raise ValueError(f"Every label is {ignore_index} (ignored): there is no token to compute the loss on.")
     softcap, scale = logit_transform(self.config.get_text_config())
     # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
     rows = scored[mask]

@@ -4,9 +4,9 @@ stream engine must agree, so a model the engine cannot run exactly is refused be
 It catches what no list of known architectures can: an LM head that transforms hidden states before its output
 projection, attention code that reads the mask tensor itself, token mixing outside attention, layer arguments the
 engine cannot split. It costs two short forward passes (batch 2, 11 tokens, one row left-padded) under no grad, on
-the model's device and dtype, with the global random state left as it was. Models whose weights are not
-materialised and whole in this process (meta tensors, ZeRO-3 partitions, FSDP2 DTensor shards) are not
-probed.
+the model's device and dtype, with the global random state and every module's state (buffers, attributes) left as it
+was. Models whose weights are not materialised and whole in this process (meta tensors, ZeRO-3 partitions, FSDP2
+DTensor shards) are not probed.
 """
 
 from __future__ import annotations
@@ -61,22 +61,47 @@ def _probe_able(lm: nn.Module) -> bool:
 @contextmanager
 def _quiet(lm: nn.Module, streaming_decoder: nn.Module | None = None) -> Iterator[None]:
     """Every module in eval mode (so dropout, jitter and sampled routing are off), except, if given, the decoder and
-    its layers, whose training mode is what makes them stream; no grad; the random state and the modes restored
-    afterwards."""
-    modes = {m: m.training for m in lm.modules()}
-    lm.eval()
-    if streaming_decoder is not None:
-        streaming_decoder.training = True
-        for m in streaming_decoder.modules():
-            if isinstance(m, GradientCheckpointingLayer):
-                m.training = True
-    device = _device(lm)
-    try:
+    its layers, whose training mode is what makes them stream; no grad; the random state and every module's state
+    restored afterwards (:func:`_kept`)."""
+    with _kept(lm):
+        lm.eval()
+        if streaming_decoder is not None:
+            streaming_decoder.training = True
+            for m in streaming_decoder.modules():
+                if isinstance(m, GradientCheckpointingLayer):
+                    m.training = True
+        device = _device(lm)
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
             yield
+
+
+@contextmanager
+def _kept(lm: nn.Module) -> Iterator[None]:
+    """Every module of ``lm`` left as it was: its attributes (the same objects), the contents of the containers among
+    them (its buffers, parameters, submodules, hooks) and the values of its tensors (buffers and plain tensor
+    attributes). A module may change its own state in a forward: a dynamic rotary embedding (transformers'
+    ``dynamic_rope_update``) sets new frequencies (``inv_freq``, ``max_seq_len_cached``, ``attention_scaling``) for
+    the longest sequence it has seen, and resets them on a short one, as the probe's is; the model must compute
+    after the probe what it computed before. Holds a copy of every buffer and tensor attribute while it runs."""
+    saved = []
+    for m in lm.modules():
+        attributes = dict(vars(m))
+        contents = {k: v.copy() for k, v in attributes.items() if isinstance(v, (dict, set))}
+        tensors = [t for t in attributes.values() if isinstance(t, torch.Tensor)]
+        tensors += [t for t in m._buffers.values() if t is not None]
+        saved.append((m, attributes, contents, [(t, t.detach().clone()) for t in tensors]))
+    try:
+        yield
     finally:
-        for m, mode in modes.items():
-            m.training = mode
+        with torch.no_grad():
+            for m, attributes, contents, tensors in saved:
+                vars(m).clear()
+                vars(m).update(attributes)
+                for k, copy in contents.items():
+                    attributes[k].clear()
+                    attributes[k].update(copy)
+                for t, copy in tensors:
+                    t.copy_(copy)
 
 
 def _device(lm: nn.Module) -> torch.device:

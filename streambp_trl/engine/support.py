@@ -12,6 +12,7 @@ import inspect
 
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.utils import logging
 
 from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT, names_called, passes_keywords
@@ -48,6 +49,10 @@ _WHOLE_SEQUENCE_CALLS = {
     "_prepare_patch_cross_attention_mask": "its byte/patch cross-attention masks, (patches x bytes) each with the "
     "patch count padded to the byte count, so quadratic in the sequence length",
 }
+# the code of transformers' rotary-embedding forwards that recompute their frequencies from the positions of each call
+# (``dynamic_rope_update``: for the rope types in _PER_CALL_ROPE); a function's code object is shared by every function
+# the decorator returns
+_DYNAMIC_ROPE_CODE = dynamic_rope_update(lambda self, x, position_ids: None).__code__
 # PEFT methods whose trained tokens reach the decoder as a filled key/value cache (past_key_values)
 _PREFIX_PEFT = {"PREFIX_TUNING": "prefix tuning", "CARTRIDGE": "cartridges"}
 
@@ -149,6 +154,16 @@ def check_supported(
             "Set config.output_router_logits=False.",
         )
     _check_modules(lm, layers)
+    if getattr(config, "_attn_implementation", None) == "eager":
+        logger.warning(
+            f"StreamBP streams {type(lm).__name__} with attention whose fully masked query rows (the padding of a "
+            "left-padded row) give zero output, as SDPA's do; its eager attention instead takes the softmax of "
+            "tied lowest-value scores there, an average over every key of the row, later ones included (NaN in "
+            "float64, where the scores overflow). So the loss term of the first real token of a left-padded row, "
+            "which the logits of the pad before it score, differs from a plain model(..., labels=...) call; every "
+            "other term and gradient is the same. TRL's trainers never score that token; elsewhere set its label to "
+            "-100, pad on the right, or use attn_implementation='sdpa'."
+        )
     for module in decoder.modules():
         for called in sorted(names_called(type(module)) & _WHOLE_SEQUENCE_CALLS.keys()):
             logger.warning(
@@ -169,6 +184,16 @@ def _check_modules(lm: PreTrainedModel, layers: list[nn.Module]) -> None:
                 continue  # attends to encoder states, which a causal LM call never has
             if getattr(module, "is_causal", True) is False:
                 refuse(lm, f"{type(module).__name__} is not causal")
+            rope_type = _per_call_rope(module)
+            if rope_type is not None:
+                refuse(
+                    lm,
+                    f"{type(module).__name__}, inside its decoder layers, computes rotary embeddings whose "
+                    f"frequencies depend on the highest position of each call (rope_type {rope_type!r}), so each "
+                    "chunk would rotate by other frequencies than the whole sequence does; use a rope type whose "
+                    "frequencies are fixed (e.g. rope_parameters rope_type 'linear' or 'yarn' instead of 'dynamic' / "
+                    "'longrope')",
+                )
             called = names_called(type(module))
             if {"update", "softmax"} <= called and "ALL_ATTENTION_FUNCTIONS" not in called:
                 refuse(
@@ -176,3 +201,19 @@ def _check_modules(lm: PreTrainedModel, layers: list[nn.Module]) -> None:
                     "its attention does not go through transformers' AttentionInterface "
                     f"({type(module).__name__} adds the mask to its scores and takes the softmax itself)",
                 )
+
+
+def _per_call_rope(module: nn.Module) -> str | None:
+    """The rope type of ``module`` if it is a rotary embedding whose frequencies depend on the positions of each call
+    (transformers' ``dynamic_rope_update``: a dynamic NTK rope rescales them for the highest position seen, a longrope
+    switches its factors past the original context), else ``None``. Computed once per decoder call (by the decoder,
+    for every position) such a rope is exact; computed inside a layer (Moshi's attention, DeepSeek-V4's compressor and
+    indexer), each chunk would see its own highest position."""
+    forward = type(module).forward
+    while getattr(forward, "__code__", None) is not _DYNAMIC_ROPE_CODE:  # under other decorators (torch.no_grad)
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return None
+    rope_type = getattr(module, "rope_type", None)
+    types = rope_type.values() if isinstance(rope_type, dict) else (rope_type,)
+    return next((t for t in types if isinstance(t, str) and ("dynamic" in t or t == "longrope")), None)

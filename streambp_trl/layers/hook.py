@@ -187,7 +187,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     # None (recurrent and convolution mixers: sliced per chunk as any per-token argument); an attention without a
     # StreamMask is refused by the stream attention itself
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == seq_len:
-        kwargs["attention_mask"] = StreamMask(batch_size=batch, dense=mask)
+        kwargs["attention_mask"] = StreamMask.of_dense(mask, batch)
     elif isinstance(mask, torch.Tensor) and tuple(mask.shape) != (batch, seq_len):
         raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
     if attention_documents:

@@ -115,6 +115,11 @@ class StreamTrainerMixin:
         # Under ZeRO-3 the decoder layers must be leaf modules before DeepSpeed registers its hooks, which TRL does
         # inside its constructor for a reference model (DPO): mark the models given here first.
         config = kwargs.get("args", next((a for a in args if hasattr(a, "deepspeed_plugin")), None))
+        if getattr(config, "torch_compile", False):
+            raise ValueError(
+                f"{type(self).__name__}: torch_compile=True is not supported yet with StreamBP (the streamed layers' "
+                "autograd Functions and hooks stop torch.compile at the first step); set torch_compile=False."
+            )
         if _zero3_run(config):
             _mark_zero3_leaves([*args, *kwargs.values()])
         super().__init__(*args, **kwargs)
