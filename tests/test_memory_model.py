@@ -90,8 +90,8 @@ def test_auto_counts_lora_adapters_in_the_forward(monkeypatch):
         if frozen:  # the base frozen, one trained matrix per layer beside it, as an adapter would be
             for name, p in model.named_parameters():
                 p.requires_grad_(name.endswith("q_proj.weight"))
-        seen.clear()
         model = enable_streambp(model, stream_chunk_size="auto", memory_budget="64MiB")
+        seen.clear()  # (enabling sizes the model once, to know the memory model can)
         model(input_ids=ids, labels=ids).loss.backward()
         assert seen and set(seen) == {frozen}
 
