@@ -77,6 +77,7 @@ __all__ = [
     "gib",
     "head_backward_bytes",
     "largest_chunk",
+    "longest_fitting",
     "lora_layer_params",
     "max_len",
     "parse_budget",
@@ -361,10 +362,12 @@ def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
 
 def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:
     """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does)."""
+    return longest_fitting(lambda tokens: estimate_peak_bytes(shape, setup, tokens) <= budget_bytes, step)
 
-    def fits(tokens: int) -> bool:
-        return estimate_peak_bytes(shape, setup, tokens) <= budget_bytes
 
+def longest_fitting(fits: Callable[[int], bool], step: int = 1024) -> int:
+    """Longest multiple of ``step`` that ``fits`` (monotone: whatever fits, every shorter length fits), by doubling
+    then bisection; 0 if ``step`` does not fit."""
     if not fits(step):
         return 0
     lo, hi = step, 2 * step

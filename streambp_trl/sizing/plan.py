@@ -20,7 +20,6 @@ The time model, per token of a step, relative to one that keeps every layer inpu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from . import memory_model as mm
 from .layout import Layout
@@ -159,7 +158,7 @@ class Planner:
                 activations, host = self.estimate(rows * tokens, chunk, layout, offload)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
-            return _longest(fits)
+            return mm.longest_fitting(fits)
 
         def name(layout: Layout, offload: bool) -> str:
             kept = f"stream_keep_every={layout.every}" if layout.every > 1 else layout.describe(layers)
@@ -172,15 +171,3 @@ class Planner:
             if reach[best] > max(ways.values()):
                 ways[name(best, offload)] = reach[best]
         return ways
-
-
-def _longest(fits: Callable[[int], bool], step: int = 1024) -> int:
-    if not fits(step):
-        return 0
-    lo, hi = step, 2 * step
-    while fits(hi) and hi < 1 << 26:
-        lo, hi = hi, 2 * hi
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
