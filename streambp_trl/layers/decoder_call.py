@@ -34,8 +34,9 @@ class DecoderCall:
     layer's input in the same segment). ``shared_kv``: the keys/values layers share with later layers
     (:mod:`.shared_kv`), which the layer calls keep until their backwards.
     ``segment_sizes``: where the call's plan keeps other layer inputs than the settings' ``keep_every``, the size of
-    a segment started by each stream layer of the call, by its place among them (:class:`~streambp_trl.sizing.layout.
-    Layout`); ``settings``: where the plan offloads otherwise than the model's settings, the call's own.
+    a segment started by each stream layer of the call, by its place among them
+    (:class:`~streambp_trl.sizing.layout.Layout`); ``settings``: where the plan offloads otherwise than the model's
+    settings, the call's own.
     """
 
     chunk_size: int | None = None
