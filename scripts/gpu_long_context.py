@@ -37,7 +37,9 @@ def _specs(args: argparse.Namespace) -> list[MeasureSpec]:
     common = dict(
         model=args.model, device=args.device, dtype=args.dtype, warmup_seq_len=args.warmup, memory_cap=args.cap
     )
-    specs = [MeasureSpec(mode=Mode.CHECKPOINT_CHUNKED_LOSS, seq_len=args.lengths[0], **common)]
+    specs = (
+        [] if args.no_baseline else [MeasureSpec(mode=Mode.CHECKPOINT_CHUNKED_LOSS, seq_len=args.lengths[0], **common)]
+    )
     for n in args.lengths:
         specs.append(MeasureSpec(mode=Mode.STREAM, seq_len=n, memory_budget=args.budget, planned=True, **common))
     return specs
@@ -59,7 +61,7 @@ def trainer_run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     if args.cap is not None and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(args.cap) / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(args.cap) / total), device.index or 0)
     model = build_model(args.model, args.dtype, device, 0)
     vocab = model.config.vocab_size
     torch.manual_seed(1)
@@ -85,7 +87,12 @@ def trainer_run(args: argparse.Namespace) -> dict:
         )  # fmt: skip
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
         trainer = StreamSFTTrainer(
-            model=model, args=config, train_dataset=data, processing_class=tokenizer, peft_config=lora
+            model=model,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            peft_config=lora,
+            callbacks=[Peaks()],
         )
         start = time.perf_counter()
         trainer.train()
@@ -95,6 +102,20 @@ def trainer_run(args: argparse.Namespace) -> dict:
     return {"mode": "StreamSFTTrainer+LoRA", "seq_len": args.trainer_length, "steps": 2, "time_s": elapsed,
             "peak_gib_per_step": peaks, "losses": losses, "plan": None if plan is None else plan.describe(
                 args.trainer_length, len(trainer.model.base_model.model.model.layers))}  # fmt: skip
+
+
+def _trainer_record(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """:func:`trainer_run` in a fresh process: its record, or one saying how it failed."""
+    cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--trainer-only"]
+    failed = {"mode": "StreamSFTTrainer+LoRA", "seq_len": args.trainer_length}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 2)
+    except subprocess.TimeoutExpired:
+        return {**failed, "status": "timeout"}
+    line = next((x for x in proc.stdout.splitlines() if x.startswith(TRAINER_PREFIX)), None)
+    if line is None:
+        return {**failed, "status": "error", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(line[len(TRAINER_PREFIX) :])
 
 
 def _table(records: list[dict], env: dict, args: argparse.Namespace) -> str:
@@ -131,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=150.0, help="seconds per run")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks"))
     p.add_argument("--name", default=None, help="output stem (default: gpu_<device>_long_context)")
+    p.add_argument("--no-baseline", action="store_true", help="skip TRL's default at the first length")
+    p.add_argument("--no-trainer", action="store_true", help="skip the StreamSFTTrainer LoRA run")
     p.add_argument("--trainer-only", action="store_true", help=argparse.SUPPRESS)  # the trainer run's own process
     args = p.parse_args(argv)
     args.cap = None if args.cap == "none" else args.cap
@@ -145,23 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         record = measure(spec, args.timeout, log=False)
         records.append({**record, "mode": str(spec.mode) + (" auto" if spec.planned else "")})
         print(json.dumps(records[-1])[:600], flush=True)
-    cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--trainer-only"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 2)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith(TRAINER_PREFIX)), None)
-        records.append(
-            json.loads(line[len(TRAINER_PREFIX) :])
-            if line
-            else {
-                "mode": "StreamSFTTrainer+LoRA",
-                "seq_len": args.trainer_length,
-                "status": "error",
-                "error": (proc.stderr.strip().splitlines() or ["?"])[-1],
-            }  # fmt: skip
-        )
-    except subprocess.TimeoutExpired:
-        records.append({"mode": "StreamSFTTrainer+LoRA", "seq_len": args.trainer_length, "status": "timeout"})
-    print(json.dumps(records[-1])[:600], flush=True)
+    if not args.no_trainer:
+        records.append(_trainer_record(args, argv))
+        print(json.dumps(records[-1])[:600], flush=True)
     with open(args.out_dir / f"{name}.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps({**r, "env": env}) + "\n")

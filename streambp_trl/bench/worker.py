@@ -101,7 +101,7 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
     device = torch.device(spec.device)
     if spec.memory_cap is not None and device.type == "cuda":  # an 80 GB card's limits on a larger one
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(spec.memory_cap) / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(spec.memory_cap) / total), device.index or 0)
     objective = spec.objective
     record: dict[str, Any] = {k: getattr(spec, k) for k in ("mode", "seq_len", "batch_size", "dtype", "model")}
     if objective != "sft":

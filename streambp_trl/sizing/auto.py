@@ -233,6 +233,7 @@ def free_bytes(device: torch.device, budget: int | None = None) -> int | None:
     with a ``budget`` (bytes of the whole device the step may use), within it; on the CPU the host memory available
     (``psutil``)."""
     if device.type == "cuda" and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         room = free + torch.cuda.memory_reserved(device) - allocated
