@@ -230,8 +230,8 @@ def test_a_row_of_0_says_why(capsys):
     )
     cli.main(["max-len", "--model", "qwen3-8b", "--gpu-memory", "15.9GiB", "--lora", "--mode", "stream"])
     out = capsys.readouterr().out
-    shape, setup = mm.ModelShape.from_name("qwen3-8b"), mm.StepSetup(lora=True)
-    peak, static = mm.estimate_peak_bytes(shape, setup, 1024), mm.static_bytes(shape, setup)
+    shape, setup = mm.ModelShape.from_name("qwen3-8b"), mm.StepSetup(lora=True, pending_grads=True)
+    peak, static = mm.estimate_peak_bytes(shape, setup, 1024), mm.static_bytes(shape, mm.StepSetup(lora=True))
     assert static < 15.9 * 2**30 < peak
     assert (
         f"0 for stream (streambp-trl): 1,024 tokens need {peak / 2**30:.2f} GiB (the weights and gradients: "
@@ -334,8 +334,10 @@ def test_a_measured_row_of_0_says_why(fake_measure, capsys):
 def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys, monkeypatch):
     """An estimate lists, per length, the plan the engine's own planner takes for a model of that shape within the
     same budget (its chunk, kept inputs, offload, predicted peak and pinned host memory): Qwen3-8B, chunk 2048, 78 GiB,
-    20 GiB of host memory to pin. At 163,840 tokens one input is rebuilt (every input kept is over the budget less the
-    1 GiB margin) and that is what AutoChunks plans for a Qwen3-8B built on the meta device."""
+    20 GiB of host memory to pin, the parameter gradients formed by the backward (the default, as a trainer's steps
+    with gradient_accumulation_steps=1 run). At 212,992 tokens one input is rebuilt (every input kept is over the
+    budget less the 1 GiB margin) and that is what AutoChunks plans for a Qwen3-8B built on the meta device, which
+    holds no gradient."""
     import torch
     import transformers
 
@@ -344,9 +346,9 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
     monkeypatch.setattr(auto, "host_room", lambda: 20 * 2**30)
     monkeypatch.setattr(plans, "host_room", lambda: 20 * 2**30)
     argv = ["--model", "qwen3-8b", "--gpu-memory", "78GiB", "--chunk", "2048"]
-    result = ml.main([*argv, "--lengths", "131072", "163840", "262144"])
+    result = ml.main([*argv, "--lengths", "131072", "212992", "262144"])
     out = capsys.readouterr().out
-    assert "| 163,840 | chunk 2048, 1 layer input rebuilt in backward | 76.7 GiB | - |" in out
+    assert "| 212,992 | chunk 2048, 1 layer input rebuilt in backward | 76.8 GiB | - |" in out
     assert "| 131,072 | chunk 2048, every layer input kept |" in out
     rows = {row["tokens"]: row for row in result["plans"]["rows"]}
     config = transformers.Qwen3Config(

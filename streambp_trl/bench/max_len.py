@@ -26,6 +26,7 @@ million tokens and needs host memory). A row of 0 says why under the table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -121,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 (float32 on the CPU)")
     p.add_argument("--optimizer", choices=OPTIMIZER_BYTES, default="none", help="optimizer state held during the step")
+    p.add_argument(
+        "--gradient-accumulation-steps",
+        type=_positive,
+        default=1,
+        help="an estimate's stream rows: 1, each step's backward forms the parameter gradients (the trainer frees "
+        "them after each optimizer step); more, a micro-step after the first holds them through its whole step",
+    )
     p.add_argument("--mode", nargs="+", choices=ROWS, help="only these rows")
     p.add_argument("--step", type=_positive, default=1024, help="lengths are multiples of this")
     p.add_argument("--limit", type=_positive, default=1 << 22, help="measured runs: longest length tried")
@@ -150,9 +158,10 @@ def _shape(name: str) -> mm.ModelShape | None:
 
 
 def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step: int) -> str:
-    """Why not even ``step`` tokens fit in ``budget``: the weights, gradients and optimizer state alone, or the
-    step's peak at ``step`` tokens."""
-    static = mm.static_bytes(shape, setup)
+    """Why not even ``step`` tokens fit in ``budget``: the weights, gradients and optimizer state alone (the
+    gradients counted whether or not the backward forms them: every one is there at its end), or the step's peak at
+    ``step`` tokens."""
+    static = mm.static_bytes(shape, dataclasses.replace(setup, pending_grads=False))
     held = "the weights and gradients" + (" and optimizer states" if setup.optimizer_bytes_per_param else "")
     if static > budget:
         return (

@@ -53,6 +53,7 @@ def row_setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
         logits_chunk=(args.logits_chunk or args.chunk) if stream else None,
         optimizer_bytes_per_param=OPTIMIZER_BYTES[args.optimizer],
         keep_every=(args.keep_every or 1) if stream else 1,
+        pending_grads=stream and args.gradient_accumulation_steps == 1,
     )
 
 

@@ -37,6 +37,7 @@ def plan_rows(
         chunk=setup.chunk,
         keep_every=keep_every,
         layer_trained_params=trained,
+        pending_grads=setup.pending_grads,
     )
     longest = planner.longest(setup.rows, limit, host, rebuildable=True, can_offload=True)
     reach = max(longest.values())

@@ -40,8 +40,9 @@ def record_shape(record: dict[str, Any]) -> mm.ModelShape:
 
 
 def record_setup(record: dict[str, Any]) -> mm.StepSetup:
-    """The memory model's setup of a simulator record (the simulator's parameter gradients are allocated before the
-    step, ``--grads-ready``, as the memory model counts them; ``lora``: rank-16 LoRA on every linear layer)."""
+    """The memory model's setup of a simulator record (``grads_ready``: the parameter gradients are allocated before
+    the step, else the backward forms them, the memory model's ``pending_grads``; ``lora``: rank-16 LoRA on every
+    linear layer)."""
     mode, lora = record_mode(record), bool(record.get("lora"))
     if not mode.streams:
         return mm.StepSetup(mode=mode.memory_model_mode, lora=lora)
@@ -51,6 +52,7 @@ def record_setup(record: dict[str, Any]) -> mm.StepSetup:
         chunk=record.get("chunk"),
         logits_chunk=record.get("logits_chunk"),
         keep_every=(record.get("stream_kwargs") or {}).get("keep_every", 1),
+        pending_grads=record.get("grads_ready") is False,
     )
 
 

@@ -7,9 +7,15 @@ fastest plan (chunk, kept layer inputs, offload; the user's fixed choices kept) 
 * a given ``memory_budget`` (bytes of the whole device the step may use): weights and parameter gradients, as the
   model holds them, plus the activations must fit in it;
 * otherwise, on a CUDA device, the memory still free when the call starts (free on the device plus what PyTorch's
-  allocator holds unused, within the process's share), less the parameter gradients not yet allocated;
-* otherwise, on the CPU, the host memory available (``psutil``), less the parameter gradients not yet allocated (no
-  offload there: it would keep the tensors where they are);
+  allocator holds unused, within the process's share);
+* otherwise, on the CPU, the host memory available (``psutil``) (no offload there: it would keep the tensors where
+  they are).
+
+Where no trained parameter holds a gradient when the call starts (the trainers free them after each optimizer step,
+so every micro-step with ``gradient_accumulation_steps=1``, and the first of more), the estimate counts each gradient
+from the moment the backward forms it (``pending_grads``: the top layer's backward, the usual peak, holds the head's
+and its own, not every layer's); where some do, the missing ones are counted as held through the step. The two are
+planned apart (a micro-step after the first may take another plan).
 * without any memory figure (another device type, or a model whose config lacks the usual size fields): the user's
   choices, else an eighth of the sequence clamped to [512, 4096] (:func:`rule_of_thumb`), every input kept.
 
@@ -138,12 +144,14 @@ class AutoChunks:
         inputs the user did not ask to, else at info level). Raises where a call with grad fits nowhere within a
         known device figure (a budget, or a CUDA device's free memory)."""
         grad = torch.is_grad_enabled()
-        key = (rows, seq_len, rebuildable, grad, device.type)
+        model = self._model()
+        pending = model is not None and _grads_pending(list(model.parameters()))
+        key = (rows, seq_len, rebuildable, grad, device.type, pending)
         if key not in self._chosen:
             if len(self._chosen) > 256:
                 self._chosen.clear()
                 self._latest.clear()
-            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad)
+            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending)
         plan = self._chosen[key]
         self._latest[(rows, seq_len)] = self.last_plan = plan
         self.last = plan.chunk
@@ -154,9 +162,11 @@ class AutoChunks:
         chunk = self.chunk if self.chunk is not None else rule_of_thumb(seq_len)
         return StepPlan(chunk, Layout(every=self.keep_every or 1), bool(self.offload))
 
-    def _decide(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool, grad: bool) -> StepPlan:
+    def _decide(
+        self, rows: int, seq_len: int, device: torch.device, rebuildable: bool, grad: bool, pending: bool
+    ) -> StepPlan:
         model = self._model()
-        figure = self._room(model, device)
+        figure = self._room(model, device, pending)
         if figure is None or self.shape is None or model is None:
             return self._fixed(seq_len)
         room, held, total = figure
@@ -166,7 +176,16 @@ class AutoChunks:
         # adapters (LoRA: some parameters trained beside frozen ones), whose float32 products the forward holds
         trained = [p.requires_grad for p in model.parameters()]
         adapters = any(trained) and not all(trained)
-        planner = Planner(self.shape, db, head_trained, adapters, self.chunk, self.keep_every, self.offload)
+        planner = Planner(
+            self.shape,
+            db,
+            head_trained,
+            adapters,
+            self.chunk,
+            self.keep_every,
+            self.offload,
+            pending_grads=pending,
+        )
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         rebuildable = rebuildable and grad
         limit = room - margin(total)
@@ -198,20 +217,22 @@ class AutoChunks:
             + ". Shorten max_length, or set the option named, or a larger memory_budget."
         )
 
-    def _room(self, model: nn.Module | None, device: torch.device) -> tuple[int, int, int] | None:
+    def _room(self, model: nn.Module | None, device: torch.device, pending: bool) -> tuple[int, int, int] | None:
         """``(room, held, total)``: bytes the call's activations may take, the weights and gradients beside them and
-        the device's whole figure the margin is taken of; or None when no memory figure is known."""
+        the device's whole figure the margin is taken of; or None when no memory figure is known. ``pending``: the
+        gradients are counted with the activations, as the backward forms them."""
         if model is None:
             return None
         params = list(model.parameters())
         held = sum(p.numel() * p.element_size() for p in params)
-        held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        if not pending:
+            held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         if self.budget is not None:
             return self.budget - held, held, self.budget
         free = free_bytes(device)
         if free is None:
             return None
-        missing = _missing_grad_bytes(params)
+        missing = 0 if pending else _missing_grad_bytes(params)
         return free - missing, held, free + held - missing
 
 
@@ -244,6 +265,12 @@ def free_bytes(device: torch.device, budget: int | None = None) -> int | None:
     return None
 
 
+def _grads_pending(params: list[nn.Parameter]) -> bool:
+    """Whether the backward forms every parameter gradient: some parameter is trained and none holds a gradient."""
+    trained = [p for p in params if p.requires_grad]
+    return bool(trained) and all(p.grad is None for p in trained)
+
+
 def _missing_grad_bytes(params: list[nn.Parameter]) -> int:
     """Bytes of the parameter gradients not allocated yet (the first backward of a run allocates them)."""
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
@@ -261,12 +288,15 @@ def head_form(
     """The form of the logit kernel's gradient for a call scoring ``n`` rows, among ``forms``: the one that
     recomputes least (eager, then fused, then two-node) whose buffers (:func:`memory_model.head_backward_bytes`) fit
     what is free now (:func:`free_bytes`, within ``budget`` if one is given), when the forward's activations are all
-    held, less the parameter gradients not yet allocated. Two-node, the least memory (no float32 (V, H) accumulator,
-    the weight's gradient formed vocabulary tile by vocabulary tile), where none fits or no memory figure is known."""
+    held, less the parameter gradients not yet allocated (none where the backward forms every one: the head's, the
+    first, is counted in the form's buffers). Two-node, the least memory (no float32 (V, H) accumulator, the weight's
+    gradient formed vocabulary tile by vocabulary tile), where none fits or no memory figure is known."""
     room = free_bytes(device, budget)
     if room is None:
         return "two-node"
-    room -= _missing_grad_bytes(list(model.parameters()))
+    params = list(model.parameters())
+    if not _grads_pending(params):
+        room -= _missing_grad_bytes(params)
     vocab, hidden = head.out_features, head.in_features  # not the weight's shape: ZeRO-3 partitions it
     trained = any(p.requires_grad for p in head.parameters())
     db = head.weight.element_size()

@@ -4,8 +4,10 @@ Everything is counted in buffers the step allocates, per token of the micro-batc
 chunk token, in the parameter dtype (``db`` bytes; float32 statistics where the engine keeps them), with the CUDA
 caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA context):
 
-* static: weights ``P db``, parameter gradients ``P_train db`` (allocated from the first step on), optimizer state;
-  with LoRA, the adapters and their gradients in float32 (PEFT's upcast of half-precision adapters).
+* static: weights ``P db``, parameter gradients ``P_train db`` (held through the step where the model holds them when
+  it starts, as a micro-step of gradient accumulation after the first; otherwise, ``pending_grads``, each counted
+  from the moment the backward forms it), optimizer state; with LoRA, the adapters and their gradients in float32
+  (PEFT's upcast of half-precision adapters).
 * stream (``enable_streambp``), the larger of the forward's peak and the backward's. The forward's
   (:mod:`.forward`): the top layer of each kind running its first chunk, whose linear outputs (with LoRA, their
   float32 adapter products) the engine's unread-output check keeps until the chunk ends, beside the inputs of every
@@ -109,6 +111,10 @@ class StepSetup:
     keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.kept.segments)
     drop: int = 0  # stream modes: layers below the top one whose input is rebuilt (.layout.Layout)
     head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
+    # stream modes: no parameter gradient is allocated when the step starts (a trainer's zero_grad(set_to_none=True)
+    # between optimizer steps, every micro-step with gradient_accumulation_steps=1): each is counted from the moment
+    # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
+    pending_grads: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -150,13 +156,15 @@ def lora_layer_params(shape: ModelShape) -> int:
 
 
 def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
-    """Weights, parameter gradients and optimizer state. LoRA: the base weights in the parameter dtype, the adapters
+    """Weights, parameter gradients (unless ``setup.pending_grads`` in a stream mode: the activations' estimate counts
+    them as the backward forms them) and optimizer state. LoRA: the base weights in the parameter dtype, the adapters
     and their gradients in float32 at least (PEFT upcasts half-precision adapters)."""
     weights = shape.params * setup.dtype_bytes
+    grads = 0 if setup.pending_grads and setup.mode.startswith("stream") else 1
     if setup.lora:
         adapter_bytes = max(setup.dtype_bytes, _ADAPTER_BYTES)
-        return weights + _lora_params(shape) * (2 * adapter_bytes + setup.optimizer_bytes_per_param)
-    return weights + shape.params * (setup.dtype_bytes + setup.optimizer_bytes_per_param)
+        return weights + _lora_params(shape) * ((1 + grads) * adapter_bytes + setup.optimizer_bytes_per_param)
+    return weights + shape.params * (grads * setup.dtype_bytes + setup.optimizer_bytes_per_param)
 
 
 def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
@@ -174,19 +182,29 @@ def _per_token_bytes(shape: ModelShape, db: int) -> int:
     return 2 * (shape.rotary_dim or shape.head_dim) * db + 48 + 4 * shape.shared_topk * max(shape.layers - 1, 0)
 
 
-def _saved_inputs(layers: int, layout: Layout, offload: bool, among: Collection[int] | None = None) -> int:
-    """Layer inputs on the device during the backward's worst layer (of ``among``: those layer indices only; all by
-    default). The first layer's is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Each segment
-    of the ``layout`` keeps its first input and rebuilds the others while the segment's backward runs (every layer
-    its own segment: each keeps its own): segment i's backward holds its inputs and the kept first inputs of segments
-    1..i-1, or, with offload, its inputs and the prefetched first input of segment i-1 (none for segment 0, whose
-    first input is rebuilt from the ids)."""
+def _saved_inputs(
+    layers: int,
+    layout: Layout,
+    offload: bool,
+    among: Collection[int] | None = None,
+    input_bytes: int = 1,
+    grad_bytes: int = 0,
+) -> int:
+    """Bytes of the layer inputs on the device during the backward's worst layer (of ``among``: those layer indices
+    only; all by default), each input ``input_bytes``; with ``grad_bytes`` (a layer's parameter gradients, when they
+    are formed by the backward: ``pending_grads``), the gradients of the layers above it too. The first layer's input
+    is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Each segment of the ``layout`` keeps its
+    first input and rebuilds the others while the segment's backward runs (every layer its own segment: each keeps its
+    own): segment i's backward holds its inputs and the kept first inputs of segments 1..i-1, or, with offload, its
+    inputs and the prefetched first input of segment i-1 (none for segment 0, whose first input is rebuilt from the
+    ids)."""
     worst = 0
     for i, (start, size) in enumerate(layout.segments(layers)):
-        if among is not None and not any(j in among for j in range(start, start + size)):
+        lowest = next((j for j in range(start, start + size) if among is None or j in among), None)
+        if lowest is None:
             continue
         below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
-        worst = max(worst, size + below)
+        worst = max(worst, (size + below) * input_bytes + (layers - 1 - lowest) * grad_bytes)
     return worst
 
 
@@ -204,21 +222,36 @@ def estimate_activation_bytes(
     head_form: str = "two-node",
     adapters: bool = False,
     drop: int = 0,
+    pending_grads: bool = False,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
-    layer's trainable parameters (all of them by default); ``head_form``: the logit kernel's gradient form
-    (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``: float32
-    LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
+    layer's trainable parameters (all of them by default); ``pending_grads``: no parameter gradient is allocated when
+    the step starts, so the peak is above the weights alone and counts each gradient from the moment the backward
+    forms it: none in the forward, the head's from its backward on, a layer's from its own backward on (beside the
+    inputs still kept below it), every one and the embedding's at the end; ``head_form``: the logit kernel's gradient
+    form (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``:
+    float32 LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
     (:class:`.layout.Layout`). The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
     the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
     layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
     a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
     h, r, kv, d = shape.hidden, shape.residual, shape.kv_dim, shape.head_dim
     layout = Layout(every=keep_every, drop=drop)
+    # pending gradients: the head's (formed by its backward, the first) and a layer's on average (formed by its own)
+    head_grad = shape.vocab * h * db if pending_grads and head_trained else 0
+    layer_grad = 0
+    if pending_grads:
+        layer_params = (shape.params - shape.embedding_params) // max(shape.layers, 1)
+        layer_grad = (layer_params if layer_trained_params is None else layer_trained_params) * db
 
     def common(among: Collection[int] | None) -> int:
-        return (_saved_inputs(shape.layers, layout, offload, among) * r * db + _per_token_bytes(shape, db)) * n
+        """The kept inputs and token bookkeeping at the worst backward of a layer of ``among`` (beside the pending
+        gradients formed by then), or at the head's backward (``None``: every input, no gradient yet)."""
+        if among is None:
+            return _saved_inputs(shape.layers, layout, offload, None, r * db * n) + _per_token_bytes(shape, db) * n
+        inputs = _saved_inputs(shape.layers, layout, offload, among, r * db * n, layer_grad)
+        return inputs + _per_token_bytes(shape, db) * n + head_grad
 
     chunk_rows = min(chunk, n)
     fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
@@ -257,7 +290,12 @@ def estimate_activation_bytes(
         # the final mix of the hyper-connection streams, after the head's backward: the head input's gradient, the
         # last layer's output the mix kept and a copy of it, and the mix's backward in float32 over every stream
         # (five r-wide float32 tensors; as HY-V4 holds them under the simulator)
-        head = max(head, common(None) + (h + 2 * r) * db * n + 5 * 4 * r * n)
+        head = max(head, common(None) + head_grad + (h + 2 * r) * db * n + 5 * 4 * r * n)
+    if pending_grads:
+        # the end of the backward: every gradient (the embedding's too, when not tied to the head) beside the first
+        # layer's input gradient
+        embedding = shape.vocab * h * db if head_trained and not shape.tied else 0
+        peaks.append(head_grad + embedding + shape.layers * layer_grad + (r * db + _per_token_bytes(shape, db)) * n)
     forward = _per_token_bytes(shape, db) * n
     forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload)
     return max(*peaks, head, forward)
@@ -346,6 +384,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             drop=setup.drop,
             head_form=setup.head_form,
             adapters=setup.lora,
+            pending_grads=setup.pending_grads,
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)

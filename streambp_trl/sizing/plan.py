@@ -86,8 +86,9 @@ def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layo
 class Planner:
     """What the plans of one model are chosen from: its ``shape``, parameter dtype (``db`` bytes), whether its LM
     head is trained and whether it carries LoRA ``adapters`` (``layer_trained_params``: a layer's trained parameters,
-    all of them by default); and the user's fixed ``chunk``, ``keep_every`` and ``offload`` (``None``: chosen by the
-    plan)."""
+    all of them by default); whether its parameter gradients are ``pending`` (none allocated when the call starts: the
+    backward forms them, :func:`.memory_model.estimate_activation_bytes`); and the user's fixed ``chunk``,
+    ``keep_every`` and ``offload`` (``None``: chosen by the plan)."""
 
     shape: ModelShape
     db: int = 2
@@ -97,6 +98,7 @@ class Planner:
     keep_every: int | None = None
     offload: bool | None = None
     layer_trained_params: int | None = None
+    pending_grads: bool = False
 
     def estimate(self, tokens: int, chunk: int, layout: Layout, offload: bool) -> tuple[int, int]:
         """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model)."""
@@ -112,6 +114,7 @@ class Planner:
             drop=layout.drop,
             adapters=self.adapters,
             layer_trained_params=self.layer_trained_params,
+            pending_grads=self.pending_grads,
         )
         mode = "stream+offload" if offload else "stream"
         setup = mm.StepSetup(mode=mode, dtype_bytes=self.db, keep_every=layout.every, drop=layout.drop)
