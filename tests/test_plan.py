@@ -190,3 +190,27 @@ def test_a_micro_step_holding_gradients_takes_its_own_plan(caplog):
     assert layouts == [Layout(), Layout(drop=1)]
     for (name, p), q in zip(kept.named_parameters(), planned.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_what_the_device_holds_beside_the_model_is_counted_and_planned_again(monkeypatch):
+    """On a CUDA device what is allocated when a call starts counts beside the weights where it is more (the
+    optimizer's state, allocated by the first optimizer step): under the same budget, a call that finds more allocated
+    is planned again within what is left, here rebuilding an input the first call kept."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    shape = mm.ModelShape.from_model(model)
+    params = sum(p.numel() * 8 for p in model.parameters())
+    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
+    keep, drop = (planner.estimate(ids.numel(), CHUNK, layout, False)[0] for layout in (Layout(), Layout(drop=1)))
+    budget = params + keep
+    budget += margin(budget) + budget // 1024  # (the margin of the larger budget is a little larger)
+    assert budget - margin(budget) - (params + (keep - drop) // 2) < keep
+    streamed = enable_streambp(model, stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
+    monkeypatch.setattr(auto, "REPLAN_STEP", 1)
+    layouts = []
+    for allocated in (params // 2, params + (keep - drop) // 2):  # the weights alone, then with an optimizer's state
+        monkeypatch.setattr(auto, "allocated_bytes", lambda device, allocated=allocated: allocated)
+        streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        streamed.zero_grad(set_to_none=True)
+        layouts.append(streamed._streambp.auto.last_plan.layout)
+    assert layouts == [Layout(), Layout(drop=1)]

@@ -15,7 +15,10 @@ Where no trained parameter holds a gradient when the call starts (the trainers f
 so every micro-step with ``gradient_accumulation_steps=1``, and the first of more), the estimate counts each gradient
 from the moment the backward forms it (``pending_grads``: the top layer's backward, the usual peak, holds the head's
 and its own, not every layer's); where some do, the missing ones are counted as held through the step. The two are
-planned apart (a micro-step after the first may take another plan).
+planned apart (a micro-step after the first may take another plan). On a CUDA device what is allocated when the
+call starts counts too (with a budget, where it is more than the weights and gradients: optimizer state, a reference
+model's buffers), and a call that finds another whole number of GiB allocated is planned again: the first step's plan
+is made before the optimizer has allocated its state, which the next steps hold.
 * without any memory figure (another device type, or a model whose config lacks the usual size fields): the user's
   choices, else an eighth of the sequence clamped to [512, 4096] (:func:`rule_of_thumb`), every input kept.
 
@@ -40,7 +43,7 @@ from transformers.utils import logging
 from . import memory_model as mm
 from .layout import Layout
 from .plan import Planner, StepPlan, margin
-from .units import size_text
+from .units import GiB, size_text
 
 logger = logging.get_logger(__name__)
 
@@ -57,6 +60,9 @@ _UNCOUNTED = {
     "xlstm": "its mLSTM layers (their chunk backward and carried states)",
 }
 _FALLBACK = (512, 4096)
+# a call that finds another multiple of this allocated on its CUDA device than the call its plan was made for is
+# planned again (the optimizer's state appears at the first optimizer step)
+REPLAN_STEP = GiB
 
 
 def _gone() -> None:
@@ -146,12 +152,21 @@ class AutoChunks:
         grad = torch.is_grad_enabled()
         model = self._model()
         pending = model is not None and _grads_pending(list(model.parameters()))
-        key = (rows, seq_len, rebuildable, grad, device.type, pending)
+        allocated = allocated_bytes(device)
+        key = (
+            rows,
+            seq_len,
+            rebuildable,
+            grad,
+            device.type,
+            pending,
+            None if allocated is None else allocated // REPLAN_STEP,
+        )
         if key not in self._chosen:
             if len(self._chosen) > 256:
                 self._chosen.clear()
                 self._latest.clear()
-            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending)
+            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, allocated)
         plan = self._chosen[key]
         self._latest[(rows, seq_len)] = self.last_plan = plan
         self.last = plan.chunk
@@ -163,10 +178,17 @@ class AutoChunks:
         return StepPlan(chunk, Layout(every=self.keep_every or 1), bool(self.offload))
 
     def _decide(
-        self, rows: int, seq_len: int, device: torch.device, rebuildable: bool, grad: bool, pending: bool
+        self,
+        rows: int,
+        seq_len: int,
+        device: torch.device,
+        rebuildable: bool,
+        grad: bool,
+        pending: bool,
+        allocated: int | None,
     ) -> StepPlan:
         model = self._model()
-        figure = self._room(model, device, pending)
+        figure = self._room(model, device, pending, allocated)
         if figure is None or self.shape is None or model is None:
             return self._fixed(seq_len)
         room, held, total = figure
@@ -217,16 +239,20 @@ class AutoChunks:
             + ". Shorten max_length, or set the option named, or a larger memory_budget."
         )
 
-    def _room(self, model: nn.Module | None, device: torch.device, pending: bool) -> tuple[int, int, int] | None:
-        """``(room, held, total)``: bytes the call's activations may take, the weights and gradients beside them and
-        the device's whole figure the margin is taken of; or None when no memory figure is known. ``pending``: the
-        gradients are counted with the activations, as the backward forms them."""
+    def _room(
+        self, model: nn.Module | None, device: torch.device, pending: bool, allocated: int | None
+    ) -> tuple[int, int, int] | None:
+        """``(room, held, total)``: bytes the call's activations may take, what is held beside them (the weights and
+        gradients, or what the device has allocated when more: ``allocated``) and the device's whole figure the margin
+        is taken of; or None when no memory figure is known. ``pending``: the gradients are counted with the
+        activations, as the backward forms them."""
         if model is None:
             return None
         params = list(model.parameters())
         held = sum(p.numel() * p.element_size() for p in params)
         if not pending:
             held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        held = max(held, allocated or 0)
         if self.budget is not None:
             return self.budget - held, held, self.budget
         free = free_bytes(device)
@@ -245,6 +271,13 @@ def host_room() -> int:
     """Pinned host bytes a plan may take: three quarters of the host memory available (pinned pages cannot be
     swapped out; the rest is left to the data loader, the optimizer's host side and the system)."""
     return psutil.virtual_memory().available * 3 // 4
+
+
+def allocated_bytes(device: torch.device) -> int | None:
+    """Bytes PyTorch has allocated on a CUDA ``device`` now (``None`` elsewhere, or without a CUDA runtime)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.memory_allocated(device)
+    return None
 
 
 def free_bytes(device: torch.device, budget: int | None = None) -> int | None:
