@@ -53,7 +53,7 @@ def test_enable_twice_replaces_settings():
     model = tiny_model("llama")
     enable_streambp(model, stream_chunk_size=4)
     enable_streambp(model, stream_chunk_size=6)
-    assert model._streambp.settings.chunk_size == 6
+    assert model._streambp.options.stream_chunk_size == 6
     disable_streambp(model)
     assert "forward" not in vars(model)
 

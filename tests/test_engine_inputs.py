@@ -49,8 +49,8 @@ def test_saved_model_loads_streaming_and_exact(tmp_path):
     assert is_streaming(loaded)
     state, settings = loaded._streambp, loaded._streambp.settings
     assert dataclasses.replace(state, settings=None) == dataclasses.replace(model._streambp, settings=None)
-    assert (settings.chunk_size, settings.keep_every, type(settings.offload)) == (4, 2, CheckpointOffload)
-    assert all(layer._gradient_checkpointing_func.args[0].settings == settings for layer in loaded.model.layers)
+    assert (state.options.stream_chunk_size, settings.keep_every, type(settings.offload)) == (4, 2, CheckpointOffload)
+    assert all(plan.settings == settings for plan in state.plans) and len(state.plans) == len(loaded.model.layers)
     assert loaded.forward.__self__ is loaded and loaded.model.forward.__self__ is loaded.model
     # the HF Trainer drops dataset columns the forward does not take; generate validates its kwargs the same way
     assert inspect.signature(loaded.forward) == inspect.signature(reference.forward)

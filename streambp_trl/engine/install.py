@@ -104,23 +104,24 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         baseline = probe.baseline(lm, decoder, logits, functools.partial(refuse, lm), norm)
     if baseline is not None and not baseline.norm_last:
         norm = None
-    chunk = options.stream_chunk_size
     settings = StreamSettings(
-        chunk_size=None if chunk == AUTO else chunk,
         kv_mode=options.kv_mode,
         offload=CheckpointOffload() if options.offload_checkpoints else None,
         keep_every=options.keep_every or 1,
     )
+    chunk = options.stream_chunk_size
     fixed = None if chunk == AUTO else chunk
     auto = (
         AutoChunks(lm, options.memory_budget_bytes, options.offload_checkpoints, options.keep_every, chunk=fixed)
         if options.planned
         else None
     )
+    history = keeps_position_history(type(decoder))
     state = EngineState(
         options=options,
         decoder=decoder,
         layers=layers,
+        plans=tuple(LayerPlan.of(layer, settings, history) for layer in layers),
         configs=stream_configs(decoder, *layers),
         final_norm=norm,
         settings=settings,
@@ -139,9 +140,8 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
 
 
 def _install(lm: PreTrainedModel, state: EngineState) -> None:
-    for layer in state.layers:
+    for layer, plan in zip(state.layers, state.plans, strict=True):
         patch(layer, "gradient_checkpointing", True)
-        plan = LayerPlan.of(layer, state.settings, keeps_position_history(type(state.decoder)))
         hook = functools.partial(stream_checkpoint, plan)
         patch(layer, "_gradient_checkpointing_func", hook)
     for module in lm.modules():
@@ -170,28 +170,23 @@ def packed_rows_refusal(model: nn.Module) -> str | None:
     state = getattr(causal_lm(model), "_streambp", None)
     if state is None or (state.decoder_keywords is not None and "cu_seq_lens_q" not in state.decoder_keywords):
         return None  # (a forward that keeps them from its decoder: Mamba's, whose layers then never see them)
-    for layer in state.layers:
-        hook = layer._gradient_checkpointing_func
-        if getattr(hook, "func", None) is stream_checkpoint:
-            refusal = packing_refusal(hook.args[0], layer)
-            if refusal is not None:
-                return refusal
+    for layer, plan in zip(state.layers, state.plans, strict=True):
+        refusal = packing_refusal(plan, layer) if _hooked(layer) else None
+        if refusal is not None:
+            return refusal
     return None
+
+
+def _hooked(layer: nn.Module) -> bool:
+    """Whether ``layer`` still has the stream hook (checkpointing on, the hook not replaced)."""
+    hook = layer._gradient_checkpointing_func
+    return layer.gradient_checkpointing and getattr(hook, "func", None) is stream_checkpoint
 
 
 def is_streaming(model: nn.Module) -> bool:
     """Whether ``model``'s decoder layers stream: StreamBP is enabled and every layer still has the stream hook."""
     state = getattr(causal_lm(model), "_streambp", None)
-    return (
-        state is not None
-        and bool(state.layers)
-        and all(
-            layer.gradient_checkpointing
-            and isinstance(layer._gradient_checkpointing_func, functools.partial)
-            and layer._gradient_checkpointing_func.func is stream_checkpoint
-            for layer in state.layers
-        )
-    )
+    return state is not None and bool(state.layers) and all(_hooked(layer) for layer in state.layers)
 
 
 def chunk_sizes(model: nn.Module) -> tuple[int | None, int | None]:

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
-from ..layers import DecoderCall, StreamSettings
+from ..layers import DecoderCall, LayerPlan, StreamSettings
 from ..layers.kept import CheckpointOffload
 from ..layers.sharding import sharded_module
 from ..sizing.auto import AUTO, AutoChunks, head_form
@@ -29,10 +29,12 @@ class EngineState:
     """The engine installed on one causal LM.
 
     ``options``: as validated; ``decoder``: the model that runs the layers; ``layers``: its stream layers, each with
-    its hook installed; ``configs``: the transformers configs their mask and attention code read (switched to
-    ``"streambp"`` for a streamed call); ``final_norm``: the decoder's final norm when the probe showed it is the
-    decoder's last step, so the logit kernel applies it tile by tile, else ``None``; ``settings``: what every stream
-    layer shares; ``auto``: the chunk policy when a chunk size is ``"auto"``; ``decoder_keywords``: the only keyword
+    its hook installed, bound to its plan in ``plans`` (what the hook needs that no call changes); ``configs``: the
+    transformers configs their mask and attention code read (switched to ``"streambp"`` for a streamed call);
+    ``final_norm``: the decoder's final norm when the probe showed it is the decoder's last step, so the logit kernel
+    applies it tile by tile, else ``None``; ``settings``: what every stream layer shares, whatever the call (each
+    call's chunk comes from :meth:`call_plan`, the one road to the layers); ``auto``: the chunk policy when a chunk
+    size is ``"auto"``; ``decoder_keywords``: the only keyword
     arguments the model's own forward hands its decoder, where it names them (``None``: it passes on its
     ``**kwargs``). Two states are equal when their choices are (the modules they point to are not compared: a copy
     of the model has its own).
@@ -41,6 +43,7 @@ class EngineState:
     options: StreamOptions
     decoder: PreTrainedModel = dataclasses.field(compare=False)
     layers: list[nn.Module] = dataclasses.field(compare=False)
+    plans: tuple[LayerPlan, ...] = dataclasses.field(compare=False)
     configs: tuple = dataclasses.field(compare=False)
     final_norm: nn.Module | None = dataclasses.field(compare=False)
     settings: StreamSettings

@@ -25,8 +25,9 @@ from .shared_kv import SharedKV
 class DecoderCall:
     """One streamed decoder call.
 
-    ``chunk_size``: tokens per chunk for every layer of the call (what a fixed option or ``"auto"`` chose), or
-    ``None``: each layer uses its settings' fixed chunk, else the CPU rule of thumb for its length.
+    ``chunk_size``: tokens per chunk for every layer of the call (the fixed option, or what ``"auto"`` chose), the
+    one place a layer reads it; ``None`` (``"auto"`` without a recognisable input, or a layer called outside a
+    streamed decoder call): each layer takes the rule of thumb for its length.
     ``inputs_rebuildable``: the decoder collects no hidden states, so a layer's input may be rebuilt in backward
     (from the token ids, or by its segment) instead of kept, when no hook watches the layer either.
     ``embeddings``: the outputs of the input embedding during the call that can be rebuilt from the token ids.

@@ -225,8 +225,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     )
     if kwargs.get("shared_kv_states") is not None:  # keys/values shared across layers (Gemma 3n, Gemma 4's E models)
         call.shared = decoder.shared_kv
-    chunk = decoder.chunk_size or settings.chunk_size
-    call.chunk_size = chunk if chunk is not None else rule_of_thumb(seq_len)
+    call.chunk_size = decoder.chunk_size if decoder.chunk_size is not None else rule_of_thumb(seq_len)
     call.min_chunk = plan.min_chunk
     params = [p for p in layer.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):

@@ -17,7 +17,7 @@ from ..engine.zero3 import zero3_gathered
 from ..logits import chunked_divergence
 from ..patching import bypassed
 from .distillation_config import StreamDistillationConfig
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamTrainerMixin
 
 # what TRL's DistillationTrainer puts in a batch for a vision-language model's forward, besides the token ids
 _MULTIMODAL_INPUTS = (
@@ -71,6 +71,8 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
     teacher's, and in backward the gradient of the student's.
     """
 
+    config_class = StreamDistillationConfig
+
     def __init__(self, model, teacher_model=None, args=None, *pos, **kwargs):
         if teacher_model is None:
             raise ValueError(
@@ -78,11 +80,7 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
                 "a PreTrainedModel sharing the student's vocabulary), e.g. "
                 "`teacher_model=args.teacher_model_name_or_path`."
             )
-        args = take_over_checkpointing(
-            args if args is not None else default_args(StreamDistillationConfig, model, "Distillation")
-        )
-        super().__init__(model, teacher_model, args, *pos, **kwargs)
-        self._install_stream_engine()
+        super().__init__(model, teacher_model, self._stream_args(args, model), *pos, **kwargs)
         teacher = dataclasses.replace(self.stream_options, fused_outputs=("log_probs",))
         enable_streambp(self.accelerator.unwrap_model(self.teacher_model), teacher)
 

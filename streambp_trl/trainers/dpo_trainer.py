@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl import DPOTrainer
 
 from .dpo_config import StreamDPOConfig
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamTrainerMixin
 
 
 class StreamDPOTrainer(StreamTrainerMixin, DPOTrainer):
@@ -17,10 +17,10 @@ class StreamDPOTrainer(StreamTrainerMixin, DPOTrainer):
     grad), the PEFT policy with its adapter disabled, or `precompute_ref_log_probs` before training.
     """
 
+    config_class = StreamDPOConfig
+
     def __init__(self, model, ref_model=None, args=None, *pos, **kwargs):
-        args = take_over_checkpointing(args if args is not None else default_args(StreamDPOConfig, model, "DPO"))
-        super().__init__(model, ref_model, args, *pos, **kwargs)
-        self._install_stream_engine()
+        super().__init__(model, ref_model, self._stream_args(args, model), *pos, **kwargs)
 
     def _fused_outputs(self) -> tuple[str, ...]:
         # what TRL's DPOTrainer asks of its fused head: metrics, and the WPO weights with `use_weighting`

@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl import GRPOTrainer
 
 from .grpo_config import StreamGRPOConfig
-from .mixin import StreamOnlineRLMixin, default_args, take_over_checkpointing
+from .mixin import StreamOnlineRLMixin
 
 
 class StreamGRPOTrainer(StreamOnlineRLMixin, GRPOTrainer):
@@ -18,7 +18,7 @@ class StreamGRPOTrainer(StreamOnlineRLMixin, GRPOTrainer):
     policy with its adapter disabled).
     """
 
+    config_class = StreamGRPOConfig
+
     def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
-        args = take_over_checkpointing(args if args is not None else default_args(StreamGRPOConfig, model, "GRPO"))
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        self._install_stream_engine()
+        super().__init__(model, reward_funcs, self._stream_args(args, model), *pos, **kwargs)

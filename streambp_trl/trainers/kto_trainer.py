@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl import KTOTrainer
 
 from .kto_config import StreamKTOConfig
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamTrainerMixin
 
 
 class StreamKTOTrainer(StreamTrainerMixin, KTOTrainer):
@@ -17,10 +17,10 @@ class StreamKTOTrainer(StreamTrainerMixin, KTOTrainer):
     `precompute_ref_log_probs`).
     """
 
+    config_class = StreamKTOConfig
+
     def __init__(self, model, ref_model=None, args=None, *pos, **kwargs):
-        args = take_over_checkpointing(args if args is not None else default_args(StreamKTOConfig, model, "KTO"))
-        super().__init__(model, ref_model, args, *pos, **kwargs)
-        self._install_stream_engine()
+        super().__init__(model, ref_model, self._stream_args(args, model), *pos, **kwargs)
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy", "mean_logits")  # what TRL's KTOTrainer asks of its fused head

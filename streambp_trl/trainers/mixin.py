@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 
 def take_over_checkpointing(args):
     """``args``, or a copy of it with Hugging Face activation checkpointing off (the stream engine checkpoints and
-    streams every decoder layer itself) and TRL's activation offloading off: ``activation_offloading=True`` becomes
-    the engine's ``offload_checkpoints=True`` (each layer's saved input, the only activation the engine keeps per
-    layer, in host memory), never a second offload on top of it. The caller's config object is never changed."""
+    streams every decoder layer itself) and TRL's activation offloading off: ``activation_offloading=True`` is the
+    engine's ``offload_checkpoints=True`` (:func:`~.stream_config.stream_options`, read from ``args`` as given), never
+    a second offload on top of it. The caller's config object is never changed."""
     checkpointing = getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
     offloading = getattr(args, "activation_offloading", False)
     if not (checkpointing or offloading):
@@ -34,14 +34,15 @@ def take_over_checkpointing(args):
     if offloading:
         logger.info("activation_offloading=True is the stream engine's offload_checkpoints=True; TRL's is turned off.")
         args.activation_offloading = False
-        args.offload_checkpoints = True  # a field of StreamArguments; read by stream_options from TRL's configs too
     return args
 
 
-def default_args(config_cls, model, suffix: str):
-    """The config a trainer builds when given none, as TRL's trainers do: output directory ``<model>-<suffix>``."""
+def default_args(config_cls, model):
+    """The config a trainer builds when given none, as TRL's trainers do: output directory ``<model>-<method>``
+    (``StreamSFTConfig``: ``Qwen3-8B-SFT``)."""
     name = model if isinstance(model, str) else model.config._name_or_path
-    return config_cls(f"{name.split('/')[-1]}-{suffix}")
+    method = config_cls.__name__.removeprefix("Stream").removesuffix("Config")
+    return config_cls(f"{name.split('/')[-1]}-{method}")
 
 
 def _refuse_unsupported_parallelism(trainer) -> None:
@@ -100,16 +101,19 @@ def _mark_zero3_leaves(models) -> None:
 
 class StreamTrainerMixin:
     """Installs StreamBP on the policy ``self.model`` and on a separate ``self.ref_model`` (eval-mode passes stream
-    too, so reference and evaluation passes reach the training length), and logs the stream settings and, on CUDA,
-    the peak memory of each step.
+    too, so reference and evaluation passes reach the training length) once TRL's constructor has built them, and
+    logs the stream settings and, on CUDA, the peak memory of each step.
 
-    Subclasses set ``_fused_outputs()`` (the ``FusedCausalLMOutput`` fields TRL's trainer reads
-    from the policy). Installing is idempotent: a trainer that computes reference log-probs inside TRL's
-    ``__init__`` (``precompute_ref_log_probs``) installs the engine first.
+    A trainer hands TRL's constructor ``self._stream_args(args, model)`` for its config and sets ``config_class`` (its
+    ``Stream*Config``) and ``_fused_outputs()`` (the ``FusedCausalLMOutput`` fields TRL's trainer reads from the
+    policy). Installing is idempotent: a trainer that computes reference log-probs inside TRL's ``__init__``
+    (``precompute_ref_log_probs``) installs the engine first.
     """
 
+    config_class: type  # the trainer's Stream*Config, built when no config is given
     stream_options: StreamOptions | None = None  # the policy's, once installed
     logits_tiled = True  # the model's loss reads the logit kernel, whose tile (logits_chunk_size) is logged
+    _given_options: StreamOptions | None = None  # read from the config as given (see _stream_args)
 
     def __init__(self, *args, **kwargs):
         # Under ZeRO-3 the decoder layers must be leaf modules before DeepSpeed registers its hooks, which TRL does
@@ -123,6 +127,15 @@ class StreamTrainerMixin:
         if _zero3_run(config):
             _mark_zero3_leaves([*args, *kwargs.values()])
         super().__init__(*args, **kwargs)
+        self._install_stream_engine()
+
+    def _stream_args(self, args, model):
+        """The config TRL's constructor gets: ``args`` (TRL's default of ``config_class`` when ``None``) with Hugging
+        Face's checkpointing and TRL's activation offloading taken over by the engine
+        (:func:`take_over_checkpointing`); the stream options are read from ``args`` as given."""
+        args = args if args is not None else default_args(self.config_class, model)
+        self._given_options = stream_options(args)
+        return take_over_checkpointing(args)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """transformers' accelerator arguments, with DDP's ``find_unused_parameters`` off unless the config (or TRL,
@@ -160,7 +173,8 @@ class StreamTrainerMixin:
                 f"router_aux_loss_coef={self.router_aux_loss_coef}",
                 "Set `router_aux_loss_coef=0.0` in the config to train without it.",
             )
-        options = stream_options(self.args, **self._engine_options(), stream_eval=True)
+        given = self._given_options if self._given_options is not None else stream_options(self.args)
+        options = dataclasses.replace(given, **self._engine_options(), stream_eval=True)
         if (options.keep_every or 1) > 1 and (_zero3_run(self.args) or getattr(self, "is_fsdp_enabled", False)):
             raise ValueError(
                 f"{type(self).__name__}: stream_keep_every={options.keep_every} rebuilds layer inputs by running "

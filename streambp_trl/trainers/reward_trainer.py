@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import RewardTrainer
 
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamTrainerMixin
 from .reward_config import StreamRewardConfig
 
 
@@ -21,7 +21,7 @@ class StreamRewardTrainer(StreamTrainerMixin, RewardTrainer):
 
     logits_tiled = False
 
+    config_class = StreamRewardConfig
+
     def __init__(self, model, args=None, *pos, **kwargs):
-        args = take_over_checkpointing(args if args is not None else default_args(StreamRewardConfig, model, "Reward"))
-        super().__init__(model, args, *pos, **kwargs)
-        self._install_stream_engine()
+        super().__init__(model, self._stream_args(args, model), *pos, **kwargs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from trl import RLOOTrainer
 
-from .mixin import StreamOnlineRLMixin, default_args, take_over_checkpointing
+from .mixin import StreamOnlineRLMixin
 from .rloo_config import StreamRLOOConfig
 
 
@@ -18,7 +18,7 @@ class StreamRLOOTrainer(StreamOnlineRLMixin, RLOOTrainer):
     policy with its adapter disabled).
     """
 
+    config_class = StreamRLOOConfig
+
     def __init__(self, model, reward_funcs=None, args=None, *pos, **kwargs):
-        args = take_over_checkpointing(args if args is not None else default_args(StreamRLOOConfig, model, "RLOO"))
-        super().__init__(model, reward_funcs, args, *pos, **kwargs)
-        self._install_stream_engine()
+        super().__init__(model, reward_funcs, self._stream_args(args, model), *pos, **kwargs)

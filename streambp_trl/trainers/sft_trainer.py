@@ -5,7 +5,7 @@ from __future__ import annotations
 from trl import SFTTrainer
 
 from ..engine import packed_rows_refusal
-from .mixin import StreamTrainerMixin, default_args, take_over_checkpointing
+from .mixin import StreamTrainerMixin
 from .sft_config import StreamSFTConfig
 
 
@@ -17,11 +17,11 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
     `model(..., fused_lm_head=True)`, which the stream engine serves exactly.
     """
 
+    config_class = StreamSFTConfig
+
     def __init__(self, model, args=None, *pos, **kwargs):
-        args = take_over_checkpointing(args if args is not None else default_args(StreamSFTConfig, model, "SFT"))
-        super().__init__(model, args, *pos, **kwargs)
-        # after TRL's own fused head: the same `fused_lm_head=True` call, served by the stream engine
-        self._install_stream_engine()
+        # the engine installs after TRL's own fused head: the same `fused_lm_head=True` call, served by the engine
+        super().__init__(model, self._stream_args(args, model), *pos, **kwargs)
         refusal = packed_rows_refusal(self.model) if self.padding_free else None  # packing="bfd" or padding_free
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: {refusal}")

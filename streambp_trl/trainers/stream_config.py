@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
-from ..engine.options import StreamOptions
-from ..layers import KV_MODES
-from ..sizing.auto import AUTO
+from ..engine.options import AUTO, KV_MODES, StreamOptions
 
 
 def _from_text(value):
@@ -136,9 +135,12 @@ STREAM_FIELDS = tuple(f.name for f in fields(StreamArguments) if f.name not in T
 
 
 def stream_options(args, **engine_options) -> StreamOptions:
-    """The engine options of a trainer's config: a ``Stream*Config``'s own, or the defaults for TRL's configs (with
-    checkpoint offload where :func:`~streambp_trl.trainers.mixin.take_over_checkpointing` took TRL's over)."""
-    if isinstance(args, StreamArguments):
-        return args.to_options(**engine_options)
-    offload = getattr(args, "offload_checkpoints", None)
-    return StreamOptions(stream_chunk_size=AUTO, offload_checkpoints=offload, **engine_options)
+    """The engine options of a trainer's config as the user gave it: a ``Stream*Config``'s own, or the defaults for
+    TRL's configs; TRL's ``activation_offloading=True`` asks for the engine's checkpoint offload (each layer's saved
+    input, the only activation the engine keeps per layer, in host memory)."""
+    options = args.to_options(**engine_options) if isinstance(args, StreamArguments) else None
+    if options is None:
+        options = StreamOptions(stream_chunk_size=AUTO, **engine_options)
+    if getattr(args, "activation_offloading", False):
+        options = dataclasses.replace(options, offload_checkpoints=True)
+    return options

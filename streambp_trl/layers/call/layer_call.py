@@ -29,10 +29,9 @@ KV_MODES = ("recompute", "capture")
 
 @dataclasses.dataclass(frozen=True)
 class StreamSettings:
-    """How the decoder layers are streamed.
+    """How the decoder layers are streamed, whatever the call (the chunk is the call's:
+    :class:`~..decoder_call.DecoderCall`).
 
-    ``chunk_size``: tokens per chunk (the working set of one layer's forward and backward), or ``None`` for
-    ``"auto"``: the decoder chooses it for each call (:class:`~.decoder_call.DecoderCall`).
     ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
     ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
     ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
@@ -41,7 +40,6 @@ class StreamSettings:
     theirs in backward (see :mod:`streambp_trl.layers.kept.segments`).
     """
 
-    chunk_size: int | None  # None: "auto", chosen per decoder call (see streambp_trl.sizing.auto)
     kv_mode: str = "recompute"
     offload: CheckpointOffload | None = None
     keep_every: int = 1
