@@ -5,11 +5,15 @@
   :func:`last_head_form`, :func:`last_plan`, :func:`packed_rows_refusal`;
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
+* :mod:`.head_side`: :func:`decode_for_head`, the decoder call every head side makes (the LM head's, the score
+  head's, the distillation divergence's), with one rule for the final norm; :func:`logits_tile`,
+  :func:`logit_gradient_form`;
 * :mod:`.model_parts`: finding the decoder, its layers, its final norm and the LM head;
 * :mod:`.support` and :mod:`.probe`: the checks that refuse a model the engine cannot run exactly;
 * :mod:`.zero3`: DeepSpeed ZeRO-3 leaf layers and parameter gathers.
 """
 
+from .head_side import HeadSide, decode_for_head, logit_gradient_form, logits_tile
 from .install import (
     chunk_sizes,
     disable_streambp,
@@ -24,8 +28,10 @@ from .options import StreamOptions
 from .zero3 import mark_zero3_leaves, zero3_enabled
 
 __all__ = [
+    "HeadSide",
     "StreamOptions",
     "chunk_sizes",
+    "decode_for_head",
     "disable_streambp",
     "enable_streambp",
     "last_head_form",
@@ -33,6 +39,8 @@ __all__ = [
     "is_streaming",
     "packed_rows_refusal",
     "lm_head_linear",
+    "logit_gradient_form",
+    "logits_tile",
     "mark_zero3_leaves",
     "zero3_enabled",
 ]

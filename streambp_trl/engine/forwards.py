@@ -20,9 +20,10 @@ from trl.trainer.utils import FusedCausalLMOutput
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
 from ..layers.layer_args import CACHE_KWARGS, cache_argument, takes_state_argument
-from ..layers.sharding import check_segmentable, sharded
+from ..layers.sharding import check_segmentable
 from ..logits import chunked_logprobs
-from ..patching import bypassed, hooked_without_grad, original, temporarily, unpatched
+from ..patching import hooked_without_grad, original, temporarily, unpatched
+from .head_side import decode_for_head, hooked
 from .model_parts import lm_head_linear
 from .state import EngineState
 from .support import router_loss_refusal
@@ -220,17 +221,6 @@ def _scored_rows(
     return given.to(hidden.device), rows
 
 
-def hooked(module: nn.Module, global_hooks: bool) -> bool:
-    """Whether user code hooks ``module``'s forward or backward: its own hooks (and, with ``global_hooks``, global
-    module hooks). The hooks of FSDP2 and DeepSpeed ZeRO-3, which gather a sharded module's parameters, are not user
-    code."""
-    if sharded(module):
-        return False
-    own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    modules = nn.modules.module
-    return any(own) or (global_hooks and bool(modules._global_forward_hooks or modules._global_forward_pre_hooks))
-
-
 def stream_forward(
     self,
     state: EngineState,
@@ -290,14 +280,13 @@ def stream_forward(
             "the loss from the hidden states tile by tile and never forms the (tokens x vocab) logits the hook would "
             "see. Remove the hook for streamed training calls, or disable_streambp(model) to train with full logits."
         )
-    # the final norm runs inside the logit kernel when it is the decoder's last step, no hidden states are asked and
-    # no hook watches it (else it runs as the model runs it, and its hooks see what they see without streaming);
-    # (global hooks are not refused for lm_head: they watch every module, and a streamed call has no head call)
-    norm = None if kwargs.get("output_hidden_states") else state.final_norm
-    norm = None if norm is not None and hooked(norm, True) else norm
-    with bypassed(norm) if norm is not None else contextlib.nullcontext():
-        decoded = decoder(*args, return_dict=True, **kwargs)
-    hidden = decoded.last_hidden_state
+    # the final norm runs inside the logit kernel as decode_for_head decides (the decoder's last step, no hidden
+    # states asked, no hook on it); global hooks are not refused for lm_head: they watch every module, and a streamed
+    # call has no head call
+    side = decode_for_head(
+        state, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states")
+    )
+    decoded, hidden, norm = side.decoded, side.hidden, side.norm
     head = lm_head_linear(self)
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)

@@ -10,8 +10,8 @@ those pooled logits (regression, single- or multi-label classification, by ``con
 
 After ``enable_streambp`` the decoder streams chunk by chunk exactly as for a causal LM, and
 :func:`stream_score_forward` replaces that forward: it picks the same rows of the decoder's output first, then
-applies the final norm (when the probe shows it is the decoder's last step, as the logit kernel does for a causal LM)
-and the score head to those ``batch`` rows alone. Beyond the streamed layers, the step holds the decoder's
+applies the final norm (where :func:`~.head_side.decode_for_head` leaves it to the head, as for the logit kernel of a
+causal LM) and the score head to those ``batch`` rows alone. Beyond the streamed layers, the step holds the decoder's
 (batch, T, hidden) output and its gradient (non-zero on the read rows only), and no (batch, T, num_labels) logits or
 full-length normed states. The gradient is exact: the norm acts on each position alone, and the score head is
 applied as the model applies it (the module itself, so PEFT's ``modules_to_save`` copy or an adapter on it are used
@@ -20,16 +20,14 @@ as they are).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 from transformers.utils import logging
 
-from ..patching import bypassed, original
-from .forwards import hooked
+from ..patching import original
+from .head_side import decode_for_head
 from .state import EngineState
 from .support import refuse
 
@@ -96,14 +94,14 @@ def stream_score_forward(
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
-    kept = bool(kwargs.get("output_hidden_states") or state.decoder.config.output_hidden_states)
-    norm = None if kept else state.final_norm  # with hidden states asked for, the decoder's output is theirs
-    norm = None if norm is not None and hooked(norm, True) else norm
-    with bypassed(norm) if norm is not None else contextlib.nullcontext():
-        decoded = state.decoder(
+    side = decode_for_head(
+        state,
+        lambda: state.decoder(
             input_ids, attention_mask=attention_mask, use_cache=use_cache, return_dict=True, **call, **kwargs
-        )
-    hidden = decoded.last_hidden_state
+        ),
+        kwargs.get("output_hidden_states"),
+    )
+    decoded, hidden, norm = side.decoded, side.hidden, side.norm
     batch = hidden.shape[0]
     rows = hidden[torch.arange(batch, device=hidden.device), last_token(self.config, input_ids, batch, hidden.device)]
     logits = self.score(norm(rows) if norm is not None else rows)

@@ -3,19 +3,16 @@ divergence computed tile by tile."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import torch
-from torch import nn
 from trl import DistillationTrainer
 
-from ..engine import enable_streambp, lm_head_linear
+from ..engine import decode_for_head, enable_streambp, lm_head_linear, logit_gradient_form, logits_tile
 from ..engine.forwards import logit_transform
 from ..engine.model_parts import causal_lm
 from ..engine.zero3 import zero3_gathered
 from ..logits import chunked_divergence
-from ..patching import bypassed
 from .distillation_config import StreamDistillationConfig
 from .mixin import StreamTrainerMixin
 
@@ -37,19 +34,6 @@ def _whole(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if isinstance(tensor, torch.distributed.tensor.DTensor):
         return tensor.full_tensor()
     return tensor
-
-
-def _kernel_norm(lm: nn.Module) -> nn.Module | None:
-    """The final norm the divergence kernel applies tile by tile for a streaming causal LM ``lm``: the engine's (the
-    decoder's last step, as its probe found), unless forward hooks (its own or global ones) watch it, which would not
-    run there; else ``None`` (the decoder applies its norm itself)."""
-    norm = lm._streambp.final_norm
-    modules = nn.modules.module
-    hooked = norm is not None and (
-        any((norm._forward_hooks, norm._forward_pre_hooks))
-        or bool(modules._global_forward_hooks or modules._global_forward_pre_hooks)
-    )
-    return None if hooked else norm
 
 
 class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
@@ -99,18 +83,21 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
             "use_cache": False,
             **{key: inputs[key] for key in _MULTIMODAL_INPUTS if key in inputs},
         }
+        # each model's decoder streamed, its final norm left to the divergence kernel where decode_for_head says so
         student = causal_lm(unwrapped_student)
-        norm = _kernel_norm(student)
-        with bypassed(norm) if norm is not None else contextlib.nullcontext():
-            hidden = student.base_model(**model_inputs).last_hidden_state  # streamed; before the final norm
+        student_side = decode_for_head(student, lambda: student.base_model(**model_inputs))
+        hidden, norm = student_side.hidden, student_side.norm
         self.teacher_model.eval()
         unwrapped_teacher = self.accelerator.unwrap_model(self.teacher_model)
         teacher = causal_lm(unwrapped_teacher)
-        teacher_norm = _kernel_norm(teacher)
-        with torch.no_grad(), bypassed(teacher_norm) if teacher_norm is not None else contextlib.nullcontext():
-            teacher_hidden = self._forward_redirection(
-                self.teacher_model, unwrapped_teacher, lambda: teacher.base_model(**model_inputs).last_hidden_state
+        with torch.no_grad():
+            teacher_side = decode_for_head(
+                teacher,
+                lambda: self._forward_redirection(
+                    self.teacher_model, unwrapped_teacher, lambda: teacher.base_model(**model_inputs)
+                ),
             )
+        teacher_hidden, teacher_norm = teacher_side.hidden, teacher_side.norm
         s_head, t_head = lm_head_linear(student), lm_head_linear(teacher)
         if s_head.weight.device != t_head.weight.device:
             raise ValueError(
@@ -125,9 +112,9 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
         norm_params = [p for n in (norm, teacher_norm) if n is not None for p in n.parameters()]
         s_softcap, s_scale = logit_transform(student.config.get_text_config())
         t_softcap, t_scale = logit_transform(teacher.config.get_text_config())
-        rows, tile = positions[valid], student._streambp.logits_tile(hidden)
+        rows, tile = positions[valid], logits_tile(student, hidden)
         # the weight's gradient in the hidden states' sweep where its (V, H) float32 accumulator fits, else apart
-        form = student._streambp.logit_gradient_form(student, s_head, rows.shape[0], tile, device, token_mean=False)
+        form = logit_gradient_form(student, s_head, rows.shape[0], tile, device, token_mean=False)
         divergence, entropy = chunked_divergence(
             hidden.to(device).reshape(batch * length, -1),
             _whole(s_head.weight),
