@@ -34,6 +34,7 @@ def distillation(seq_len: int) -> dict:
     of Qwen3-8B's widths, as FakeTensors on CUDA, the student's with gradient."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from streambp_trl.engine import logit_gradient_form
     from streambp_trl.logits import chunked_divergence
 
     fake = FakeTensorMode()
@@ -41,7 +42,7 @@ def distillation(seq_len: int) -> dict:
     student = sim.build_model("qwen3-8b", torch.bfloat16, "cuda", fake, layers=2)
     enable_streambp(student, stream_chunk_size=2048, verify=False)
     head = student.lm_head
-    form = student._streambp.logit_gradient_form(student, head, seq_len, 2048, torch.device("cuda"), False)
+    form = logit_gradient_form(student, head, seq_len, 2048, torch.device("cuda"), False)
     tracker = sim.LiveBytes(who=64)
     with fake:
         hidden = torch.empty(seq_len, head.in_features, dtype=torch.bfloat16, device="cuda", requires_grad=True)
