@@ -14,7 +14,7 @@ from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
 from streambp_trl.bench.zoo import tiny_causal_lm
-from streambp_trl.layers.call import rng
+from streambp_trl.layers import rng
 
 DROPOUT = {"attention_dropout": 0.2}
 

@@ -3,7 +3,9 @@
 * :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`, bound to its :class:`LayerPlan`), which runs
   the layer call through
 * :mod:`.call`: the autograd Function, chunk by chunk, and one layer call's chunk loops (forward, key/value
-  collection, each chunk's backward), random states, skipped outputs and backward guards;
+  collection, each chunk's backward), skipped outputs and backward guards;
+* :mod:`.rng`: a chunk's random state, kept from its forward and restored for each recompute (the layer call's and
+  a ``keep_every`` segment's);
 * :mod:`.decoder_call`: the state of one streamed decoder call, which the hooks read (:class:`DecoderCall`);
 * :mod:`.carry`: the cache a chunk runs against (its carry: the prefix keys/values), and the full-length
   keys/values of one layer;

@@ -3,7 +3,6 @@
 * :mod:`.stream_layer`: the autograd Function, chunk by chunk (the math and memory);
 * :mod:`.layer_call`: one layer call's chunk loops (forward, key/value collection) and its arguments per chunk;
 * :mod:`.backward`: each chunk's backward, last to first;
-* :mod:`.rng`: each chunk's random state, replayed by every recompute;
 * :mod:`.unread`: the linear maps whose output no gradient reads, which the chunk recompute skips;
 * :mod:`.guards`: what a backward checks first (versions, a second backward, ``create_graph``).
 """

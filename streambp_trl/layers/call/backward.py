@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..carry import CarryStore, LayerCarry
-from .rng import rng_fork
+from ..rng import rng_fork
 from .unread import outputs_skipped
 
 

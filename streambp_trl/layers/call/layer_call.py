@@ -18,10 +18,10 @@ from ...attention import StreamMask, streaming
 from ..carry import INDEXER, CarryStore, ChunkCache, StopAfterCacheUpdate, queries_skipped
 from ..kept import CheckpointOffload, EmbeddingSource, Segment
 from ..layer_args import slice_arg
+from ..rng import RngState
 from ..shared_kv import ChunkShared, SharedKV
 from .backward import ChunkBackward
 from .guards import Versions
-from .rng import RngState
 from .unread import unread_outputs
 
 KV_MODES = ("recompute", "capture")

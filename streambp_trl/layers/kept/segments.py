@@ -6,7 +6,7 @@ state, starts a new segment). The segment's first layer keeps its input as any s
 pinned host memory with ``offload_checkpoints``, or as the token ids when it is the input embedding's output
 (:mod:`.rebuild`). The other layers keep nothing. In backward the segment's last layer, whose backward runs first,
 gets the first layer's input back and runs the segment's layers but the last forward again, under no grad and chunk
-by chunk, each chunk with the random state its forward drew (:mod:`..call.rng`): every layer's input comes back
+by chunk, each chunk with the random state its forward drew (:mod:`..rng`): every layer's input comes back
 bit-identical to the forward's, so the gradient is exactly the one of ``keep_every=1``. Each layer's backward then
 takes its own input and writes its input gradient over it.
 
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..call.rng import rng_fork
+from ..rng import rng_fork
 
 
 class Segment:
