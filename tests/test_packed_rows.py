@@ -4,7 +4,7 @@ and ``seq_idx``.
 
 A Gated DeltaNet, a Mamba2 or LFM2's short convolution hands the descriptors to its kernels (fla's recurrence,
 mamba-ssm's scan, causal-conv1d), which start each document from a zero state; transformers' torch fallbacks refuse
-them (:func:`streambp_trl.layers.layer_args.keeps_documents_apart` reads which calls pass them). The stream engine
+them (:func:`streambp_trl.layers.traits.keeps_documents_apart` reads which calls pass them). The stream engine
 cuts such a layer's chunks at every document start and starts each document from a zero state itself, so each chunk
 holds one document and runs the model's own code without descriptors (on the CPU as on CUDA). The reference is each
 document run alone by plain autograd: the loss over the row's predicted tokens and its gradient, float64 (float32

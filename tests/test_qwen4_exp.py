@@ -4,7 +4,7 @@ per-layer n-gram embeddings (PLE) and hyper-connection streams.
 Its decoder hands every layer the rotary embeddings of every position it attends to: the indexer rotates each key
 block by its first position and its queries by the last embeddings given, the attention takes the last ones for its
 chunk. A streamed chunk [s, e) is given positions [p, e) from its first key position p
-(:func:`streambp_trl.layers.layer_args.keeps_position_history`). The n-gram embedding keeps the last ``ngram_size - 1``
+(:func:`streambp_trl.layers.traits.keeps_position_history`). The n-gram embedding keeps the last ``ngram_size - 1``
 token ids as a "convolution state" of integers, carried between chunks without gradient; the PLE's dilated
 convolution keeps its float inputs, carried with it.
 

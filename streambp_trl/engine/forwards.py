@@ -19,8 +19,9 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
-from ..layers.layer_args import CACHE_KWARGS, cache_argument, takes_state_argument
+from ..layers.layer_args import CACHE_KWARGS, cache_argument
 from ..layers.sharding import check_segmentable
+from ..layers.traits import takes_state_argument
 from ..logits import chunked_logprobs
 from ..patching import hooked_without_grad, original, temporarily, unpatched
 from .head_side import decode_for_head, hooked

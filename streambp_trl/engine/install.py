@@ -36,8 +36,8 @@ from transformers import PreTrainedModel
 from ..attention import stream_configs
 from ..layers import LayerPlan, StreamSettings, packing_refusal, stream_checkpoint
 from ..layers.kept import CheckpointOffload
-from ..layers.layer_args import keeps_position_history
 from ..layers.sharding import check_segmentable
+from ..layers.traits import keeps_position_history
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks
 from ..sizing.plan import StepPlan

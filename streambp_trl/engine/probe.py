@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..layers.layer_args import names_called
+from ..layers.traits import names_called
 from ..patching import bypassed
 
 PROBE_TOKENS = 11

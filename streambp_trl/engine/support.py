@@ -15,7 +15,8 @@ from transformers import PreTrainedModel
 from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.utils import logging
 
-from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT, names_called, passes_keywords
+from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT
+from ..layers.traits import names_called, passes_keywords
 
 logger = logging.get_logger(__name__)
 

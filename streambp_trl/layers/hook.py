@@ -42,14 +42,11 @@ from .layer_args import (
     PASS_THROUGH,
     STATE_ARGUMENT,
     cache_argument,
-    carries_state,
     document_starts,
-    keeps_documents_apart,
     parameter_names,
-    passes_keywords,
     per_token,
-    reads_mask_as_tensor,
 )
+from .traits import carries_state, keeps_documents_apart, passes_keywords, reads_mask_as_tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,19 +61,19 @@ class LayerPlan:
     ``nested``: the checkpointed layers inside the layer (Zamba's hybrid layer holds a Mamba decoder layer), which run
     as they are inside each of its chunks (:func:`_nested_run_plain`). ``dense_mask``: the layer's own code reads the
     mask as a tensor (a sparse indexed attention's indexer, a dynamic mask attention:
-    :func:`~.layer_args.reads_mask_as_tensor`): it gets its chunk's mask block as one (:func:`_dense_mask_run`);
+    :func:`~.traits.reads_mask_as_tensor`): it gets its chunk's mask block as one (:func:`_dense_mask_run`);
     ``dynamic_masks``: its modules that rank their dynamic mask's keys themselves (:mod:`.dynamic_mask`).
     ``continued``: the layer's mixers that start from a zero state (Mamba v1, lightning attention), continued from each
     chunk's incoming state (:func:`_continued_run`). ``from_prefix``: the arguments each chunk gets from its first key
     position on, not from its own first position: a decoder's position history
-    (:func:`~.layer_args.keeps_position_history`). ``apart``: whether the layer's recurrent mixers start each document
+    (:func:`~.traits.keeps_position_history`). ``apart``: whether the layer's recurrent mixers start each document
     of a packed row from a zero state (they hand the row's sequence descriptors to their kernels,
-    :func:`~.layer_args.keeps_documents_apart`), ``False`` where they run across documents, ``None`` where they do so
+    :func:`~.traits.keeps_documents_apart`), ``False`` where they run across documents, ``None`` where they do so
     in part (or it has none). ``varlen_attention``: the model's own attention implementation (when the engine is
     installed) is a flash attention, whose variable-length kernel keeps a packed row's documents apart whatever the
     mask (:func:`_varlen_documents`). ``stacked``: its hidden states are stacked streams, (streams, batch, T, hidden)
     (Gemma 3n's AltUp), which the engine streams as (batch, T, streams, hidden) views (:func:`_stacked_run`).
-    ``recurrent``: it holds a recurrent or convolution mixer (:func:`~.layer_args.carries_state`)."""
+    ``recurrent``: it holds a recurrent or convolution mixer (:func:`~.traits.carries_state`)."""
 
     settings: StreamSettings
     configs: tuple
@@ -97,7 +94,7 @@ class LayerPlan:
     @classmethod
     def of(cls, layer: nn.Module, settings: StreamSettings, position_history: bool = False) -> LayerPlan:
         """The plan of ``layer``; ``position_history``: its decoder hands it the rotary embeddings of every cached
-        position (:func:`~.layer_args.keeps_position_history`)."""
+        position (:func:`~.traits.keeps_position_history`)."""
         names = tuple(parameter_names(layer))
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
         if cache_name is None and STATE_ARGUMENT in names:  # its state as an argument (xLSTM): served by the cache

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..carry import ChunkCache
-from ..layer_args import names_called
+from ..traits import names_called
 
 LINEAR_CACHE = "get_linear_cache"  # the lightning attention's cache read, which only its decoding loop continues
 

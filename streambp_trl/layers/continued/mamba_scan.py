@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...patching import temporarily
-from ..layer_args import names_called
+from ..traits import names_called
 
 SCAN = "mamba_selective_scan"  # the modeling modules' selective scan, which starts from a zero state
 
