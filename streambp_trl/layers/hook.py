@@ -205,38 +205,42 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         func = functools.partial(_stacked_run, func)
     if plan.cache_name == STATE_ARGUMENT:
         func = functools.partial(_state_argument_run, func)
-    call = LayerCall(
-        layer,
-        functools.partial(_dense_mask_run, func, plan.dynamic_masks) if plan.dense_mask else func,
-        kwargs,
-        sliced,
-        settings,
-        seq_len,
-        _autocast_state(x.device.type),
-        plan.configs,
-        plan.cache_name,
-        grad_inputs,
-        from_prefix=plan.from_prefix,
-        resets=starts,
-        compress_rates=plan.compress_rates,
-    )
-    if kwargs.get("shared_kv_states") is not None:  # keys/values shared across layers (Gemma 3n, Gemma 4's E models)
-        call.shared = decoder.shared_kv
-    call.chunk_size = decoder.chunk_size if decoder.chunk_size is not None else rule_of_thumb(seq_len)
-    call.min_chunk = plan.min_chunk
     params = [p for p in layer.parameters() if p.requires_grad]
-    if not torch.is_grad_enabled() or not (x.requires_grad or grad_inputs or params):
-        y = call.forward_chunks(x, keep_kv=False, rng="none")[0]
-        return call.as_returned(y.movedim(2, 0) if plan.stacked else y, call.take_extras())
-    rebuildable = input_rebuildable(layer, decoder)
-    call.embedding_source = decoder.embeddings.source_of(given) if rebuildable else None
+    differentiated = torch.is_grad_enabled() and bool(x.requires_grad or grad_inputs or params)
+    rebuildable = differentiated and input_rebuildable(layer, decoder)
     # join the segment of the previous stream layer (its output is x) while it has room, or start one of the size
     # the settings' keep_every or the call's plan gives this layer (1: keep its own input, no segment)
     size = decoder.segment_size(index, settings.keep_every)
-    joined = decoder.segment_to_join(given) if rebuildable and (size > 1 or decoder.segment is not None) else None
-    if joined is not None or size > 1:
-        call.segment = joined if joined is not None else Segment(size)
-        call.position = call.segment.join(call)
+    segment = decoder.segment_to_join(given) if rebuildable and (size > 1 or decoder.segment is not None) else None
+    if segment is None and differentiated and size > 1:
+        segment = Segment(size)
+    call = LayerCall(
+        layer=layer,
+        func=functools.partial(_dense_mask_run, func, plan.dynamic_masks) if plan.dense_mask else func,
+        kwargs=kwargs,
+        per_token=sliced,
+        settings=settings,
+        seq_len=seq_len,
+        autocast=_autocast_state(x.device.type),
+        configs=plan.configs,
+        cache_name=plan.cache_name,
+        grad_inputs=grad_inputs,
+        from_prefix=plan.from_prefix,
+        resets=starts,
+        embedding_source=decoder.embeddings.source_of(given) if rebuildable else None,
+        segment=segment,
+        position=segment.joined if segment is not None else 0,
+        chunk_size=decoder.chunk_size if decoder.chunk_size is not None else rule_of_thumb(seq_len),
+        min_chunk=plan.min_chunk,
+        # keys/values shared across layers (Gemma 3n, Gemma 4's E models)
+        shared=decoder.shared_kv if kwargs.get("shared_kv_states") is not None else None,
+        compress_rates=plan.compress_rates,
+    )
+    if not differentiated:
+        y = call.forward_chunks(x, keep_kv=False, rng="none")[0]
+        return call.as_returned(y.movedim(2, 0) if plan.stacked else y, call.take_extras())
+    if segment is not None:
+        segment.join(call)  # at call.position
     y, *extras = _outputs(StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params))
     if plan.stacked:
         y = y.movedim(2, 0)

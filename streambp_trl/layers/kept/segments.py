@@ -47,8 +47,13 @@ class Segment:
             return False
         return self.calls[-1]() is not None and x is self._output()
 
+    @property
+    def joined(self) -> int:
+        """How many calls have joined: the position of the next one."""
+        return len(self.calls)
+
     def join(self, call: object) -> int:
-        """Add ``call``; returns its position in the segment."""
+        """Add ``call`` at position :attr:`joined` (the one it was built with); returns that position."""
         self.calls.append(weakref.ref(call))
         self.output_version, self._output = None, _dead
         return len(self.calls) - 1
