@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import Float64Internals
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model zoo and helpers live in tests/
+from model_support import Float64Internals  # noqa: E402
+from zoo import batch, tiny_causal_lm  # noqa: E402
 
 
 def _gradient(model: torch.nn.Module, inputs: tuple, name: str) -> torch.Tensor:

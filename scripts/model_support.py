@@ -1,6 +1,6 @@
 """Which causal LMs of the installed transformers the stream engine trains exactly, and which it refuses and why.
 
-Runs :func:`streambp_trl.bench.model_support.classify` (a tiny random float64 model of every type in
+Runs :func:`classify` of ``tests/model_support.py`` (a tiny random float64 model of every type in
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, streamed and compared with plain autograd) and writes
 
 * ``tests/causal_lm_support.json``: the status ``tests/test_every_causal_lm.py`` then holds every model type to, and
@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the sweep lives in tests/: zoo/, model_support.py
 SUPPORT_TABLE = ROOT / "tests" / "causal_lm_support.json"  # what tests/test_every_causal_lm.py holds each type to
 START, END = "<!-- model-support:start -->", "<!-- model-support:end -->"
 
@@ -73,9 +75,8 @@ def _table(results: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     import transformers
-
-    from streambp_trl.bench.model_support import NOT_BUILDABLE, classify
-    from streambp_trl.bench.zoo import ZOO_TYPES
+    from model_support import NOT_BUILDABLE, classify
+    from zoo import ZOO_TYPES
 
     transformers.logging.set_verbosity_error()
     warnings.simplefilter("ignore")

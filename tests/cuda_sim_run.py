@@ -29,10 +29,10 @@ import transformers  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 from transformers.masking_utils import causal_mask_function  # noqa: E402
+from zoo import tiny_config  # noqa: E402
 
 from streambp_trl import enable_streambp  # noqa: E402
 from streambp_trl.attention import causal_chunk, cuda, kernels, masks  # noqa: E402
-from streambp_trl.bench.zoo import tiny_config  # noqa: E402
 
 _SMALL = dict(
     vocab_size=128,
@@ -55,7 +55,7 @@ FAMILIES = {
     "doge": (transformers.DogeConfig, {"keep_window_size": 48}),  # a dynamic mask: a per-head bias with gradient
 }
 
-# families built from the sweep's tiny configs (streambp_trl.bench.zoo): the model-specific attention paths
+# families built from the sweep's tiny configs (tests/zoo): the model-specific attention paths
 ZOO_FAMILIES = {
     "gemma4_text",  # keys/values shared across layers (the last two layers reuse the first two's)
     "gemma3n_text",  # shared keys/values and AltUp's stacked streams

@@ -7,8 +7,7 @@ import contextlib
 
 import torch
 import transformers
-
-from streambp_trl.bench.zoo import batch  # noqa: F401 (the tests' batch: padded, a prompt unlabelled)
+from zoo import batch  # noqa: F401 (the tests' batch: padded, a prompt unlabelled)
 
 VOCAB = 101
 _COMMON = dict(
@@ -62,8 +61,8 @@ FLOAT32_INTERNALS = {"gemma3"}
 
 def internals(family: str):
     """The context a float64 ``family`` model is compared in: its float32 internals computed in float64
-    (:class:`~streambp_trl.bench.model_support.Float64Internals`) for the families of ``FLOAT32_INTERNALS``."""
-    from streambp_trl.bench.model_support import Float64Internals
+    (:class:`~model_support.Float64Internals`) for the families of ``FLOAT32_INTERNALS``."""
+    from model_support import Float64Internals
 
     return Float64Internals() if family in FLOAT32_INTERNALS else contextlib.nullcontext()
 

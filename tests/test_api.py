@@ -201,9 +201,9 @@ def test_a_vision_language_models_own_forward_streams_its_decoder(mode):
     (in training, or in eval with stream_eval): Gemma 3's vision-language model builds its masks before its language
     model, and got plain masks (``None`` where the padding is all ones), which no chunk can read. Those masks are the
     stream's too now; the logits equal the plain model's, chunk by chunk."""
-    from streambp_trl.bench.model_support import Float64Internals
-    from streambp_trl.bench.zoo import batch as zoo_batch
-    from streambp_trl.bench.zoo import tiny_causal_lm
+    from model_support import Float64Internals
+    from zoo import batch as zoo_batch
+    from zoo import tiny_causal_lm
 
     reference = getattr(tiny_causal_lm("gemma3"), mode)()
     model = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, stream_eval=True)

@@ -20,14 +20,14 @@ import functools
 import pytest
 import torch
 from helpers import tiny_dataset, train
+from model_support import Float64Internals
 from models import batch, tiny_model
 from trl import SFTConfig, SFTTrainer
+from zoo import tiny_causal_lm
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import cuda, grouped, kernels
 from streambp_trl.attention.causal_chunk import CPU_FLASH
-from streambp_trl.bench.model_support import Float64Internals
-from streambp_trl.bench.zoo import tiny_causal_lm
 
 GRAD_SLACK = torch.finfo(torch.bfloat16).eps  # 2**-7, relative
 LOSS_SLACK = 1e-4

@@ -19,10 +19,10 @@ import copy
 
 import pytest
 import torch
+from model_support import Float64Internals, plain_loss
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import Float64Internals, plain_loss
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 
 EXACT = 1e-10
 SEQ_LEN = 40

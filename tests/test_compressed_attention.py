@@ -19,10 +19,10 @@ import copy
 
 import pytest
 import torch
+from model_support import Float64Internals, streamed_error
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import Float64Internals, streamed_error
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers.call import layer_call, unread
 from streambp_trl.layers.carry import compressed
 

@@ -38,16 +38,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
+from model_support import Float64Internals
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from trace_waits import copy_waits
+from zoo import FLOAT32_KEPT, batch, tiny_causal_lm
 
 from streambp_trl import disable_streambp, enable_streambp
 from streambp_trl.attention import cuda
 from streambp_trl.attention.causal_chunk import cudnn_usable
-from streambp_trl.bench import zoo
-from streambp_trl.bench.model_support import Float64Internals
-from streambp_trl.bench.zoo import FLOAT32_KEPT, batch, tiny_causal_lm
 from streambp_trl.engine import last_head_form
 from streambp_trl.sizing import memory_model as mm
 

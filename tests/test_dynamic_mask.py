@@ -16,10 +16,10 @@ import copy
 
 import pytest
 import torch
+from model_support import plain_loss, streamed_error
+from zoo import tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import plain_loss, streamed_error
-from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import hook
 
 EXACT = 1e-10

@@ -269,9 +269,9 @@ def test_scaled_heads_embeddings_and_residuals_stream_exactly(family, field, val
     is read as TRL's fused head reads it: ``logits_scaling`` multiplies HyperCLOVA X's logits and divides Granite's;
     ``lm_head_multiplier`` multiplies Falcon-H1's. Before, HyperCLOVA X's was read as a divisor and Falcon-H1's not at
     all, and the probe refused both as non-linear heads."""
-    from streambp_trl.bench.model_support import Float64Internals, streamed_error
-    from streambp_trl.bench.zoo import batch as zoo_batch
-    from streambp_trl.bench.zoo import tiny_causal_lm
+    from model_support import Float64Internals, streamed_error
+    from zoo import batch as zoo_batch
+    from zoo import tiny_causal_lm
 
     reference = tiny_causal_lm(family, **{field: value})
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)

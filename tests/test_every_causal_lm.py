@@ -1,7 +1,7 @@
 """Every causal LM of the installed transformers is either trained exactly by the stream engine or refused by
 ``enable_streambp`` itself, with the model class and the reason in the message. Any other outcome fails.
 
-Each model is a tiny random float64 build (``bench.zoo``), compared with plain autograd on a batch of 2 x 23
+Each model is a tiny random float64 build (``zoo``), compared with plain autograd on a batch of 2 x 23
 tokens (labels -100 on padding and a prompt), right and left padded, in chunks of 5 tokens (which do not divide 23),
 and on one packed row of four documents (TRL's padding-free descriptors; ``model_support.packed_row``).
 The bound is 1e-10 relative, or 1e-5 where the model's own layer code computes in float32 inside the float64 model
@@ -18,11 +18,9 @@ import copy
 import json
 from pathlib import Path
 
+import model_support
 import pytest
-
-from streambp_trl import enable_streambp
-from streambp_trl.bench import model_support
-from streambp_trl.bench.model_support import (
+from model_support import (
     CHUNK,
     EXACT,
     NOT_BUILDABLE,
@@ -33,7 +31,9 @@ from streambp_trl.bench.model_support import (
     plain_loss,
     relative_errors,
 )
-from streambp_trl.bench.zoo import ZOO_TYPES, batch, tiny_causal_lm
+from zoo import ZOO_TYPES, batch, tiny_causal_lm
+
+from streambp_trl import enable_streambp
 
 pytestmark = pytest.mark.slow  # ~200 model families, each exact against plain autograd
 

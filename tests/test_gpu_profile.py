@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+# appended, not first: scripts/model_support.py must not shadow tests/model_support.py
+sys.path.append(str(Path(__file__).resolve().parents[1] / "scripts"))
 import gpu_profile  # noqa: E402
 
 from streambp_trl.bench.spec import Mode  # noqa: E402

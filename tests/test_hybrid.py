@@ -17,7 +17,9 @@ import functools
 import pytest
 import torch
 from helpers import EXACT, LengthReward, assert_same_training, load_tokenizer, tiny_dataset
+from model_support import Float64Internals, relative_errors, streamed_error
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import (
     StreamDPOConfig,
@@ -28,8 +30,6 @@ from streambp_trl import (
     StreamSFTTrainer,
     enable_streambp,
 )
-from streambp_trl.bench.model_support import Float64Internals, relative_errors, streamed_error
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers import carry
 
 ONE_LAYER = {

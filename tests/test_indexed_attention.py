@@ -17,11 +17,11 @@ import copy
 import pytest
 import torch
 from helpers import ShapeRecorder
+from model_support import plain_loss, relative_errors
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask, stream_attention
-from streambp_trl.bench.model_support import plain_loss, relative_errors
 from streambp_trl.layers import carry, hook
 from streambp_trl.layers.call import layer_call
 from streambp_trl.layers.layer_args import cache_argument

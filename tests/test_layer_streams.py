@@ -16,10 +16,10 @@ not divide the length, a sliding-window layer, input segments (``keep_every``) a
 import copy
 
 import pytest
+from model_support import streamed_error
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import streamed_error
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers.call import layer_call
 
 EXACT = 1e-10

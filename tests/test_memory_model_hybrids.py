@@ -1,7 +1,7 @@
 """The memory model's hybrid layer kinds beyond Gated DeltaNet: Mamba2 (Falcon-H1, Bamba, Granite 4 hybrid,
 Nemotron-H, Zamba2, pure Mamba2), Mamba v1 (Mamba, FalconMamba, Jamba, Zamba), Kimi Delta Attention (Kimi Linear,
 Bailing hybrid), MiniMax's lightning attention, short convolutions (LFM2) and MLP-only layers (Nemotron-H), read from
-the tiny configs of :mod:`streambp_trl.bench.zoo` and the config classes' defaults, and checked against
+the tiny configs of :mod:`zoo` and the config classes' defaults, and checked against
 simulated steps."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from zoo import batch, tiny_causal_lm, tiny_config
 
 from streambp_trl import enable_streambp
 from streambp_trl.bench.simulator import record_setup
-from streambp_trl.bench.zoo import batch, tiny_causal_lm, tiny_config
 from streambp_trl.sizing import auto, layer_kinds, mixers
 from streambp_trl.sizing import memory_model as mm
 

@@ -10,9 +10,9 @@ from helpers import ShapeRecorder, ShapesEveryStep
 from models import VOCAB, batch, tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.trainer.utils import add_fused_lm_head
+from zoo import tiny_causal_lm
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
-from streambp_trl.bench.zoo import tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import EXACT, load_tokenizer
+from model_support import Float64Internals, each_document_alone, packed_row, relative_errors
+from zoo import tiny_causal_lm
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import StreamMask, stream_configs
-from streambp_trl.bench.model_support import Float64Internals, each_document_alone, packed_row, relative_errors
-from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.engine import packed_rows_refusal
 from streambp_trl.layers import hook
 

@@ -11,7 +11,7 @@ convolution keeps its float inputs, carried with it.
 Tiny float64 models with an indexer budget below the keys most queries see (the selection changes the loss, checked),
 end-of-sequence tokens inside the rows (the n-grams restart after them), a left-padded row, chunk sizes that do not
 divide the length; compared with plain autograd with the model's float32 internals computed in float64
-(:class:`~streambp_trl.bench.model_support.Float64Internals`, relative error <= 1e-10). The comparison fails when the
+(:class:`~model_support.Float64Internals`, relative error <= 1e-10). The comparison fails when the
 token ids are not carried between chunks.
 """
 
@@ -20,10 +20,10 @@ import copy
 import pytest
 import torch
 from helpers import ShapeRecorder
+from model_support import Float64Internals, plain_loss, streamed_errors
+from zoo import tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.model_support import Float64Internals, plain_loss, streamed_errors
-from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import carry
 
 pytestmark = pytest.mark.slow  # the model's indexer loops over every query in Python: ~2 minutes

@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import max_rel_grad_error, reference_loss
 from models import batch, tiny_model
+from zoo import tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.bench.zoo import tiny_causal_lm
 from streambp_trl.layers import rng
 
 DROPOUT = {"attention_dropout": 0.2}

@@ -14,12 +14,12 @@ autograd to 1e-10: right and left padding, chunks of 1, 5 and 23 tokens. It fail
 import copy
 
 import pytest
+import zoo
+from model_support import Float64Internals, streamed_error
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import kernels
-from streambp_trl.bench import zoo
-from streambp_trl.bench.model_support import Float64Internals, streamed_error
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 
 EXACT = 1e-10
 

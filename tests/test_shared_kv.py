@@ -15,11 +15,11 @@ import copy
 
 import pytest
 import torch
+from model_support import Float64Internals, relative_errors, streamed_error
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask
-from streambp_trl.bench.model_support import Float64Internals, relative_errors, streamed_error
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 from streambp_trl.layers import kept
 from streambp_trl.layers.carry import LayerCarry
 

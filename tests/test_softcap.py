@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 from helpers import EXACT
+from model_support import Float64Internals, plain_loss, relative_errors
+from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import softcap
-from streambp_trl.bench.model_support import Float64Internals, plain_loss, relative_errors
-from streambp_trl.bench.zoo import batch, tiny_causal_lm
 
 
 def _eager(query, key, value, visible, scale, cap):

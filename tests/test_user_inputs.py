@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import args, assert_matches_plain, load_model, load_tokenizer, max_rel_grad_error, tiny_dataset
+from model_support import packed_row
 from models import batch, tiny_model
+from zoo import tiny_causal_lm
 
 import streambp_trl
 from streambp_trl import disable_streambp, enable_streambp
-from streambp_trl.bench.model_support import packed_row
-from streambp_trl.bench.zoo import tiny_causal_lm
 
 CHUNK = 5
 DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}

@@ -1,6 +1,6 @@
 """Which causal LMs the stream engine trains exactly: :func:`classify` one model type of the installed transformers.
 
-Each model is a tiny random float64 build (:mod:`streambp_trl.bench.zoo`), compared with plain autograd
+Each model is a tiny random float64 build (:mod:`zoo`), compared with plain autograd
 on a batch of 2 x 23 tokens (labels -100 on padding and a prompt), right and left padded, in chunks of :data:`CHUNK`
 tokens (which do not divide 23). The bound is :data:`EXACT` relative, or :data:`FLOAT32_INTERNAL` where the model's
 own layer code computes in float32 inside the float64 model (norms, routers, sinks upcast to float32): the streamed
@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
+from zoo import VOCAB, batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
-
-from .zoo import VOCAB, batch, tiny_causal_lm
 
 EXACT, FLOAT32_INTERNAL = 1e-10, 1e-5
 CHUNK = 5
