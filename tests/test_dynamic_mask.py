@@ -20,7 +20,7 @@ from model_support import plain_loss, streamed_error
 from zoo import tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import hook
+from streambp_trl.layers.adapters import dense_mask
 
 EXACT = 1e-10
 T, PAD = 29, 6
@@ -76,7 +76,7 @@ def test_the_window_changes_the_loss():
 def test_ranking_a_chunk_s_keys_alone_is_caught(monkeypatch):
     """Each chunk ranks only its own keys (the module's method on the chunk's biases, which slices the mask block to
     them): the tied biases of repeated tokens are then kept by another tie order, and the comparison fails."""
-    monkeypatch.setattr(hook, "full_rows", lambda modules, kv_start, seq_len: contextlib.nullcontext())
+    monkeypatch.setattr(dense_mask, "full_rows", lambda modules, kv_start, seq_len: contextlib.nullcontext())
     reference = tiny_causal_lm("doge")
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=7, verify=False)
     assert _error(reference, streamed, "right") > 1e-6

@@ -22,7 +22,8 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaCon
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask, stream_attention
-from streambp_trl.layers import carry, hook
+from streambp_trl.layers import carry
+from streambp_trl.layers.adapters import dense_mask
 from streambp_trl.layers.call import layer_call
 from streambp_trl.layers.layer_args import cache_argument
 
@@ -149,7 +150,7 @@ def test_ties_choose_by_row_length(monkeypatch):
     full forward's T-long ones."""
 
     def mutate():
-        monkeypatch.setattr(hook, "_dense_mask_run", _rows_to_the_chunk_end)
+        monkeypatch.setattr(dense_mask, "dense_mask_run", _rows_to_the_chunk_end)
         monkeypatch.setattr(carry.ChunkCache, "update_indexer", _served_to_the_chunk_end)
 
     loss_err, grad_err = _errors(_tied(_model()), 7, mutate)

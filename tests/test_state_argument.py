@@ -1,13 +1,12 @@
 """A decoder layer that takes its recurrent state as an argument and returns its last state beside its output, with no
 cache (xLSTM's mLSTM blocks: ``forward(x, state) -> (y, (C, n, m))``), streamed exactly.
 
-Each chunk's state enters through that argument, served by the chunk cache (``hook._state_argument_run``): the
-cell state C (heads x d_qk x d_v), the normaliser n and the stabiliser m the previous chunk left, as leaves with
-gradient in backward, whose gradient goes back to that chunk. Tiny float64 xLSTM models against plain autograd
-(relative error <= 1e-10): right, left and no padding, chunks of one token, chunks that do not divide the length,
-and chunks across the mLSTM kernel's own 64-token blocks. The comparison fails when the states' gradient is dropped,
-and a chunk that starts from a zero state is refused at enable.
-"""
+Each chunk's state enters through that argument, served by the chunk cache
+(``adapters.state_argument.state_argument_run``): the cell state C (heads x d_qk x d_v), the normaliser n and the
+stabiliser m the previous chunk left, as leaves with gradient in backward, whose gradient goes back to that chunk. Tiny
+float64 xLSTM models against plain autograd (relative error <= 1e-10): right, left and no padding, chunks of one token,
+chunks that do not divide the length, and chunks across the mLSTM kernel's own 64-token blocks. The comparison fails
+when the states' gradient is dropped, and a chunk that starts from a zero state is refused at enable."""
 
 import copy
 
@@ -17,7 +16,7 @@ from model_support import Float64Internals, streamed_error
 from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers import hook
+from streambp_trl.layers.adapters import state_argument
 
 EXACT = 1e-10
 
@@ -45,7 +44,7 @@ def test_xlstm_chunks_across_its_kernel_blocks(chunk):
 def test_the_states_gradient_must_reach_the_earlier_chunk(monkeypatch):
     """The incoming states served without gradient: the forward is unchanged (enable's probe passes), and the
     gradient is wrong."""
-    run = hook._state_argument_run
+    run = state_argument.state_argument_run
 
     def detached(func, layer, x, *, state, **kwargs):
         get = state.get_recurrent_state
@@ -54,18 +53,18 @@ def test_the_states_gradient_must_reach_the_earlier_chunk(monkeypatch):
         )
         return run(func, layer, x, state=state, **kwargs)
 
-    monkeypatch.setattr(hook, "_state_argument_run", detached)
+    monkeypatch.setattr(state_argument, "state_argument_run", detached)
     assert _error(5, "right") > 1e-3
 
 
 def test_a_chunk_from_a_zero_state_is_refused(monkeypatch):
-    run = hook._state_argument_run
+    run = state_argument.state_argument_run
 
     def fresh(func, layer, x, *, state, **kwargs):
         monkeypatch.setattr(state, "get_recurrent_state", lambda i, j=0: None)
         return run(func, layer, x, state=state, **kwargs)
 
-    monkeypatch.setattr(hook, "_state_argument_run", fresh)
+    monkeypatch.setattr(state_argument, "state_argument_run", fresh)
     with pytest.raises(ValueError, match="different result when streamed chunk by chunk"):
         enable_streambp(tiny_causal_lm("xlstm"), stream_chunk_size=4)
 
@@ -142,6 +141,6 @@ def test_a_state_argument_the_layer_does_not_return_is_refused():
 
     x = torch.zeros(2, 3, 4)
     with pytest.raises(ValueError, match="takes `state` but does not return"):
-        hook._state_argument_run(
+        state_argument.state_argument_run(
             lambda layer, x, state=None: x, torch.nn.Identity(), x, state=ChunkCache(CarryStore(3), start=0)
         )

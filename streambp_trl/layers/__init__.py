@@ -12,6 +12,7 @@
 * :mod:`.continued`: the mixers that start from a zero state (Mamba v1, lightning attention), continued from the
   chunk's incoming state;
 * :mod:`.layer_args`: a layer call's arguments, split per chunk;
+* :mod:`.adapters`: the model-family adapters the hook composes around each chunk's run, one module per trait;
 * :mod:`.traits`: what a transformers module class does, read once from its code (every source or bytecode reading);
 * :mod:`.kept`: what a layer keeps between forward and backward, and how the rest is rebuilt (checkpoint offload, the
   first layer's input from the token ids, ``keep_every`` segments);

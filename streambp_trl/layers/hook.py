@@ -18,22 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils.generic import is_flash_attention_requested
 
 from ..attention import StreamMask, stream_configs
-from ..patching import forwards_replaced, own_forward
 from ..sizing.auto import rule_of_thumb
+from .adapters import LayerAdapter, adapters_of, wrapped
 from .call import LayerCall, StreamLayerFunction, StreamSettings
 from .carry import ChunkCache
 from .carry.compressed import compress_rates
-from .continued import Continued, continued
 from .decoder_call import DecoderCall, active_call
-from .dynamic_mask import dynamic_mask_modules, full_rows
 from .kept import Segment
 from .layer_args import (
     CACHE_KWARGS,
@@ -46,7 +42,7 @@ from .layer_args import (
     parameter_names,
     per_token,
 )
-from .traits import carries_state, keeps_documents_apart, passes_keywords, reads_mask_as_tensor
+from .traits import carries_state, keeps_documents_apart, passes_keywords
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,36 +54,26 @@ class LayerPlan:
     A layer holding a recurrent mixer (a module that reads transformers' cache state interface: Gated DeltaNet,
     Mamba) gets chunks of at least two tokens: on one token such a mixer takes its decoding path, which updates the
     state it is given in place, and a state that later chunks differentiate through cannot be changed in place.
-    ``nested``: the checkpointed layers inside the layer (Zamba's hybrid layer holds a Mamba decoder layer), which run
-    as they are inside each of its chunks (:func:`_nested_run_plain`). ``dense_mask``: the layer's own code reads the
-    mask as a tensor (a sparse indexed attention's indexer, a dynamic mask attention:
-    :func:`~.traits.reads_mask_as_tensor`): it gets its chunk's mask block as one (:func:`_dense_mask_run`);
-    ``dynamic_masks``: its modules that rank their dynamic mask's keys themselves (:mod:`.dynamic_mask`).
-    ``continued``: the layer's mixers that start from a zero state (Mamba v1, lightning attention), continued from each
-    chunk's incoming state (:func:`_continued_run`). ``from_prefix``: the arguments each chunk gets from its first key
-    position on, not from its own first position: a decoder's position history
+    ``adapters``: its family traits (:mod:`.adapters`: nested layers, continued mixers, stacked streams, a state
+    argument, a mask read as a tensor), composed around each chunk's run. ``from_prefix``: the arguments each chunk
+    gets from its first key position on, not from its own first position: a decoder's position history
     (:func:`~.traits.keeps_position_history`). ``apart``: whether the layer's recurrent mixers start each document
     of a packed row from a zero state (they hand the row's sequence descriptors to their kernels,
     :func:`~.traits.keeps_documents_apart`), ``False`` where they run across documents, ``None`` where they do so
     in part (or it has none). ``varlen_attention``: the model's own attention implementation (when the engine is
     installed) is a flash attention, whose variable-length kernel keeps a packed row's documents apart whatever the
-    mask (:func:`_varlen_documents`). ``stacked``: its hidden states are stacked streams, (streams, batch, T, hidden)
-    (Gemma 3n's AltUp), which the engine streams as (batch, T, streams, hidden) views (:func:`_stacked_run`).
-    ``recurrent``: it holds a recurrent or convolution mixer (:func:`~.traits.carries_state`)."""
+    mask (:func:`_varlen_documents`). ``recurrent``: it holds a recurrent or convolution mixer
+    (:func:`~.traits.carries_state`)."""
 
     settings: StreamSettings
     configs: tuple
     parameter_names: tuple[str, ...]
     cache_name: str
     min_chunk: int = 1
-    nested: tuple[nn.Module, ...] = ()
-    dense_mask: bool = False
-    dynamic_masks: tuple[nn.Module, ...] = ()
-    continued: Continued | None = None
+    adapters: tuple[LayerAdapter, ...] = ()
     from_prefix: tuple[str, ...] = ()
     apart: bool | None = None
     varlen_attention: bool = False
-    stacked: bool = False
     compress_rates: dict[int, int] = dataclasses.field(default_factory=dict)
     recurrent: bool = False
 
@@ -107,29 +93,23 @@ class LayerPlan:
         recurrent = bool(mixers)
         kinds = {keeps_documents_apart(m) for m in mixers}
         apart = kinds.pop() if len(kinds) == 1 else None  # (None also where a mixer resets its convolution alone)
-        nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
-        dense_mask = any(reads_mask_as_tensor(type(m)) for m in layer.modules())
         rates = compress_rates(layer)
         # (a one-token call is a compressed attention's decoding path: it attends to every compressed entry)
         min_chunk = 2 if recurrent or rates else 1
         from_prefix = HISTORY_ARGUMENTS if position_history else ()
-        configs, continued = stream_configs(layer), Continued.of(layer)
+        configs = stream_configs(layer)
         return cls(
-            settings,
-            configs,
-            names,
-            cache_name,
-            min_chunk,
-            nested,
-            dense_mask,
-            dynamic_mask_modules(layer),
-            continued,
-            from_prefix,
-            apart,
-            any(is_flash_attention_requested(c) for c in configs),
-            any((getattr(c, "altup_num_inputs", None) or 1) > 1 for c in configs),
-            rates,
-            recurrent,
+            settings=settings,
+            configs=configs,
+            parameter_names=names,
+            cache_name=cache_name,
+            min_chunk=min_chunk,
+            adapters=adapters_of(layer),
+            from_prefix=from_prefix,
+            apart=apart,
+            varlen_attention=any(is_flash_attention_requested(c) for c in configs),
+            compress_rates=rates,
+            recurrent=recurrent,
         )
 
 
@@ -172,8 +152,9 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     if cache is not None and not isinstance(cache, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
     given = args[0]
-    # stacked hidden-state streams (Gemma 3n's AltUp, (streams, batch, T, hidden)) streamed as (batch, T, streams, ...)
-    x = given.movedim(0, 2) if plan.stacked else given
+    x = given
+    for adapter in plan.adapters:  # a family's own layout of the hidden states, as the chunks take them
+        x = adapter.enter(x)
     batch, seq_len = x.shape[:2]
     attention_documents = _varlen_documents(plan, kwargs, seq_len)  # (before _documents takes the descriptors)
     starts = _documents(plan, layer, kwargs, batch, seq_len)
@@ -198,13 +179,6 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     decoder = active_call()
     index, decoder.layers_called = decoder.layers_called, decoder.layers_called + 1
     settings = decoder.settings or plan.settings  # the call's plan may offload otherwise than the model's settings
-    func = functools.partial(_nested_run_plain, forward.func, plan.nested) if plan.nested else forward.func
-    if plan.continued is not None:
-        func = functools.partial(_continued_run, func, plan.continued)
-    if plan.stacked:
-        func = functools.partial(_stacked_run, func)
-    if plan.cache_name == STATE_ARGUMENT:
-        func = functools.partial(_state_argument_run, func)
     params = [p for p in layer.parameters() if p.requires_grad]
     differentiated = torch.is_grad_enabled() and bool(x.requires_grad or grad_inputs or params)
     rebuildable = differentiated and input_rebuildable(layer, decoder)
@@ -216,7 +190,7 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         segment = Segment(size)
     call = LayerCall(
         layer=layer,
-        func=functools.partial(_dense_mask_run, func, plan.dynamic_masks) if plan.dense_mask else func,
+        func=wrapped(forward.func, plan.adapters),
         kwargs=kwargs,
         per_token=sliced,
         settings=settings,
@@ -238,50 +212,22 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
     )
     if not differentiated:
         y = call.forward_chunks(x, keep_kv=False, rng="none")[0]
-        return call.as_returned(y.movedim(2, 0) if plan.stacked else y, call.take_extras())
+        return call.as_returned(_left(y, plan.adapters), call.take_extras())
     if segment is not None:
         segment.join(call)  # at call.position
     y, *extras = _outputs(StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params))
-    if plan.stacked:
-        y = y.movedim(2, 0)
+    y = _left(y, plan.adapters)
     if call.segment is not None:
         call.segment.left(y)
         decoder.segment = call.segment
     return call.as_returned(y, extras)
 
 
-def _stacked_run(func, layer: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """``func`` (a layer's forward whose hidden states are stacked streams, (streams, batch, chunk, hidden)) on chunk
-    ``x`` in the engine's layout, (batch, chunk, streams, hidden), and its output back in that layout (views)."""
-    return func(layer, x.movedim(2, 0), *args, **kwargs).movedim(0, 2)
-
-
-def _state_argument_run(func, layer: nn.Module, x: torch.Tensor, *, state: ChunkCache, **kwargs) -> tuple:
-    """``func`` (the forward of a layer that takes its recurrent state as an argument and returns its last state
-    beside its output: xLSTM's blocks, ``(y, (C, n, m))``) on chunk ``x`` with that state served by the chunk cache
-    ``state``, as cache slot 0: the states entering the chunk in (``None`` for the first chunk, as the plain call
-    passes), the states it leaves recorded in the cache (:meth:`~.carry.ChunkCache.update_recurrent_state`, one
-    state index each). Returns ``(y, None)``: in a streamed call the model keeps no cache (the engine calls its
-    decoder without one), so nothing reads the last state; a call that gives a state runs the layer as it is
-    (:func:`stream_checkpoint`)."""
-    incoming: list[torch.Tensor] = []
-    while (t := state.get_recurrent_state(0, len(incoming))) is not None:
-        incoming.append(t)
-    out = func(layer, x, state=tuple(incoming) if incoming else None, **kwargs)
-    if not (
-        isinstance(out, tuple)
-        and len(out) == 2
-        and isinstance(out[1], (tuple, list))
-        and all(isinstance(t, torch.Tensor) for t in out[1])
-    ):
-        raise ValueError(
-            f"StreamBP: {type(layer).__name__}.forward takes `state` but does not return (output, state): a state "
-            "it neither returns nor continues cannot be carried from chunk to chunk."
-        )
-    y, last = out
-    for i, t in enumerate(last):
-        state.update_recurrent_state(t, 0, i)
-    return y, None
+def _left(y: torch.Tensor, adapters: tuple[LayerAdapter, ...]) -> torch.Tensor:
+    """The layer's output hidden states back in its family's own layout (the adapters' ``enter`` undone)."""
+    for adapter in reversed(adapters):
+        y = adapter.leave(y)
+    return y
 
 
 def _outputs(out: torch.Tensor | tuple) -> tuple:
@@ -347,51 +293,6 @@ def packing_refusal(plan: LayerPlan, layer: nn.Module) -> str | None:
         "the documents apart in part (some mixers and not others, or the convolution and not the scan). Train "
         "without packing / padding_free (padded rows)."
     )
-
-
-def _continued_run(func: Callable, parts: Continued, layer: nn.Module, *args, **kwargs) -> object:
-    """``func`` (a layer's forward) with its mixers that start from zero continued from the states its chunk cache
-    receives (:mod:`.continued`)."""
-    with continued(parts, cache_argument(kwargs)):
-        return func(layer, *args, **kwargs)
-
-
-def _nested_run_plain(func, nested: tuple[nn.Module, ...], layer: nn.Module, *args, **kwargs):
-    """``func`` (a layer's own forward) with each checkpointed layer inside it (``nested``: a hybrid layer's Mamba
-    decoder layer, as Zamba's) running its own forward as it is, on the chunk the outer layer is given and against its
-    chunk cache. Through transformers' checkpointing wrapper (or the stream hook) it would drop that cache and start
-    its scan from a zero state."""
-    plain = {m: functools.partial(own_forward(type(m)), m) for m in nested}
-    with forwards_replaced(plain):
-        return func(layer, *args, **kwargs)
-
-
-def _dense_mask_run(func, dynamic: tuple[nn.Module, ...], layer: nn.Module, x: torch.Tensor, **kwargs):
-    """``func`` (a layer's forward) on chunk ``x`` with each :class:`StreamMask` argument as its dense block: queries
-    [s, e), keys from the chunk's first key position p to the sequence's end T, (batch, 1, e - s, T - p). A sparse
-    indexed attention's own code reads the mask as a tensor: its indexer scores each query against the indexer keys the
-    chunk cache serves, positions [p, T) (:meth:`~.carry.ChunkCache.update_indexer`), and masks those scores with it,
-    so each row it takes the top-k of is the full-sequence forward's row; the attention then attends to the keys [p, e)
-    (the later positions are masked, :func:`~streambp_trl.attention.kernels.stream_attention`). A dynamic mask
-    attention (Doge, ``dynamic``) adds a per-key bias from the values of keys [p, e) the cache returns and ranks its
-    top-k window over the full forward's rows (:func:`.dynamic_mask.full_rows`), then attends to keys [p, e). Holds one
-    chunk x (T - p) block, never a T x T one."""
-    cache = cache_argument(kwargs)
-    seq_len, kv_start = cache.store.seq_len, 0
-    for name, mask in list(kwargs.items()):
-        if isinstance(mask, StreamMask):
-            # a compressed attention extends the block with its compressed entries' additive bias: keys [p, e)
-            # only, additive too (a bool block would read that bias cast to bool, its -inf as "attend")
-            end = cache.start + x.shape[1] if cache.compressed else seq_len
-            block = mask.materialise(x.shape[1], end - mask.kv_start, x.device)
-            if cache.compressed and block.dtype == torch.bool:
-                block = torch.zeros(block.shape, dtype=x.dtype, device=x.device).masked_fill(
-                    ~block, torch.finfo(x.dtype).min
-                )
-            kwargs[name] = block
-            kv_start = mask.kv_start
-    with full_rows(dynamic, kv_start, seq_len):
-        return func(layer, x, **kwargs)
 
 
 def input_rebuildable(layer: nn.Module, decoder: DecoderCall) -> bool:
