@@ -57,6 +57,11 @@ def render(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f" (No GPU here: {DEFAULT_GPU_MEMORY}, an 80 GB card ({DEFAULT_GPU}) less the CUDA context; see --gpu "
                 "and --gpu-memory.)"
             )
+        if args.gradient_accumulation_steps == 1:
+            how += (
+                " Stream rows: the parameter gradients formed by the backward, as a trainer's steps with "
+                "gradient_accumulation_steps=1 run (--gradient-accumulation-steps 2: a micro-step that holds them)."
+            )
     else:
         env = result["env"]
         bound = f", budget {human(result['budget_bytes'])}" if result["budget_bytes"] else ""

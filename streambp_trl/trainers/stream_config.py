@@ -138,8 +138,9 @@ def stream_options(args, **engine_options) -> StreamOptions:
     """The engine options of a trainer's config as the user gave it: a ``Stream*Config``'s own, or the defaults for
     TRL's configs; TRL's ``activation_offloading=True`` asks for the engine's checkpoint offload (each layer's saved
     input, the only activation the engine keeps per layer, in host memory)."""
-    options = args.to_options(**engine_options) if isinstance(args, StreamArguments) else None
-    if options is None:
+    if isinstance(args, StreamArguments):
+        options = args.to_options(**engine_options)
+    else:
         options = StreamOptions(stream_chunk_size=AUTO, **engine_options)
     if getattr(args, "activation_offloading", False):
         options = dataclasses.replace(options, offload_checkpoints=True)
