@@ -177,7 +177,7 @@ def phase_wrappers(sync: bool, times: dict[str, float]):
     adding into ``times``); undone on exit. Measuring code only: the engine is not changed."""
     import torch
 
-    from streambp_trl.layers.call import LayerCall, StreamLayerFunction
+    from streambp_trl.layers.call import StreamLayerFunction
     from streambp_trl.layers.call.backward import ChunkBackward
     from streambp_trl.logits.eager import EagerNode
     from streambp_trl.logits.nodes import LogitNode, WeightNode
@@ -201,7 +201,7 @@ def phase_wrappers(sync: bool, times: dict[str, float]):
     targets = [
         (StreamLayerFunction, "forward", "layer_forward", True),
         (StreamLayerFunction, "backward", "layer_backward", True),
-        (LayerCall, "collect_kv", "collect_kv", False),
+        (ChunkBackward, "collect_kv", "collect_kv", False),
         (ChunkBackward, "_chunk_backwards", "chunk_backwards", False),
         (LogitNode, "forward", "logit_forward", True),
         (LogitNode, "backward", "logit_backward", True),

@@ -104,9 +104,9 @@ def replayed(monkeypatch):
     count = [0]
     forward_chunks = layer_call.LayerCall.forward_chunks
 
-    def counted(self, x, keep_kv, rng):
+    def counted(self, x, keep_kv, rng, record=None):
         count[0] += rng == "replay"
-        return forward_chunks(self, x, keep_kv, rng)
+        return forward_chunks(self, x, keep_kv, rng, record)
 
     monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted)
     return count

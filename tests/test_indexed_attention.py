@@ -22,9 +22,8 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaCon
 
 from streambp_trl import enable_streambp
 from streambp_trl.attention import StreamMask, stream_attention
-from streambp_trl.layers import carry
+from streambp_trl.layers import carry, hook
 from streambp_trl.layers.adapters import dense_mask
-from streambp_trl.layers.call import layer_call
 from streambp_trl.layers.layer_args import cache_argument
 
 EXACT = 1e-10
@@ -219,13 +218,11 @@ def test_shared_indexer_reuses_the_returned_indices_exactly(chunk):
 def test_fails_when_the_shared_layer_gets_other_indices(monkeypatch):
     """The comparison can fail: handing the shared layer the first key position for every choice instead of the
     indices the previous layer returned changes the loss and the gradients."""
-    real = layer_call.LayerCall.as_returned
+    real = hook.returned
 
-    def zeroed(self, y, extras=()):
-        out = real(self, y, extras)
+    def zeroed(y, extras, nones):
+        out = real(y, extras, nones)
         return (out[0], *(torch.zeros_like(t) for t in out[1:])) if isinstance(out, tuple) else out
 
-    loss_err, grad_err = _errors(
-        _shared_model(), 7, mutate=lambda: monkeypatch.setattr(layer_call.LayerCall, "as_returned", zeroed)
-    )
+    loss_err, grad_err = _errors(_shared_model(), 7, mutate=lambda: monkeypatch.setattr(hook, "returned", zeroed))
     assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)

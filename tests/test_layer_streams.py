@@ -3,10 +3,10 @@
 Each Zaya decoder layer returns its router's hidden states (batch, T, router_hidden) beside its output, and the next
 layer's router adds them to its own: a floating per-token output with gradient. The stream layer returns it beside
 the hidden states (the chunks' pieces assembled), takes the next layer's gradient of it, and chains that gradient
-into each chunk's backward beside the hidden states' (``LayerCall._chunk_backwards``). Zaya's attention also takes a
-mapping of masks (``{"causal": ..., "conv": ...}``), whose causal mask each chunk gets placed at its positions and
-whose (batch, T) convolution mask it gets sliced, and its CCA projection carries a convolution state and a delayed
-value through the cache.
+into each chunk's backward beside the hidden states' (``ChunkBackward._chunk_backwards``). Zaya's attention also
+takes a mapping of masks (``{"causal": ..., "conv": ...}``), whose causal mask each chunk gets placed at its
+positions and whose (batch, T) convolution mask it gets sliced, and its CCA projection carries a convolution state
+and a delayed value through the cache.
 
 Tiny float64 models against plain autograd (relative error <= 1e-10), right and left padding, chunk sizes that do
 not divide the length, a sliding-window layer, input segments (``keep_every``) and kept keys/values
@@ -20,7 +20,7 @@ from model_support import streamed_error
 from zoo import batch, tiny_causal_lm
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers.call import layer_call
+from streambp_trl.layers.call import backward
 
 EXACT = 1e-10
 # three layers: the second sliding (window 6), so the router stream passes through a windowed layer's chunks
@@ -48,12 +48,12 @@ def test_router_stream_with_segments_and_kept_keys(options):
 
 def test_dropping_the_stream_gradient_is_caught(monkeypatch):
     """The router stream's gradient not chained into the chunks' backward: the routers' gradients go wrong."""
-    backward_chunks = layer_call.LayerCall.backward_chunks
+    backward_chunks = backward.ChunkBackward.backward_chunks
 
     def dropped(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams=()):
         return backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, (None,) * len(dstreams))
 
-    monkeypatch.setattr(layer_call.LayerCall, "backward_chunks", dropped)
+    monkeypatch.setattr(backward.ChunkBackward, "backward_chunks", dropped)
     reference = tiny_causal_lm("zaya", **THREE_LAYERS)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
     assert _error(reference, streamed, "right") > 1e-6

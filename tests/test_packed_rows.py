@@ -14,7 +14,6 @@ does; one that passes them to some kernels only (Mamba v1: its convolution, not 
 """
 
 import copy
-import dataclasses
 
 import pytest
 import torch
@@ -27,6 +26,8 @@ from streambp_trl import StreamSFTConfig, StreamSFTTrainer, enable_streambp
 from streambp_trl.attention import StreamMask, stream_configs
 from streambp_trl.engine import packed_rows_refusal
 from streambp_trl.layers import hook
+from streambp_trl.layers.adapters import recurrent
+from streambp_trl.layers.adapters.varlen import VarlenAttention
 
 pytestmark = pytest.mark.slow  # ~3 minutes
 
@@ -62,7 +63,7 @@ def test_fails_when_the_documents_run_together(monkeypatch):
     """The comparison can fail: chunks not cut at the documents (each mixer carrying its state from one document
     into the next) give another loss and gradient."""
     loss_err, grad_err = _errors(
-        "qwen3_5_text", 5, mutate=lambda: monkeypatch.setattr(hook, "document_starts", lambda cu, seq_len: ())
+        "qwen3_5_text", 5, mutate=lambda: monkeypatch.setattr(recurrent, "document_starts", lambda cu, seq_len: ())
     )
     assert loss_err > 1e-6 and grad_err > 1e-6, (loss_err, grad_err)
 
@@ -110,13 +111,13 @@ def test_flash_attention_keeps_packed_documents_apart(chunk):
 def test_flash_keeps_documents_apart_by_restarting_position_ids():
     """Flash attention's other packed form, one row with position ids that restart and no ``cu_seq_lens``
     (transformers' ``prepare_fa_kwargs_from_position_ids``): the documents start where the position ids restart."""
-    plan = dataclasses.replace(hook.LayerPlan.of(tiny_causal_lm("llama").model.layers[0], None), varlen_attention=True)
+    model = tiny_causal_lm("llama")
     mask = StreamMask(batch_size=1)
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
-    assert hook._varlen_documents(plan, {"attention_mask": mask, "position_ids": positions}, 8) == (3, 5)
-    assert hook._varlen_documents(plan, {"attention_mask": mask, "position_ids": torch.arange(8)[None]}, 8) == ()
-    sdpa = dataclasses.replace(plan, varlen_attention=False)
-    assert hook._varlen_documents(sdpa, {"attention_mask": mask, "position_ids": positions}, 8) == ()
+    assert VarlenAttention.documents({"attention_mask": mask, "position_ids": positions}, 8) == (3, 5)
+    assert VarlenAttention.documents({"attention_mask": mask, "position_ids": torch.arange(8)[None]}, 8) == ()
+    sdpa = hook.LayerPlan.of(model.model.layers[0], None, type(model.model))  # its own attention is SDPA
+    assert not any(isinstance(a, VarlenAttention) for a in sdpa.adapters)
 
 
 def test_sdpa_attention_follows_a_mask_that_runs_documents_together():
@@ -222,8 +223,8 @@ def test_sft_packing_trains_a_gated_deltanet_hybrid(tmp_path, monkeypatch):
         starts.append(hook_document_starts(cu_seq_lens, seq_len))
         return starts[-1]
 
-    hook_document_starts = hook.document_starts
-    monkeypatch.setattr(hook, "document_starts", recorded)
+    hook_document_starts = recurrent.document_starts
+    monkeypatch.setattr(recurrent, "document_starts", recorded)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))

@@ -81,9 +81,9 @@ def test_a_planned_rebuild_is_exact_and_said(monkeypatch, caplog):
     replayed = []
     forward_chunks = layer_call.LayerCall.forward_chunks
 
-    def counted(self, x, keep_kv, rng):
+    def counted(self, x, keep_kv, rng, record=None):
         replayed.append(rng == "replay")
-        return forward_chunks(self, x, keep_kv, rng)
+        return forward_chunks(self, x, keep_kv, rng, record)
 
     monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted)
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)

@@ -27,9 +27,9 @@ def counts(monkeypatch):
         seen["kept"] += 1
         return keep_first_input(self, kept)
 
-    def counted_forward(self, x, keep_kv, rng):
+    def counted_forward(self, x, keep_kv, rng, record=None):
         seen["replayed"] += rng == "replay"
-        return forward_chunks(self, x, keep_kv, rng)
+        return forward_chunks(self, x, keep_kv, rng, record)
 
     monkeypatch.setattr(segments.Segment, "keep_first_input", counted_keep)
     monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted_forward)

@@ -67,8 +67,8 @@ def test_gemma3n_layers_join_input_segments(monkeypatch):
     positions = []
     join = kept.Segment.join
 
-    def counted(self, call):
-        positions.append(join(self, call))
+    def counted(self, recorded, position):
+        positions.append(join(self, recorded, position))
         return positions[-1]
 
     monkeypatch.setattr(kept.Segment, "join", counted)

@@ -34,10 +34,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..attention import stream_configs
-from ..layers import LayerPlan, StreamSettings, packing_refusal, stream_checkpoint
+from ..layers import LayerPlan, StreamSettings, stream_checkpoint
 from ..layers.kept import CheckpointOffload
 from ..layers.sharding import check_segmentable
-from ..layers.traits import keeps_position_history
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AUTO, AutoChunks
 from ..sizing.plan import StepPlan
@@ -116,12 +115,11 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         if options.planned
         else None
     )
-    history = keeps_position_history(type(decoder))
     state = EngineState(
         options=options,
         decoder=decoder,
         layers=layers,
-        plans=tuple(LayerPlan.of(layer, settings, history) for layer in layers),
+        plans=tuple(LayerPlan.of(layer, settings, type(decoder)) for layer in layers),
         configs=stream_configs(decoder, *layers),
         final_norm=norm,
         settings=settings,
@@ -171,7 +169,7 @@ def packed_rows_refusal(model: nn.Module) -> str | None:
     if state is None or (state.decoder_keywords is not None and "cu_seq_lens_q" not in state.decoder_keywords):
         return None  # (a forward that keeps them from its decoder: Mamba's, whose layers then never see them)
     for layer, plan in zip(state.layers, state.plans, strict=True):
-        refusal = packing_refusal(plan, layer) if _hooked(layer) else None
+        refusal = plan.packing_refusal(layer) if _hooked(layer) else None
         if refusal is not None:
             return refusal
     return None

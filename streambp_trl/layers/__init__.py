@@ -23,7 +23,7 @@
 
 from .call import KV_MODES, StreamSettings
 from .decoder_call import DecoderCall, decoder_call
-from .hook import LayerPlan, packing_refusal, stream_checkpoint
+from .hook import LayerPlan, stream_checkpoint
 from .kept import CheckpointOffload
 
 __all__ = [
@@ -33,6 +33,5 @@ __all__ = [
     "LayerPlan",
     "StreamSettings",
     "decoder_call",
-    "packing_refusal",
     "stream_checkpoint",
 ]

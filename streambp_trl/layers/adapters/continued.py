@@ -11,17 +11,17 @@ from torch import nn
 
 from ..continued import Continued, continued
 from ..layer_args import cache_argument
-from .base import HiddenStatesAsGiven
+from .base import LayerAdapter
 
 
 @dataclasses.dataclass(frozen=True)
-class ContinuedMixers(HiddenStatesAsGiven):
+class ContinuedMixers(LayerAdapter):
     """The layer's mixers that start from zero (``parts``)."""
 
     parts: Continued
 
     @classmethod
-    def detect(cls, layer: nn.Module) -> ContinuedMixers | None:
+    def detect(cls, layer: nn.Module, decoder: type) -> ContinuedMixers | None:
         parts = Continued.of(layer)
         return cls(parts) if parts is not None else None
 

@@ -15,18 +15,18 @@ from ...attention import StreamMask
 from ..dynamic_mask import dynamic_mask_modules, full_rows
 from ..layer_args import cache_argument
 from ..traits import reads_mask_as_tensor
-from .base import HiddenStatesAsGiven
+from .base import LayerAdapter
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseMask(HiddenStatesAsGiven):
+class DenseMask(LayerAdapter):
     """A layer whose code reads the mask as a tensor; ``dynamic``: its modules that rank their dynamic mask's keys
     themselves (:mod:`..dynamic_mask`)."""
 
     dynamic: tuple[nn.Module, ...] = ()
 
     @classmethod
-    def detect(cls, layer: nn.Module) -> DenseMask | None:
+    def detect(cls, layer: nn.Module, decoder: type) -> DenseMask | None:
         if not any(reads_mask_as_tensor(type(m)) for m in layer.modules()):
             return None
         return cls(dynamic_mask_modules(layer))

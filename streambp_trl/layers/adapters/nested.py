@@ -11,17 +11,17 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ...patching import forwards_replaced, own_forward
-from .base import HiddenStatesAsGiven
+from .base import LayerAdapter
 
 
 @dataclasses.dataclass(frozen=True)
-class NestedLayers(HiddenStatesAsGiven):
+class NestedLayers(LayerAdapter):
     """The checkpointed layers inside a layer (``nested``)."""
 
     nested: tuple[nn.Module, ...]
 
     @classmethod
-    def detect(cls, layer: nn.Module) -> NestedLayers | None:
+    def detect(cls, layer: nn.Module, decoder: type) -> NestedLayers | None:
         nested = tuple(m for m in layer.modules() if m is not layer and isinstance(m, GradientCheckpointingLayer))
         return cls(nested) if nested else None
 

@@ -11,14 +11,15 @@ import torch
 from torch import nn
 
 from ...attention import stream_configs
+from .base import LayerAdapter
 
 
 @dataclasses.dataclass(frozen=True)
-class StackedStreams:
+class StackedStreams(LayerAdapter):
     """A layer whose hidden states are stacked streams (its config's ``altup_num_inputs`` above 1)."""
 
     @classmethod
-    def detect(cls, layer: nn.Module) -> StackedStreams | None:
+    def detect(cls, layer: nn.Module, decoder: type) -> StackedStreams | None:
         stacked = any((getattr(c, "altup_num_inputs", None) or 1) > 1 for c in stream_configs(layer))
         return cls() if stacked else None
 

@@ -5,24 +5,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
 from ..carry import ChunkCache
 from ..layer_args import CACHE_KWARGS, STATE_ARGUMENT, parameter_names
-from .base import HiddenStatesAsGiven
+from .base import LayerAdapter
 
 
 @dataclasses.dataclass(frozen=True)
-class StateArgument(HiddenStatesAsGiven):
-    """A layer that takes no cache but its state as :data:`~..layer_args.STATE_ARGUMENT`."""
+class StateArgument(LayerAdapter):
+    """A layer that takes no cache but its state as :data:`~..layer_args.STATE_ARGUMENT`, which then serves as its
+    cache argument; a call that gives a state (xLSTM's own eval loop over long sequences, generation) without grad
+    runs the layer as it is (:meth:`given_state`)."""
+
+    cache_name = STATE_ARGUMENT
 
     @classmethod
-    def detect(cls, layer: nn.Module) -> StateArgument | None:
+    def detect(cls, layer: nn.Module, decoder: type) -> StateArgument | None:
         names = parameter_names(layer)
         return cls() if STATE_ARGUMENT in names and not any(k in names for k in CACHE_KWARGS) else None
+
+    def given_state(self, kwargs: Mapping) -> object | None:
+        return kwargs.get(STATE_ARGUMENT)
 
     def wrap(self, func: Callable) -> Callable:
         return functools.partial(state_argument_run, func)

@@ -3,20 +3,27 @@ earlier chunks, the parameters' gradients summed as they come (the math and memo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
-from ..carry import CarryStore, LayerCarry
+from ..carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from ..rng import rng_fork
+from .layer_call import ForwardRecord, LayerCall
 from .unread import outputs_skipped
 
 
+@dataclasses.dataclass(frozen=True)
 class ChunkBackward:
-    """The backward of :class:`~.layer_call.LayerCall` (a mixin: it reads the call's chunks, arguments, cache slots,
-    random states and shared keys/values, and runs its :meth:`~.layer_call.LayerCall.run`)."""
+    """The backward of one layer call, a function of the call (its chunks, arguments and shared keys/values, and its
+    :meth:`~.layer_call.LayerCall.run`) and of what its forward recorded (random states, cache slots, the outputs it
+    skips, the keys/values it shares)."""
+
+    call: LayerCall
+    record: ForwardRecord
 
     def backward_chunks(
         self,
@@ -35,17 +42,18 @@ class ChunkBackward:
             return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams)
 
     def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams):
+        call = self.call
         carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
-        for kind, slot in self.stores.items():  # what the later layers reusing these keys/values handed back
-            grads = self.shared.take_grads(kind)
+        for kind, slot in self.record.stores.items():  # what the later layers reusing these keys/values handed back
+            grads = call.shared.take_grads(kind)
             if grads is not None:
                 carry.seed(slot, grads)
         # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
         # gradient can take its place when nothing else holds x
         dx = (x if dx_over_x else torch.empty_like(x)) if need_dx else None
         extra = [
-            (n, self.kwargs[n], self.per_token[n])
-            for n, need in zip(self.grad_inputs, need_extra, strict=True)
+            (n, call.kwargs[n], call.per_token[n])
+            for n, need in zip(call.grad_inputs, need_extra, strict=True)
             if need
         ]
         dextra = [torch.zeros_like(t) for _, t, _ in extra]
@@ -75,16 +83,17 @@ class ChunkBackward:
         through the parameters' hooks, the parameter gradient sums); the chunk's outputs are its hidden states, its
         floating per-token outputs (given ``dstreams``) and what later chunks took from it."""
         need_dx = dx is not None
-        for n, (s, e) in reversed(list(enumerate(self.chunks()))):
-            cache = carry.chunk_cache(n, s, self.prefix_start(s), resets=s in self.resets)
+        call, record = self.call, self.record
+        for n, (s, e) in reversed(list(enumerate(call.chunks()))):
+            cache = carry.chunk_cache(n, s, call.prefix_start(s), resets=s in call.resets)
             xc = x[:, s:e].detach().requires_grad_(need_dx)
             leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
-            self.rng[n].restore()
-            shared = self.shared_view(cache, s - cache.prefix_len, e)
-            with torch.enable_grad(), outputs_skipped(self.unread):
-                yc, extras = self.run(xc, s, e, cache, leaves, shared)
+            record.rng[n].restore()
+            shared = call.shared_view(cache, s - cache.prefix_len, e)
+            with torch.enable_grad(), outputs_skipped(record.unread):
+                yc, extras, _ = call.run(xc, s, e, cache, leaves, shared)
             reused = shared.leaves_list() if shared is not None else []
-            streams = [(extras[j], d[:, s:e]) for j, d in zip(self.streams, dstreams, strict=True) if d is not None]
+            streams = [(extras[j], d[:, s:e]) for j, d in zip(record.streams, dstreams, strict=True) if d is not None]
             carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
             outputs = [yc, *(t for t, _ in streams), *carried]
             grad_outputs = [dy[:, s:e], *(d for _, d in streams), *carried_grads]
@@ -113,6 +122,36 @@ class ChunkBackward:
             del grads, it, g, outputs, grad_outputs, yc, extras, streams, cache, carried, carried_grads, incoming
             del inputs, leaves, xc, shared, reused
 
+    def collect_kv(self, x: torch.Tensor) -> CarryStore:
+        """Keys/values of every position, each chunk replaying its recorded random state.
+
+        One cache slot: each chunk runs only up to its cache update, its query projection skipped; with an indexer
+        (sparse indexed attention) on to its indexer-key update, which the layer makes before any attention (the
+        indexer keys are recomputed, like the keys/values, rather than kept: each chunk's come from its own input
+        alone, a projection and a norm). Several slots (a later one depends on an earlier one's attention), or
+        recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad chunked forward.
+        None (a layer that carries nothing between chunks): an empty store, without running the layer.
+        """
+        call, record = self.call, self.record
+        states = [key for key, _ in record.state_layout if key[0] != INDEXER]
+        indexed = len(states) < len(record.state_layout)
+        if not record.slots and not record.state_layout:  # nothing to collect (an MLP-only layer, a KV-reusing one)
+            return CarryStore(call.seq_len, rates=call.compress_rates)
+        if len(record.slots) != 1 or states:
+            return call.forward_chunks(x, keep_kv=True, rng="replay", record=record).kv
+        kv = CarryStore(call.seq_len, rates=call.compress_rates)
+        with torch.no_grad(), queries_skipped(call.layer):
+            for i, (s, e) in enumerate(call.chunks()):
+                record.rng[i].restore()
+                try:  # stops before attention
+                    cache = ChunkCache(kv, s, stop=True, indexed=indexed)
+                    call.run(x[:, s:e], s, e, cache, shared=call.shared_view(cache, s, e))
+                except StopAfterCacheUpdate:
+                    pass
+                else:
+                    raise RuntimeError(f"{type(call.layer).__name__} never updated its key/value cache.")
+        return kv
+
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -126,7 +165,7 @@ def _absorb(sums: list[torch.Tensor | None], zeros: dict, j: int, grad: torch.Te
     A bfloat16/float16 vector (a norm's scale, a bias, a per-head parameter such as a decay's ``dt_bias``) sums in
     float32: each of its elements sums over every position, chunk sums can be far larger than the total, and the
     plain backward rounds that total to the low precision once. The layer's backward rounds the float32 sum once too
-    (:meth:`LayerCall.backward_chunks`); a layer's vectors are a few KiB. Matrices sum in their own dtype."""
+    (:meth:`ChunkBackward.backward_chunks`); a layer's vectors are a few KiB. Matrices sum in their own dtype."""
     if sums[j] is not None:
         sums[j].add_(grad)
     elif grad.dtype in LOW_PRECISION and grad.dim() <= 1:

@@ -2,25 +2,27 @@
 pass and each chunk's backward recompute (the math and memory they implement: :mod:`.stream_layer`, whose autograd
 Function drives them).
 
-:class:`StreamSettings` says how the decoder layers are streamed; :class:`LayerCall` holds one call's layer, bound
-arguments and per-call state (chunk size, each chunk's random state, the cache slots and carried states, the linear
-maps its recompute skips); its chunks' backward is :class:`~.backward.ChunkBackward`'s.
+:class:`StreamSettings` says how the decoder layers are streamed; :class:`LayerCall` describes one call (its layer,
+bound arguments, chunk size), built once; its forward returns a :class:`ChunkedForward` with the
+:class:`ForwardRecord` its backward needs (each chunk's random state, the cache slots and carried states, the linear
+maps its recompute skips); the chunks' backward, :class:`~.backward.ChunkBackward`, is a function of the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import types
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from ...attention import StreamMask, streaming
-from ..carry import INDEXER, CarryStore, ChunkCache, StopAfterCacheUpdate, queries_skipped
+from ..carry import CarryStore, ChunkCache
 from ..kept import CheckpointOffload, EmbeddingSource, Segment
 from ..layer_args import slice_arg
 from ..rng import RngState
 from ..shared_kv import ChunkShared, SharedKV
-from .backward import ChunkBackward
 from .guards import Versions
 from .unread import unread_outputs
 
@@ -45,24 +47,65 @@ class StreamSettings:
     keep_every: int = 1
 
 
-@dataclasses.dataclass
-class LayerCall(ChunkBackward):
-    """One decoder-layer call, able to run any chunk of the sequence.
+@dataclasses.dataclass(frozen=True)
+class ForwardRecord:
+    """What a layer call's forward recorded for its backward: each chunk's random state (``rng``: every recompute of a
+    chunk draws the same random numbers, dropout masks, sampled routing, jitter, as the forward did), the cache slots
+    and the (state key, chunk) of the states entering chunks (how its keys/values and carried states are laid out),
+    the linear maps whose output no backward reads (``unread``, which the recompute skips), the layer types whose
+    keys/values later layers reuse (``stores``: type -> cache slot), which per-token outputs are floating (``streams``:
+    a second per-token stream, with gradient) and, once the Function has its kept input, the versions of what the
+    backward reads again (``versions``)."""
+
+    rng: tuple[RngState, ...] = ()
+    slots: tuple[int, ...] = ()
+    state_layout: tuple = ()
+    unread: tuple[nn.Module, ...] = ()
+    stores: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    streams: tuple[int, ...] = ()
+    versions: Versions | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedForward:
+    """One chunked forward of a layer call: its output ``y`` (batch, T, ...), the keys/values and states its chunks
+    handed on (``kv``, kept when asked), the per-token tensors the layer returned beside its output (full length, in
+    the forward that records; ``()`` in a replay), how many ``None`` the layer returns beside its output
+    (``nones``: attention weights not asked for), and the :class:`ForwardRecord` (the one replayed, in a replay)."""
+
+    y: torch.Tensor
+    kv: CarryStore
+    extras: tuple[torch.Tensor, ...]
+    nones: int | None
+    record: ForwardRecord
+
+
+def returned(y: torch.Tensor, extras: tuple | list, nones: int | None) -> torch.Tensor | tuple:
+    """``y`` in the form the layer's own forward returns its output: the tensor, ``(y, None, ...)`` (``nones`` of
+    them), or ``(y, *extras)`` (its full-length per-token outputs)."""
+    if extras:
+        return (y, *extras)
+    return y if nones is None else (y, *[None] * nones)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
+    """One decoder-layer call, able to run any chunk of the sequence: the layer, its bound arguments and what the
+    plan and the decoder call decided for it. Nothing here changes once built; what a forward records is its
+    :class:`ForwardRecord`.
 
     ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument); those
     named in ``from_prefix`` are sliced from the chunk's first key position, not its own first position (a position
-    history, see :mod:`..layer_args`). ``rng`` holds each chunk's random state from the forward (when it is recorded),
-    so every recompute of a chunk draws the same random numbers (dropout masks, sampled routing, jitter) as the
-    forward did.
+    history, see :mod:`..layer_args`).
     """
 
     layer: nn.Module
-    func: object  # the layer's undecorated forward
-    kwargs: dict
-    per_token: dict
+    func: object  # the layer's undecorated forward, with its family's adapters around it
+    kwargs: Mapping
+    per_token: Mapping
     settings: StreamSettings
     seq_len: int
-    autocast: dict
+    autocast: Mapping
     configs: tuple
     cache_name: str
     grad_inputs: tuple[str, ...] = ()  # per-token arguments that carry gradient (besides the hidden states)
@@ -73,20 +116,11 @@ class LayerCall(ChunkBackward):
     position: int = 0  # its place in the segment (0: the one keeping its input)
     chunk_size: int = 0  # tokens per chunk of this call
     min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
-    output_nones: int | None = None  # the layer returns (hidden states, None, ...): how many Nones
-    extras: list[torch.Tensor] = dataclasses.field(default_factory=list)  # per-token outputs, until returned
-    streams: tuple[int, ...] = ()  # which of them are floating: a second per-token stream, with gradient
-    rng: list[RngState] = dataclasses.field(default_factory=list)
-    slots: list[int] = dataclasses.field(default_factory=list)
-    state_layout: list = dataclasses.field(default_factory=list)  # (state key, chunk) of the states entering chunks
-    unread: list[nn.Module] = dataclasses.field(default_factory=list)  # linear maps the backward recompute skips
-    versions: Versions | None = None  # what the backward reads again, as the forward left it
     shared: SharedKV | None = None  # the decoder call's keys/values shared across layers (``shared_kv_states``)
-    stores: dict[str, int] = dataclasses.field(default_factory=dict)  # layer types it shares (-> its cache slot)
-    compress_rates: dict[int, int] = dataclasses.field(default_factory=dict)  # compressed attentions' slots
+    compress_rates: Mapping[int, int] = dataclasses.field(default_factory=dict)  # compressed attentions' slots
 
-    def record_versions(self, kept: torch.Tensor | None) -> None:
-        """Record the versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
+    def versions(self, kept: torch.Tensor | None) -> Versions:
+        """The versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
         named = [(f"the parameter `{n}`", p) for n, p in self.layer.named_parameters()]
         for name, value in self.kwargs.items():
             if isinstance(value, StreamMask):
@@ -100,7 +134,7 @@ class LayerCall(ChunkBackward):
                     named.append((f"the argument `{name}`", t))
         if kept is not None:
             named.append(("the kept input (hidden states)", kept))
-        self.versions = Versions.record(layer_name(self.layer), named)
+        return Versions.record(layer_name(self.layer), named)
 
     @property
     def masks(self) -> list[StreamMask]:
@@ -111,19 +145,6 @@ class LayerCall(ChunkBackward):
             v for value in self.kwargs.values() for v in (value.values() if isinstance(value, dict) else (value,))
         ]
         return [v for v in values if isinstance(v, StreamMask)]
-
-    def take_extras(self) -> list[torch.Tensor]:
-        """The full-length per-token outputs the forward assembled beside the hidden states (:meth:`run`), handed
-        over, not kept: the call lives until its backward, which never reads them."""
-        extras, self.extras = self.extras, []
-        return extras
-
-    def as_returned(self, y: torch.Tensor, extras: tuple | list = ()) -> torch.Tensor | tuple:
-        """``y`` in the form the layer's own forward returns its output: the tensor, ``(y, None, ...)``, or ``(y,
-        *extras)`` (its full-length per-token outputs, :meth:`take_extras`)."""
-        if extras:
-            return (y, *extras)
-        return y if self.output_nones is None else (y, *[None] * self.output_nones)
 
     def chunks(self) -> list[tuple[int, int]]:
         """The chunks [s, e) of the sequence, ``chunk_size`` tokens each but the last, also cut where a document
@@ -152,14 +173,16 @@ class LayerCall(ChunkBackward):
         cache: ChunkCache,
         leaves: dict | None = None,
         shared: ChunkShared | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int | None]:
         """The layer's own forward on x (= the hidden states of positions [s, e)) against the cache's prefix;
-        ``leaves`` replaces the chunk's slices of the gradient-carrying arguments. Returns the chunk's hidden states
-        and the per-token tensors the layer returns beside them, (batch, e - s, ...) each: integer ones (a sparse
-        indexed attention's top-k key indices, which the next layer's shared indexer reuses) carry no gradient;
-        floating ones are a second per-token stream through the layers (Zaya's router hidden states, which the next
-        layer's router reads), whose gradient the backward chains beside the hidden states'. Any other second output
-        is refused. ``shared``: the chunk's view of the keys/values shared across layers, as ``shared_kv_states``."""
+        ``leaves`` replaces the chunk's slices of the gradient-carrying arguments. Returns the chunk's hidden states,
+        the per-token tensors the layer returns beside them, (batch, e - s, ...) each, and how many ``None`` it
+        returns beside them instead (attention weights that were not asked for; ``None`` if it returns no tuple).
+        Integer per-token tensors (a sparse indexed attention's top-k key indices, which the next layer's shared
+        indexer reuses) carry no gradient; floating ones are a second per-token stream through the layers (Zaya's
+        router hidden states, which the next layer's router reads), whose gradient the backward chains beside the
+        hidden states'. Any other second output is refused. ``shared``: the chunk's view of the keys/values shared
+        across layers, as ``shared_kv_states``."""
         p = s - cache.prefix_len
 
         def placed(v: object) -> object:
@@ -178,9 +201,9 @@ class LayerCall(ChunkBackward):
         with torch.autocast(**self.autocast), streaming(self.configs):
             out = self.func(self.layer, x, **kwargs)
         extras: tuple[torch.Tensor, ...] = ()
+        nones = None
         if isinstance(out, (tuple, list)) and out and all(o is None for o in out[1:]):
-            self.output_nones = len(out) - 1  # (hidden states, None): attention weights that were not asked for
-            out = out[0]
+            nones, out = len(out) - 1, out[0]
         elif isinstance(out, (tuple, list)) and out and all(_per_token(o, x) for o in out[1:]):
             out, extras = out[0], tuple(out[1:])
         if not isinstance(out, torch.Tensor):
@@ -190,86 +213,88 @@ class LayerCall(ChunkBackward):
                 + (f" of {[type(o).__name__ for o in out]}" if isinstance(out, (tuple, list)) else "")
                 + "."
             )
-        return out, extras
+        return out, extras, nones
 
-    def forward_chunks(self, x: torch.Tensor, keep_kv: bool, rng: str) -> tuple[torch.Tensor, CarryStore]:
-        """Prefill, first chunk to last, under no grad; returns the output and the keys/values (if ``keep_kv``).
+    def forward_chunks(
+        self, x: torch.Tensor, keep_kv: bool, rng: str, record: ForwardRecord | None = None
+    ) -> ChunkedForward:
+        """Prefill, first chunk to last, under no grad; the keys/values are kept if ``keep_kv``.
 
-        ``rng``: ``"record"`` each chunk's random state, ``"replay"`` the recorded ones, or ``"none"``.
+        ``rng``: ``"record"`` each chunk's random state (the forward a backward will follow: it also finds which
+        outputs no backward reads, and hands the keys/values later layers reuse to the decoder call's shared ones),
+        ``"replay"`` those of ``record``, or ``"none"``.
         """
         y = None
         kv = CarryStore(self.seq_len, rates=self.compress_rates)
+        states: list[RngState] = []
+        unread: list[nn.Module] = []
+        stores: dict[str, int] = {}
+        full: list[torch.Tensor] = []
+        streams: tuple[int, ...] = ()
+        nones = None
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if rng == "record":
-                    self.rng.append(RngState(x))
+                    states.append(RngState(x))
                 elif rng == "replay":
-                    self.rng[i].restore()
+                    record.rng[i].restore()
                 p = self.prefix_start(s)
                 cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i), resets=s in self.resets)
                 shared = self.shared_view(cache, p, e)
                 if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
-                    with unread_outputs(self.layer, cache.outgoing.values) as self.unread:
-                        out, extras = self.run(x[:, s:e], s, e, cache, shared=shared)
+                    with unread_outputs(self.layer, cache.outgoing.values) as unread:
+                        out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
                 else:
-                    out, extras = self.run(x[:, s:e], s, e, cache, shared=shared)
+                    out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
                 if shared is not None and rng != "replay":
-                    self.stores.update(shared.stored)
+                    stores.update(shared.stored)
                 if e < self.seq_len and e not in self.resets:  # the next chunk starts a document: nothing enters it
                     kv.record(i, cache.outgoing)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
                     if rng != "replay":  # a replay's per-token outputs are the forward's again
-                        self.extras = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
-                        self.streams = tuple(j for j, t in enumerate(extras) if t.is_floating_point())
+                        full = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
+                        streams = tuple(j for j, t in enumerate(extras) if t.is_floating_point())
                 y[:, s:e] = out
-                if len(extras) > len(self.streams) and p > 0:
+                if len(extras) > len(streams) and p > 0 and rng != "replay":
                     raise ValueError(
                         f"StreamBP cannot stream {type(self.layer).__name__}: it returns per-token indices beside its "
                         "output while its chunks attend to a window of keys, whose positions such indices would be "
                         "counted from."
                     )
                 if rng != "replay":
-                    for full, t in zip(self.extras, extras, strict=True):
-                        full[:, s:e] = t
-        self.slots, self.state_layout = sorted(kv.kv), kv.layout()
-        if rng != "replay":  # the keys/values later layers reuse: every position's, detached
-            for kind, slot in self.stores.items():
-                self.shared.kv[kind] = tuple(t.detach() for t in kv.kv[slot])
-        return y, kv
+                    for t_full, t in zip(full, extras, strict=True):
+                        t_full[:, s:e] = t
+        if rng == "replay":
+            return ChunkedForward(y, kv, (), nones, record)
+        for kind, slot in stores.items():  # the keys/values later layers reuse: every position's, detached
+            self.shared.kv[kind] = tuple(t.detach() for t in kv.kv[slot])
+        made = ForwardRecord(
+            rng=tuple(states),
+            slots=tuple(sorted(kv.kv)),
+            state_layout=tuple(kv.layout()),
+            unread=tuple(unread),
+            stores=types.MappingProxyType(stores),
+            streams=streams,
+        )
+        return ChunkedForward(y, kv, tuple(full), nones, made)
 
     def shared_view(self, cache: ChunkCache, p: int, e: int) -> ChunkShared | None:
         """The chunk's ``shared_kv_states`` (keys from position ``p`` to ``e``), where the layer takes one."""
         return ChunkShared(self.shared, cache, p, e) if self.shared is not None else None
 
-    def collect_kv(self, x: torch.Tensor) -> CarryStore:
-        """Keys/values of every position, each chunk replaying its recorded random state.
 
-        One cache slot: each chunk runs only up to its cache update, its query projection skipped; with an indexer
-        (sparse indexed attention) on to its indexer-key update, which the layer makes before any attention (the
-        indexer keys are recomputed, like the keys/values, rather than kept: each chunk's come from its own input
-        alone, a projection and a norm). Several slots (a later one depends on an earlier one's attention), or
-        recurrent/convolution states (each chunk's depend on the whole previous chunk): a no-grad chunked forward.
-        None (a layer that carries nothing between chunks): an empty store, without running the layer.
-        """
-        states = [key for key, _ in self.state_layout if key[0] != INDEXER]
-        indexed = len(states) < len(self.state_layout)
-        if not self.slots and not self.state_layout:  # nothing to collect (an MLP-only layer, a KV-reusing one)
-            return CarryStore(self.seq_len, rates=self.compress_rates)
-        if len(self.slots) != 1 or states:
-            return self.forward_chunks(x, keep_kv=True, rng="replay")[1]
-        kv = CarryStore(self.seq_len, rates=self.compress_rates)
-        with torch.no_grad(), queries_skipped(self.layer):
-            for i, (s, e) in enumerate(self.chunks()):
-                self.rng[i].restore()
-                try:  # stops before attention
-                    cache = ChunkCache(kv, s, stop=True, indexed=indexed)
-                    self.run(x[:, s:e], s, e, cache, shared=self.shared_view(cache, s, e))
-                except StopAfterCacheUpdate:
-                    pass
-                else:
-                    raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
-        return kv
+@dataclasses.dataclass(frozen=True)
+class RecordedCall:
+    """A layer call and what its forward recorded: what its backward is a function of (:class:`~.backward.
+    ChunkBackward`), and what a ``keep_every`` segment replays to rebuild its later layers' inputs."""
+
+    call: LayerCall
+    record: ForwardRecord
+
+    def replay(self, x: torch.Tensor) -> torch.Tensor:
+        """The call's output again from its input ``x``, each chunk with the random state its forward drew."""
+        return self.call.forward_chunks(x, keep_kv=False, rng="replay", record=self.record).y
 
 
 def _per_token(t: object, x: torch.Tensor) -> bool:

@@ -53,21 +53,23 @@ arguments) must be as the forward left it, and a layer's backward runs once per 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from ..carry import CarryStore
+from .backward import ChunkBackward
 from .guards import check_backward, saved_tensors_hooked, sole_holder
-from .layer_call import LayerCall, layer_name
+from .layer_call import LayerCall, RecordedCall, layer_name
 
 
 class StreamLayerFunction(torch.autograd.Function):
     """One decoder layer call, forward and backward chunk by chunk (the math and memory: this module's docstring).
 
     Args (of ``apply``):
-        call: the :class:`LayerCall` (the layer, its bound arguments, settings and chunk size); per-call state
-            lives there and on ``ctx``, nowhere on the layer.
+        call: the :class:`LayerCall` (the layer, its bound arguments, settings and chunk size); what the forward
+            records lives on ``ctx`` (a :class:`RecordedCall`), nowhere on the layer or the call.
         x: the hidden states (batch, T, hidden).
         inputs: the gradient-carrying per-token arguments (``call.grad_inputs``, also held in ``call.kwargs``), then
             the layer's trainable parameters.
@@ -86,15 +88,17 @@ class StreamLayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | tuple:
         capture = call.settings.kv_mode == "capture"
-        y, kv = call.forward_chunks(x, keep_kv=capture, rng="record")
-        extras = call.take_extras()
-        ctx.call, ctx.params, ctx.capture = call, inputs[len(call.grad_inputs) :], capture
+        ran = call.forward_chunks(x, keep_kv=capture, rng="record")
+        y, kv, extras = ran.y, ran.kv, ran.extras
         offload = call.settings.offload
         keeps_x = call.embedding_source is None and (call.segment is None or call.position == 0)
         # a tensor of our own over x's memory: whoever else holds x (or a view of it) is seen by `sole_holder`
         kept_x = x.detach() if keeps_x else None
-        call.record_versions(kept_x)
+        recorded = RecordedCall(call, dataclasses.replace(ran.record, versions=call.versions(kept_x)))
+        ctx.recorded, ctx.params, ctx.capture = recorded, inputs[len(call.grad_inputs) :], capture
+        ctx.nones = ran.nones
         if call.segment is not None:  # the segment keeps its first layer's input, for all its layers' backwards
+            call.segment.join(recorded, call.position)
             if keeps_x:
                 call.segment.keep_first_input(offload.save((kept_x,)) if offload is not None else (kept_x,))
             keeps_x = False
@@ -112,13 +116,18 @@ class StreamLayerFunction(torch.autograd.Function):
         return (y, *extras)
 
     @staticmethod
+    def nones_of(y: torch.Tensor) -> int | None:
+        """How many ``None`` the layer returned beside ``y``, the output this Function gave (its node's record)."""
+        return getattr(y.grad_fn, "nones", None)
+
+    @staticmethod
     def backward(ctx, dy: torch.Tensor | None, *dextras: torch.Tensor | None):
-        call = ctx.call
+        call, record = ctx.recorded.call, ctx.recorded.record
         if dy is None:  # not materialised where the layer returns per-token tensors beside y
             shape, dtype, device = ctx.y_like
             dy = torch.zeros(shape, dtype=dtype, device=device)
         check_backward(ctx, layer_name(call.layer))
-        call.versions.check()
+        record.versions.check()
         saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
         ctx.kept = None
         if call.segment is not None:
@@ -129,12 +138,13 @@ class StreamLayerFunction(torch.autograd.Function):
             x, *flat = saved
         kv = None
         if ctx.capture:
-            kv = CarryStore.from_flat(call.seq_len, call.slots, call.state_layout, tuple(flat), call.compress_rates)
+            layout = record.state_layout
+            kv = CarryStore.from_flat(call.seq_len, record.slots, layout, tuple(flat), call.compress_rates)
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
         dx_over_x = not ctx.packed and sole_holder(x)
-        dstreams = tuple(dextras[j] for j in call.streams) if dextras else ()
-        dx, dextra, dparams = call.backward_chunks(
+        dstreams = tuple(dextras[j] for j in record.streams) if dextras else ()
+        dx, dextra, dparams = ChunkBackward(call, record).backward_chunks(
             x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, dx_over_x, dstreams
         )
         it = iter(dextra)
@@ -143,7 +153,8 @@ class StreamLayerFunction(torch.autograd.Function):
 
 def _segment_first_input(call: LayerCall, kept: object) -> torch.Tensor:
     """A segment's first input again, from what ``call`` (the segment's last layer) finds kept for it."""
-    first = call.segment.calls[0]()
+    recorded = call.segment.calls[0]()
+    first = recorded.call if recorded is not None else None
     if first is not None and first.embedding_source is not None:
         return first.embedding_source.rebuild(first.autocast)
     offload = call.settings.offload

@@ -27,7 +27,8 @@ from ..rng import rng_fork
 
 
 class Segment:
-    """Up to ``size`` consecutive stream layer calls (held weakly: their autograd nodes own them), the first one's
+    """Up to ``size`` consecutive stream layer calls with their forwards' records (held weakly: their autograd nodes
+    own them), the first one's
     input (what :meth:`keep_first_input` was given) and, in backward, every call's rebuilt input. The decoder call
     in progress holds the segment its last stream layer joined (:class:`~.decoder_call.DecoderCall`)."""
 
@@ -52,11 +53,14 @@ class Segment:
         """How many calls have joined: the position of the next one."""
         return len(self.calls)
 
-    def join(self, call: object) -> int:
-        """Add ``call`` at position :attr:`joined` (the one it was built with); returns that position."""
-        self.calls.append(weakref.ref(call))
+    def join(self, recorded: object, position: int) -> int:
+        """Add ``recorded`` (a layer call and its forward's record) at ``position``, the :attr:`joined` the call was
+        built with; returns that position."""
+        if position != len(self.calls):
+            raise RuntimeError(f"StreamBP: a segment layer joined at {position}, not at {len(self.calls)}.")
+        self.calls.append(weakref.ref(recorded))
         self.output_version, self._output = None, _dead
-        return len(self.calls) - 1
+        return position
 
     def left(self, y: torch.Tensor) -> None:
         """The last call left ``y``, which may be the next layer's input in this segment."""
@@ -72,14 +76,14 @@ class Segment:
         kept input must be as their forwards left them (each call's ``versions``)."""
         if self.inputs is None:
             calls = [_alive(ref) for ref in self.calls]
-            for call in calls:
-                call.versions.check()
+            for recorded in calls:
+                recorded.record.versions.check()
             x = load_first(self.first_input)
             self.first_input = None
             inputs = [x]
             with rng_fork(x):
-                for call in calls[:-1]:
-                    inputs.append(call.forward_chunks(inputs[-1], keep_kv=False, rng="replay")[0])
+                for recorded in calls[:-1]:
+                    inputs.append(recorded.replay(inputs[-1]))
             self.inputs = inputs
         x, self.inputs[position] = self.inputs[position], None
         return x
