@@ -47,7 +47,7 @@ it (``tests/test_memory_model.py``, ``benchmarks/sim_qwen3_bf16.jsonl``, ``bench
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from ..logits.eager import eager_rows
 from .forward import forward_peak_bytes
@@ -72,16 +72,12 @@ __all__ = [
     "UNITS",
     "ModelShape",
     "StepSetup",
-    "auto_chunk_sizes",
     "estimate_activation_bytes",
     "estimate_host_bytes",
     "estimate_peak_bytes",
     "gib",
     "head_backward_bytes",
-    "largest_chunk",
-    "longest_fitting",
     "lora_layer_params",
-    "max_len",
     "parse_budget",
     "parse_size",
     "static_bytes",
@@ -397,42 +393,3 @@ def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
     0 without offload."""
     kept = len(Layout(every=setup.keep_every, drop=setup.drop).segments(shape.layers)) - 1
     return kept * shape.residual * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
-
-
-def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:
-    """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does)."""
-    return longest_fitting(lambda tokens: estimate_peak_bytes(shape, setup, tokens) <= budget_bytes, step)
-
-
-def longest_fitting(fits: Callable[[int], bool], step: int = 1024) -> int:
-    """Longest multiple of ``step`` that ``fits`` (monotone: whatever fits, every shorter length fits), by doubling
-    then bisection; 0 if ``step`` does not fit."""
-    if not fits(step):
-        return 0
-    lo, hi = step, 2 * step
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-        if hi > 1 << 30:
-            return lo
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def largest_chunk(seq_len: int, fits: Callable[[int], bool]) -> int:
-    """The largest chunk of :data:`CHUNKS` (fewest kernel launches) that ``fits``, never longer than the sequence, or
-    the smallest when none does."""
-    fitting = [c for c in CHUNKS if c <= max(seq_len, CHUNKS[0]) and fits(c)]
-    return fitting[-1] if fitting else CHUNKS[0]
-
-
-def auto_chunk_sizes(shape: ModelShape, setup: StepSetup, seq_len: int, budget_bytes: int) -> tuple[int, int]:
-    """``(stream_chunk_size, logits_chunk_size)`` for ``setup`` at ``seq_len`` within ``budget_bytes`` (weights,
-    gradients, optimizer state and activations): :func:`largest_chunk` whose estimated peak fits."""
-
-    def fits(c: int) -> bool:
-        return estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c, logits_chunk=c), seq_len) <= budget_bytes
-
-    chunk = largest_chunk(seq_len, fits)
-    return chunk, chunk

@@ -23,6 +23,7 @@ import dataclasses
 
 from . import memory_model as mm
 from .layout import Layout
+from .lengths import longest_fitting
 from .model_shape import ModelShape
 from .units import GiB, size_text
 
@@ -161,7 +162,7 @@ class Planner:
                 activations, host = self.estimate(rows * tokens, chunk, layout, offload)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
-            return mm.longest_fitting(fits)
+            return longest_fitting(fits)
 
         def name(layout: Layout, offload: bool) -> str:
             kept = f"stream_keep_every={layout.every}" if layout.every > 1 else layout.describe(layers)
