@@ -47,7 +47,7 @@ it (``tests/test_memory_model.py``, ``benchmarks/sim_qwen3_bf16.jsonl``, ``bench
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from ..logits.eager import eager_rows
 from .forward import forward_peak_bytes
@@ -111,6 +111,7 @@ class StepSetup:
     # between optimizer steps, every micro-step with gradient_accumulation_steps=1): each is counted from the moment
     # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
     pending_grads: bool = False
+    capture: bool = False  # stream mode: every layer keeps its keys/values from its forward (kv_mode="capture")
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -185,10 +186,12 @@ def _saved_inputs(
     among: Collection[int] | None = None,
     input_bytes: int = 1,
     grad_bytes: int = 0,
+    captured: Callable[[int], int] | None = None,
 ) -> int:
     """Bytes of the layer inputs on the device during the backward's worst layer (of ``among``: those layer indices
     only; all by default), each input ``input_bytes``; with ``grad_bytes`` (a layer's parameter gradients, when they
-    are formed by the backward: ``pending_grads``), the gradients of the layers above it too. The first layer's input
+    are formed by the backward: ``pending_grads``), the gradients of the layers above it too; with ``captured`` (the
+    bytes of the keys/values captured below a layer index), those below it too. The first layer's input
     is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Each segment of the ``layout`` keeps its
     first input and rebuilds the others while the segment's backward runs (every layer its own segment: each keeps its
     own): segment i's backward holds its inputs and the kept first inputs of segments 1..i-1, or, with offload, its
@@ -200,7 +203,8 @@ def _saved_inputs(
         if lowest is None:
             continue
         below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
-        worst = max(worst, (size + below) * input_bytes + (layers - 1 - lowest) * grad_bytes)
+        held = (size + below) * input_bytes + (layers - 1 - lowest) * grad_bytes
+        worst = max(worst, held + (captured(lowest) if captured is not None else 0))
     return worst
 
 
@@ -219,6 +223,7 @@ def estimate_activation_bytes(
     adapters: bool = False,
     drop: int = 0,
     pending_grads: bool = False,
+    capture: bool = False,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
@@ -228,7 +233,10 @@ def estimate_activation_bytes(
     inputs still kept below it), every one and the embedding's at the end; ``head_form``: the logit kernel's gradient
     form (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``:
     float32 LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
-    (:class:`.layout.Layout`). The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
+    (:class:`.layout.Layout`); ``capture``: each softmax-attention layer keeps its keys/values ``2 kv db n`` from its
+    forward to its backward (``kv_mode="capture"``; a model of softmax-attention layers only, without offload), so a
+    layer's forward and backward hold those of the attention layers below it, the head's backward every layer's. The
+    larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
     the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
     layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
     a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
@@ -241,12 +249,21 @@ def estimate_activation_bytes(
         layer_params = (shape.params - shape.embedding_params) // max(shape.layers, 1)
         layer_grad = (layer_params if layer_trained_params is None else layer_trained_params) * db
 
+    if capture and (offload or recurrent_kinds(shape, db) or shape.mlp_layers):
+        raise ValueError("capture is sized for softmax-attention layers only, without offload.")
+
+    def captured(below: int) -> int:
+        """Keys/values captured by the softmax-attention layers below layer ``below``."""
+        return sum(i < below for i in shape.plain_attention_layers) * 2 * kv * db * n if capture else 0
+
     def common(among: Collection[int] | None) -> int:
-        """The kept inputs and token bookkeeping at the worst backward of a layer of ``among`` (beside the pending
-        gradients formed by then), or at the head's backward (``None``: every input, no gradient yet)."""
+        """The kept inputs, captured keys/values and token bookkeeping at the worst backward of a layer of ``among``
+        (beside the pending gradients formed by then), or at the head's backward (``None``: every input, every
+        captured key/value, no gradient yet)."""
         if among is None:
-            return _saved_inputs(shape.layers, layout, offload, None, r * db * n) + _per_token_bytes(shape, db) * n
-        inputs = _saved_inputs(shape.layers, layout, offload, among, r * db * n, layer_grad)
+            inputs = _saved_inputs(shape.layers, layout, offload, None, r * db * n)
+            return inputs + captured(shape.layers) + _per_token_bytes(shape, db) * n
+        inputs = _saved_inputs(shape.layers, layout, offload, among, r * db * n, layer_grad, captured)
         return inputs + _per_token_bytes(shape, db) * n + head_grad
 
     chunk_rows = min(chunk, n)
@@ -292,7 +309,7 @@ def estimate_activation_bytes(
         # layer's input gradient
         embedding = shape.vocab * h * db if head_trained and not shape.tied else 0
         peaks.append(head_grad + embedding + shape.layers * layer_grad + (r * db + _per_token_bytes(shape, db)) * n)
-    forward = _per_token_bytes(shape, db) * n
+    forward = _per_token_bytes(shape, db) * n + (captured(max(shape.plain_attention_layers)) if capture else 0)
     forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload)
     return max(*peaks, head, forward)
 
@@ -381,6 +398,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             head_form=setup.head_form,
             adapters=setup.lora,
             pending_grads=setup.pending_grads,
+            capture=setup.capture,
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
