@@ -63,6 +63,7 @@ from streambp_trl.bench.measure import bisect_max_len, measure  # noqa: E402
 from streambp_trl.bench.metadata import environment  # noqa: E402
 from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode  # noqa: E402
 from streambp_trl.sizing import memory_model as mm  # noqa: E402
+from streambp_trl.sizing.lengths import max_len  # noqa: E402
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name  # noqa: E402
 
 DEFAULT_MODES = (Mode.CHECKPOINT, Mode.CHECKPOINT_CHUNKED_LOSS, Mode.STREAM, Mode.STREAM_OFFLOAD)
@@ -484,7 +485,7 @@ class Run:
         if canonical_model_name(a.model) in NAMED_MODELS:
             shape = mm.ModelShape.from_name(a.model)
             setup = mm.StepSetup(mode="stream", dtype_bytes=DTYPE_BYTES[a.dtype], chunk=a.chunk, logits_chunk=a.chunk)
-            start = mm.max_len(shape, setup, a.budget, step=a.step) or None
+            start = max_len(shape, setup, a.budget, step=a.step) or None
         trials: list[dict[str, Any]] = []
         section.update(budget_bytes=a.budget, start=start, trials=trials, status="running")
         # the grid's stream records are trials of the same spec, reused at their lengths

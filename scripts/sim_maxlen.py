@@ -4,7 +4,7 @@
 
 Each trial is a fresh ``sim_step.py`` process (its command is in its JSON line). ``--lo`` must fit and ``--hi``
 must not (both are measured first, unless ``--trust-brackets``); the bisection then halves the bracket down to
-``--step`` tokens. Take the brackets from the memory model's estimate (``streambp_trl.sizing.memory_model.max_len``):
+``--step`` tokens. Take the brackets from the memory model's estimate (``streambp_trl.sizing.lengths.max_len``):
 a step of a Gated DeltaNet hybrid takes minutes under the simulator (transformers' torch kernels). Usage::
 
     python scripts/sim_maxlen.py --model qwen3.5-9b --lora --grads-ready --mode gc --budget-gib 78 \\

@@ -203,7 +203,8 @@ def test_hub_example_configs_need_streaming(config, objective, shape):
     """Each Hub example trains at a length the memory model puts past TRL's default (checkpointing + its fused LM
     head) and within streaming, on the 80 GB card its comment names (78 GiB usable), as max-len estimates it."""
     from streambp_trl.cli import parse_args
-    from streambp_trl.sizing.memory_model import StepSetup, max_len
+    from streambp_trl.sizing.lengths import max_len
+    from streambp_trl.sizing.memory_model import StepSetup
     from streambp_trl.sizing.model_shape import ModelShape
 
     _, training_args, model_args, _ = parse_args(

@@ -13,6 +13,7 @@ from streambp_trl.bench.measure import bisect_max_len
 from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.layout import Layout
+from streambp_trl.sizing.lengths import max_len
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
 
 
@@ -286,7 +287,7 @@ def test_offload_in_an_estimate_says_it_changes_nothing(fake_model, capsys):
 def test_keep_every_with_offload_says_why_it_fits_less(k, capsys):
     shape, budget = mm.ModelShape.from_name("qwen3-8b"), 78 * 2**30
     one, every_k = (mm.StepSetup(mode="stream+offload", keep_every=j) for j in (1, k))
-    assert mm.max_len(shape, every_k, budget) < mm.max_len(shape, one, budget)
+    assert max_len(shape, every_k, budget) < max_len(shape, one, budget)
     assert mm.estimate_host_bytes(shape, every_k, 2**20) < mm.estimate_host_bytes(shape, one, 2**20)
     assert (mm._saved_inputs(shape.layers, Layout(every=k), True), mm._saved_inputs(shape.layers, Layout(), True)) == (
         k + 1,

@@ -14,7 +14,7 @@ from models import batch, tiny_model
 from transformers.utils import logging as hf_logging
 
 from streambp_trl import enable_streambp
-from streambp_trl.layers.call import layer_call
+from streambp_trl.layers.call import backward, layer_call
 from streambp_trl.sizing import auto
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.layout import Layout
@@ -59,6 +59,61 @@ def test_plans_for_qwen3_8b_on_an_80gb_card():
     assert small_host.layout.rebuilt(36) > 0 and static + small_host.activations <= budget - mm.GiB
     assert predicted_time(4096, Layout(), True, 36) < predicted_time(4096, Layout(every=2), False, 36)
     assert "offloaded to host (70.0 GiB pinned)" in big_host.describe(262144, 36, static, budget - static)
+
+
+def test_plans_capture_keys_values_where_they_fit():
+    """Qwen3-8B, full fine-tuning, 78 GiB, gradients formed in backward: at 65,536 tokens the plan keeps every layer's
+    keys/values from its forward (the backward then runs no key/value pass), in chunks of 16384 with every input
+    kept; at 163,840 tokens they do not fit beside the inputs, and are recomputed; a fixed kv_mode is kept, and offload
+    plans recompute them (the memory model sizes capture without offload only)."""
+    shape = mm.ModelShape.from_name("qwen3-8b")
+    static, budget = mm.static_bytes(shape, mm.StepSetup(pending_grads=True)), 78 * mm.GiB
+    limit = budget - static - margin(budget)
+    planner = Planner(shape, pending_grads=True, kv_mode=None)
+    short = planner.best(1, 65536, limit, None, True, True)
+    assert (short.capture, short.chunk, short.layout, short.offload) == (True, 16384, Layout(), False)
+    assert "keys/values kept from the forward" in short.describe(65536, 36)
+    recomputed = Planner(shape, pending_grads=True).best(1, 65536, limit, None, True, True)  # kv_mode="recompute"
+    assert not recomputed.capture and recomputed.time > short.time
+    assert short.activations - recomputed.activations == 35 * 2 * shape.kv_dim * 2 * 65536  # the layers below the top
+    long = planner.best(1, 163840, limit, 100 * mm.GiB, True, True)
+    assert not long.capture and "keys/values" not in long.describe(163840, 36)
+    assert planner.captures(offload=True) == [False]
+    assert Planner(shape, kv_mode="capture").captures(offload=False) == [True]
+
+
+def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
+    """Where the keys/values fit, the plan keeps them from the forward: no layer's backward runs the key/value pass,
+    and the gradient is bit for bit that of recomputing them (float64); under a budget they do not fit in (but the
+    recompute does) the plan recomputes them."""
+    collected = []
+    collect_kv = backward.ChunkBackward.collect_kv
+
+    def counted(self, x):
+        collected.append(self.call.layer)
+        return collect_kv(self, x)
+
+    monkeypatch.setattr(backward.ChunkBackward, "collect_kv", counted)
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch(padding="left")
+    recompute = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, kv_mode="recompute")
+    loss, grads = loss_and_grads(recompute, ids, mask, labels)
+    assert len(collected) == LAYERS
+    planned = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget="1GiB")
+    loss_planned, grads_planned = loss_and_grads(planned, ids, mask, labels)
+    assert planned._streambp.auto.last_plan.capture and len(collected) == LAYERS
+    assert torch.equal(loss, loss_planned)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_planned[name]), name
+    shape = mm.ModelShape.from_model(model)
+    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
+    need = [planner.estimate(ids.numel(), CHUNK, Layout(), False, capture)[0] for capture in (False, True)]
+    assert need[0] < need[1]
+    budget = sum(p.numel() * 8 for p in model.parameters()) + (need[0] + need[1]) // 2
+    tight = enable_streambp(model, stream_chunk_size=CHUNK, keep_every=1, memory_budget=f"{budget + margin(budget)}B")
+    loss_tight, _ = loss_and_grads(tight, ids, mask, labels)
+    assert not tight._streambp.auto.last_plan.capture and len(collected) == 2 * LAYERS
+    assert torch.equal(loss, loss_tight)
 
 
 def _budget_between(model, tokens: int, low: Layout, high: Layout, pending: bool = True) -> int:

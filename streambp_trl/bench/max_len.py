@@ -33,6 +33,7 @@ from typing import Any
 
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.auto import AUTO
+from streambp_trl.sizing.lengths import max_len
 from streambp_trl.sizing.shapes import NAMED_MODELS
 
 from .max_len_output import render
@@ -176,7 +177,7 @@ def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], b
     rows = []
     for mode in modes:
         setup = row_setup(mode, args)
-        length = mm.max_len(shape, setup, budget, step=args.step)
+        length = max_len(shape, setup, budget, step=args.step)
         rows.append(
             {
                 "mode": mode,
@@ -199,7 +200,7 @@ def _start_hint(args: argparse.Namespace, shape: mm.ModelShape | None, mode: str
     """The memory model's length for the GPU's memory: the first trial (None when there is no estimate)."""
     if device != "cuda" or shape is None:
         return None
-    return mm.max_len(shape, row_setup(mode, args), args.budget or _gpu_bytes(), step=args.step) or None
+    return max_len(shape, row_setup(mode, args), args.budget or _gpu_bytes(), step=args.step) or None
 
 
 def _gpu_bytes() -> int:

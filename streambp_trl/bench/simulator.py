@@ -53,6 +53,7 @@ def record_setup(record: dict[str, Any]) -> mm.StepSetup:
         logits_chunk=record.get("logits_chunk"),
         keep_every=(record.get("stream_kwargs") or {}).get("keep_every", 1),
         pending_grads=record.get("grads_ready") is False,
+        capture=(record.get("stream_kwargs") or {}).get("kv_mode") == "capture",
     )
 
 

@@ -88,7 +88,7 @@ class MeasureSpec:
     lora: bool = False  # LoRA (rank 16, every linear layer) instead of full fine-tuning
     stream_chunk_size: int | str = AUTO  # stream modes: tokens per chunk, or "auto" (as the trainers)
     logits_chunk_size: int | str | None = None  # stream modes: the logit kernel's tile (None: the chunk)
-    kv_mode: str = "recompute"  # stream modes: one of streambp_trl.layers.KV_MODES
+    kv_mode: str | None = None  # stream modes: one of streambp_trl.layers.KV_MODES, or None: planned per call
     keep_every: int = 1  # stream modes: keep only every k-th layer's input
     same_logits_tile: bool = False  # checkpoint+chunked-loss: TRL's fused head takes logits_chunk_size as its tile
     phases: bool = False  # also record each phase's peak and time (streambp_trl.bench.memory_meter.PhaseMarks)

@@ -104,14 +104,21 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
     if baseline is not None and not baseline.norm_last:
         norm = None
     settings = StreamSettings(
-        kv_mode=options.kv_mode,
+        kv_mode=options.kv_mode or "recompute",  # (None: planned per call, recompute where no plan says)
         offload=CheckpointOffload() if options.offload_checkpoints else None,
         keep_every=options.keep_every or 1,
     )
     chunk = options.stream_chunk_size
     fixed = None if chunk == AUTO else chunk
     auto = (
-        AutoChunks(lm, options.memory_budget_bytes, options.offload_checkpoints, options.keep_every, chunk=fixed)
+        AutoChunks(
+            lm,
+            options.memory_budget_bytes,
+            options.offload_checkpoints,
+            options.keep_every,
+            chunk=fixed,
+            kv_mode=options.kv_mode,
+        )
         if options.planned
         else None
     )

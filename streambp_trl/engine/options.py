@@ -41,7 +41,10 @@ class StreamOptions:
             :mod:`streambp_trl.sizing.auto`).
         logits_chunk_size: tokens per tile of the logit kernel, or ``"auto"``; ``None`` (default) becomes
             ``stream_chunk_size``.
-        kv_mode: ``"recompute"`` (default) or ``"capture"``: how a layer's backward gets its keys/values.
+        kv_mode: ``"recompute"`` or ``"capture"``: how a layer's backward gets its keys/values, recomputed from its
+            saved input by a no-grad pass or kept from its forward (2 x kv_dim values per token per attention layer).
+            ``None`` (default): each call's plan keeps them where they fit (:mod:`streambp_trl.sizing.plan`),
+            recomputes them otherwise or where no memory figure is known.
         temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
             ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; ``log_probs`` is always
@@ -74,7 +77,7 @@ class StreamOptions:
 
     stream_chunk_size: int | str
     logits_chunk_size: int | str | None = None
-    kv_mode: str = "recompute"
+    kv_mode: str | None = None
     temperature: float = 1.0
     fused_outputs: tuple[str, ...] = ("log_probs",)
     stream_eval: bool = False
@@ -92,8 +95,10 @@ class StreamOptions:
                 raise ValueError(f"{name} must be a positive integer number of tokens or 'auto', got {value!r}.")
         if self.logits_chunk_size is None:
             object.__setattr__(self, "logits_chunk_size", self.stream_chunk_size)
-        if self.kv_mode not in KV_MODES:
-            raise ValueError(f"{_named('kv_mode')} must be one of {KV_MODES}, got {self.kv_mode!r}.")
+        if self.kv_mode is not None and self.kv_mode not in KV_MODES:
+            raise ValueError(
+                f"{_named('kv_mode')} must be one of {KV_MODES} or None (planned per call), got {self.kv_mode!r}."
+            )
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"temperature must be a positive number, got {temperature!r}.")
@@ -127,5 +132,6 @@ class StreamOptions:
 
     @property
     def planned(self) -> bool:
-        """Whether anything is chosen per call: a chunk size, the kept layer inputs or checkpoint offload."""
-        return self.auto or self.keep_every is None or self.offload_checkpoints is None
+        """Whether anything is chosen per call: a chunk size, the kept layer inputs, checkpoint offload or whether
+        keys/values are kept from the forward."""
+        return self.auto or self.keep_every is None or self.offload_checkpoints is None or self.kv_mode is None

@@ -59,8 +59,8 @@ class EngineState:
         ``rebuildable``: its layer inputs may be rebuilt in backward (no hidden states kept). Its
         chunk is the fixed size, or the plan's (:mod:`streambp_trl.sizing.plan`) where anything is planned, or
         ``None`` (``"auto"`` without a recognisable input: each layer falls back to the rule of thumb for its
-        length); where the plan keeps other layer inputs or offloads otherwise than the options, the call carries
-        its segment sizes and settings."""
+        length); where the plan keeps other layer inputs, offloads otherwise than the options or keeps the keys/values
+        from the forward, the call carries its segment sizes and settings."""
         fixed = self.options.stream_chunk_size
         fixed = None if fixed == AUTO else fixed
         if self.auto is None or inputs is None or inputs.dim() < 2:
@@ -73,8 +73,10 @@ class EngineState:
         if plan.layout != Layout(every=self.settings.keep_every):
             sizes = plan.layout.sizes(len(self.layers))
         settings = None
-        if plan.offload != (self.settings.offload is not None):
-            settings = dataclasses.replace(self.settings, offload=self.offloader if plan.offload else None)
+        capture = "capture" if plan.capture else "recompute"
+        if plan.offload != (self.settings.offload is not None) or capture != self.settings.kv_mode:
+            offload = self.offloader if plan.offload else None
+            settings = dataclasses.replace(self.settings, offload=offload, kv_mode=capture)
         return DecoderCall(
             chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings
         )

@@ -78,7 +78,8 @@ class AutoChunks:
     """The plan policy of one model (kept in its stream settings): a :class:`~.plan.StepPlan` per call shape.
 
     ``budget``: bytes of the whole device the step may use (``None``: what is free when a call starts); ``chunk``,
-    ``offload``, ``keep_every``: the user's fixed choices, kept as they are (``None``: the plan chooses)."""
+    ``offload``, ``keep_every``, ``kv_mode``: the user's fixed choices, kept as they are (``None``: the plan
+    chooses)."""
 
     def __init__(
         self,
@@ -87,9 +88,11 @@ class AutoChunks:
         offload: bool | None,
         keep_every: int | None = 1,
         chunk: int | None = None,
+        kv_mode: str | None = "recompute",
     ):
         self._model = weakref.ref(model)
         self.budget, self.offload, self.keep_every, self.chunk = budget, offload, keep_every, chunk
+        self.kv_mode = kv_mode
         self._chosen: dict[tuple, StepPlan] = {}
         self._latest: dict[tuple[int, int], StepPlan] = {}
         self.last: int | None = None  # the latest chunk chosen (what the trainers log)
@@ -175,7 +178,8 @@ class AutoChunks:
     def _fixed(self, seq_len: int) -> StepPlan:
         """The plan without a memory figure: the user's choices, else the rule of thumb and every input kept."""
         chunk = self.chunk if self.chunk is not None else rule_of_thumb(seq_len)
-        return StepPlan(chunk, Layout(every=self.keep_every or 1), bool(self.offload))
+        layout = Layout(every=self.keep_every or 1)
+        return StepPlan(chunk, layout, bool(self.offload), capture=self.kv_mode == "capture")
 
     def _decide(
         self,
@@ -207,6 +211,7 @@ class AutoChunks:
             self.keep_every,
             self.offload,
             pending_grads=pending,
+            kv_mode=self.kv_mode,
         )
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         rebuildable = rebuildable and grad
@@ -222,7 +227,7 @@ class AutoChunks:
             )
             return plan
         chunks, layout_choices, offloads = planner.choices(seq_len, rebuildable, can_offload)
-        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0])
+        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0], capture=self.kv_mode == "capture")
         if not grad or (self.budget is None and device.type == "cpu"):
             logger.warning(
                 f"StreamBP: no plan is predicted to fit {n:,} tokens in {size_text(room)}; running "

@@ -72,16 +72,12 @@ __all__ = [
     "UNITS",
     "ModelShape",
     "StepSetup",
-    "auto_chunk_sizes",
     "estimate_activation_bytes",
     "estimate_host_bytes",
     "estimate_peak_bytes",
     "gib",
     "head_backward_bytes",
-    "largest_chunk",
-    "longest_fitting",
     "lora_layer_params",
-    "max_len",
     "parse_budget",
     "parse_size",
     "static_bytes",
@@ -115,6 +111,7 @@ class StepSetup:
     # between optimizer steps, every micro-step with gradient_accumulation_steps=1): each is counted from the moment
     # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
     pending_grads: bool = False
+    capture: bool = False  # stream mode: every layer keeps its keys/values from its forward (kv_mode="capture")
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -189,10 +186,12 @@ def _saved_inputs(
     among: Collection[int] | None = None,
     input_bytes: int = 1,
     grad_bytes: int = 0,
+    captured: Callable[[int], int] | None = None,
 ) -> int:
     """Bytes of the layer inputs on the device during the backward's worst layer (of ``among``: those layer indices
     only; all by default), each input ``input_bytes``; with ``grad_bytes`` (a layer's parameter gradients, when they
-    are formed by the backward: ``pending_grads``), the gradients of the layers above it too. The first layer's input
+    are formed by the backward: ``pending_grads``), the gradients of the layers above it too; with ``captured`` (the
+    bytes of the keys/values captured below a layer index), those below it too. The first layer's input
     is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Each segment of the ``layout`` keeps its
     first input and rebuilds the others while the segment's backward runs (every layer its own segment: each keeps its
     own): segment i's backward holds its inputs and the kept first inputs of segments 1..i-1, or, with offload, its
@@ -204,7 +203,8 @@ def _saved_inputs(
         if lowest is None:
             continue
         below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
-        worst = max(worst, (size + below) * input_bytes + (layers - 1 - lowest) * grad_bytes)
+        held = (size + below) * input_bytes + (layers - 1 - lowest) * grad_bytes
+        worst = max(worst, held + (captured(lowest) if captured is not None else 0))
     return worst
 
 
@@ -223,6 +223,7 @@ def estimate_activation_bytes(
     adapters: bool = False,
     drop: int = 0,
     pending_grads: bool = False,
+    capture: bool = False,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
@@ -232,7 +233,10 @@ def estimate_activation_bytes(
     inputs still kept below it), every one and the embedding's at the end; ``head_form``: the logit kernel's gradient
     form (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``:
     float32 LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
-    (:class:`.layout.Layout`). The larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
+    (:class:`.layout.Layout`); ``capture``: each softmax-attention layer keeps its keys/values ``2 kv db n`` from its
+    forward to its backward (``kv_mode="capture"``; a model of softmax-attention layers only, without offload), so a
+    layer's forward and backward hold those of the attention layers below it, the head's backward every layer's. The
+    larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
     the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
     layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
     a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
@@ -245,12 +249,21 @@ def estimate_activation_bytes(
         layer_params = (shape.params - shape.embedding_params) // max(shape.layers, 1)
         layer_grad = (layer_params if layer_trained_params is None else layer_trained_params) * db
 
+    if capture and (offload or recurrent_kinds(shape, db) or shape.mlp_layers):
+        raise ValueError("capture is sized for softmax-attention layers only, without offload.")
+
+    def captured(below: int) -> int:
+        """Keys/values captured by the softmax-attention layers below layer ``below``."""
+        return sum(i < below for i in shape.plain_attention_layers) * 2 * kv * db * n if capture else 0
+
     def common(among: Collection[int] | None) -> int:
-        """The kept inputs and token bookkeeping at the worst backward of a layer of ``among`` (beside the pending
-        gradients formed by then), or at the head's backward (``None``: every input, no gradient yet)."""
+        """The kept inputs, captured keys/values and token bookkeeping at the worst backward of a layer of ``among``
+        (beside the pending gradients formed by then), or at the head's backward (``None``: every input, every
+        captured key/value, no gradient yet)."""
         if among is None:
-            return _saved_inputs(shape.layers, layout, offload, None, r * db * n) + _per_token_bytes(shape, db) * n
-        inputs = _saved_inputs(shape.layers, layout, offload, among, r * db * n, layer_grad)
+            inputs = _saved_inputs(shape.layers, layout, offload, None, r * db * n)
+            return inputs + captured(shape.layers) + _per_token_bytes(shape, db) * n
+        inputs = _saved_inputs(shape.layers, layout, offload, among, r * db * n, layer_grad, captured)
         return inputs + _per_token_bytes(shape, db) * n + head_grad
 
     chunk_rows = min(chunk, n)
@@ -296,7 +309,7 @@ def estimate_activation_bytes(
         # layer's input gradient
         embedding = shape.vocab * h * db if head_trained and not shape.tied else 0
         peaks.append(head_grad + embedding + shape.layers * layer_grad + (r * db + _per_token_bytes(shape, db)) * n)
-    forward = _per_token_bytes(shape, db) * n
+    forward = _per_token_bytes(shape, db) * n + (captured(max(shape.plain_attention_layers)) if capture else 0)
     forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload)
     return max(*peaks, head, forward)
 
@@ -385,6 +398,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
             head_form=setup.head_form,
             adapters=setup.lora,
             pending_grads=setup.pending_grads,
+            capture=setup.capture,
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
@@ -397,42 +411,3 @@ def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
     0 without offload."""
     kept = len(Layout(every=setup.keep_every, drop=setup.drop).segments(shape.layers)) - 1
     return kept * shape.residual * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
-
-
-def max_len(shape: ModelShape, setup: StepSetup, budget_bytes: int, step: int = 1024) -> int:
-    """Longest multiple of ``step`` whose estimated peak fits in ``budget_bytes`` (0 if none does)."""
-    return longest_fitting(lambda tokens: estimate_peak_bytes(shape, setup, tokens) <= budget_bytes, step)
-
-
-def longest_fitting(fits: Callable[[int], bool], step: int = 1024) -> int:
-    """Longest multiple of ``step`` that ``fits`` (monotone: whatever fits, every shorter length fits), by doubling
-    then bisection; 0 if ``step`` does not fit."""
-    if not fits(step):
-        return 0
-    lo, hi = step, 2 * step
-    while fits(hi):
-        lo, hi = hi, 2 * hi
-        if hi > 1 << 30:
-            return lo
-    while hi - lo > step:
-        mid = (lo + hi) // 2 // step * step
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def largest_chunk(seq_len: int, fits: Callable[[int], bool]) -> int:
-    """The largest chunk of :data:`CHUNKS` (fewest kernel launches) that ``fits``, never longer than the sequence, or
-    the smallest when none does."""
-    fitting = [c for c in CHUNKS if c <= max(seq_len, CHUNKS[0]) and fits(c)]
-    return fitting[-1] if fitting else CHUNKS[0]
-
-
-def auto_chunk_sizes(shape: ModelShape, setup: StepSetup, seq_len: int, budget_bytes: int) -> tuple[int, int]:
-    """``(stream_chunk_size, logits_chunk_size)`` for ``setup`` at ``seq_len`` within ``budget_bytes`` (weights,
-    gradients, optimizer state and activations): :func:`largest_chunk` whose estimated peak fits."""
-
-    def fits(c: int) -> bool:
-        return estimate_peak_bytes(shape, dataclasses.replace(setup, chunk=c, logits_chunk=c), seq_len) <= budget_bytes
-
-    chunk = largest_chunk(seq_len, fits)
-    return chunk, chunk

@@ -1,4 +1,5 @@
-"""One plan per streamed call shape: the chunk, which layer inputs are kept, and whether they wait in host memory.
+"""One plan per streamed call shape: the chunk, which layer inputs are kept, whether they wait in host memory, and
+whether the layers keep their keys/values from the forward.
 
 For a call on ``n`` tokens the planner weighs every combination the options leave open (a fixed chunk, ``keep_every``
 or ``offload_checkpoints`` set by the user is kept as it is) and takes the one with the least predicted time among
@@ -14,7 +15,11 @@ The time model, per token of a step, relative to one that keeps every layer inpu
 * a rebuilt layer input costs one more layer forward, ``REBUILD_COST`` of a layer's step (a streamed layer step is
   a forward, a recompute and a backward of twice the FLOPs: 2 + 2 + 4, of which the forward is a quarter);
 * offload multiplies the step by ``OFFLOAD_COST``, the ratio measured on an H200 at 16,384 tokens
-  (``benchmarks/gpu_nvidia_h200.md``: 1.049), where the copies hide least behind compute.
+  (``benchmarks/gpu_nvidia_h200.md``: 1.049), where the copies hide least behind compute;
+* keys/values captured in the forward (``kv_mode="capture"``) save the backward's key/value collection pass,
+  ``COLLECT_COST`` of the step: 0.160 s of 3.20 s on an H200 at 16,384 tokens (Qwen3-8B shapes,
+  ``benchmarks/gpu_nvidia_h200_profile.md``). Capture is open where the memory model sizes it: a model of
+  softmax-attention layers only, without offload (or where the user fixed it).
 """
 
 from __future__ import annotations
@@ -23,12 +28,14 @@ import dataclasses
 
 from . import memory_model as mm
 from .layout import Layout
+from .lengths import longest_fitting
 from .model_shape import ModelShape
 from .units import GiB, size_text
 
 CHUNK_OVERHEAD_TOKENS = 256
 REBUILD_COST = 0.25
 OFFLOAD_COST = 1.05
+COLLECT_COST = 0.05
 # kept free below a device's room for the allocator's fragmentation: a real H200 capped at 78 GiB failed to allocate
 # with 77.58 GiB allocated (0.42 GiB lost); at most 1/64 of the room (a small budget keeps a small margin)
 MARGIN = GiB
@@ -42,8 +49,9 @@ def margin(room: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """How one streamed call runs: ``chunk`` tokens per chunk (and logit tile), the ``layout`` of kept layer inputs,
-    ``offload`` of the kept ones to pinned host memory; what the memory model predicts for it (``activations``: device
-    bytes beyond weights and gradients; ``host``: pinned host bytes) and its predicted relative ``time``."""
+    ``offload`` of the kept ones to pinned host memory, ``capture`` of each layer's keys/values in its forward; what
+    the memory model predicts for it (``activations``: device bytes beyond weights and gradients; ``host``: pinned
+    host bytes) and its predicted relative ``time``."""
 
     chunk: int
     layout: Layout = Layout()
@@ -51,6 +59,7 @@ class StepPlan:
     activations: int = 0
     host: int = 0
     time: float = 1.0
+    capture: bool = False
 
     def describe(self, tokens: int, layers: int, held: int | None = None, room: int | None = None) -> str:
         """The plan in plain words, e.g. ``262,144 tokens: chunk 4096, every layer input kept, checkpoints offloaded
@@ -59,16 +68,19 @@ class StepPlan:
         words = [f"{tokens:,} tokens: chunk {self.chunk}", self.layout.describe(layers)]
         if self.offload:
             words.append(f"checkpoints offloaded to host ({size_text(self.host)} pinned)")
+        if self.capture:
+            words.append("keys/values kept from the forward")
         if held is not None:
             peak = f"predicted peak {size_text(held + self.activations)}"
             words.append(peak if room is None else f"{peak} of {size_text(held + room)}")
         return ", ".join(words)
 
 
-def predicted_time(chunk: int, layout: Layout, offload: bool, layers: int) -> float:
+def predicted_time(chunk: int, layout: Layout, offload: bool, layers: int, capture: bool = False) -> float:
     """The relative time of a step (see the module docstring)."""
     rebuilt = layout.rebuilt(layers) / max(layers, 1)
-    return (1 + CHUNK_OVERHEAD_TOKENS / chunk) * (1 + REBUILD_COST * rebuilt) * (OFFLOAD_COST if offload else 1.0)
+    time = (1 + CHUNK_OVERHEAD_TOKENS / chunk) * (1 + REBUILD_COST * rebuilt) * (OFFLOAD_COST if offload else 1.0)
+    return time * (1 - COLLECT_COST if capture else 1.0)
 
 
 def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layout]:
@@ -88,7 +100,7 @@ class Planner:
     head is trained and whether it carries LoRA ``adapters`` (``layer_trained_params``: a layer's trained parameters,
     all of them by default); whether its parameter gradients are ``pending`` (none allocated when the call starts: the
     backward forms them, :func:`.memory_model.estimate_activation_bytes`); and the user's fixed ``chunk``,
-    ``keep_every`` and ``offload`` (``None``: chosen by the plan)."""
+    ``keep_every``, ``offload`` and ``kv_mode`` (``None``: chosen by the plan)."""
 
     shape: ModelShape
     db: int = 2
@@ -99,9 +111,20 @@ class Planner:
     offload: bool | None = None
     layer_trained_params: int | None = None
     pending_grads: bool = False
+    kv_mode: str | None = "recompute"
 
-    def estimate(self, tokens: int, chunk: int, layout: Layout, offload: bool) -> tuple[int, int]:
-        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model)."""
+    @property
+    def capture_sized(self) -> bool:
+        """Whether the memory model sizes captured keys/values for this model: softmax-attention layers only."""
+        return set(self.shape.plain_attention_layers) == set(range(self.shape.layers))
+
+    def estimate(
+        self, tokens: int, chunk: int, layout: Layout, offload: bool, capture: bool = False
+    ) -> tuple[int, int]:
+        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model); a
+        ``capture`` the model does not size (a user's fixed ``kv_mode="capture"`` with offload, or on a hybrid) is
+        estimated as a recompute."""
+        capture = capture and self.capture_sized and not offload
         activations = mm.estimate_activation_bytes(
             self.shape,
             tokens,
@@ -115,6 +138,7 @@ class Planner:
             adapters=self.adapters,
             layer_trained_params=self.layer_trained_params,
             pending_grads=self.pending_grads,
+            capture=capture,
         )
         mode = "stream+offload" if offload else "stream"
         setup = mm.StepSetup(mode=mode, dtype_bytes=self.db, keep_every=layout.every, drop=layout.drop)
@@ -127,6 +151,13 @@ class Planner:
         offloads = [self.offload] if self.offload is not None else [False, True] if can_offload else [False]
         return chunks, layouts(self.shape.layers, self.keep_every, rebuildable), offloads
 
+    def captures(self, offload: bool) -> list[bool]:
+        """Whether keys/values are captured, for a plan that offloads or not: the user's ``kv_mode`` where fixed;
+        else recomputed, or captured where the memory model sizes it (not with offload)."""
+        if self.kv_mode is not None:
+            return [self.kv_mode == "capture"]
+        return [False, True] if self.capture_sized and not offload else [False]
+
     def best(
         self, rows: int, seq_len: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
     ) -> StepPlan | None:
@@ -138,12 +169,14 @@ class Planner:
         for offload in offloads:
             for layout in layout_choices:
                 for chunk in chunks:
-                    activations, host = self.estimate(rows * seq_len, chunk, layout, offload)
-                    if activations > limit or (offload and (host_room is None or host > host_room)):
-                        continue
-                    time = predicted_time(chunk, layout, offload, layers)
-                    if key is None or (time, activations) < key:
-                        best, key = StepPlan(chunk, layout, offload, activations, host, time), (time, activations)
+                    for capture in self.captures(offload):
+                        activations, host = self.estimate(rows * seq_len, chunk, layout, offload, capture)
+                        if activations > limit or (offload and (host_room is None or host > host_room)):
+                            continue
+                        time = predicted_time(chunk, layout, offload, layers, capture)
+                        if key is None or (time, activations) < key:
+                            plan = StepPlan(chunk, layout, offload, activations, host, time, capture)
+                            best, key = plan, (time, activations)
         return best
 
     def longest(
@@ -161,7 +194,7 @@ class Planner:
                 activations, host = self.estimate(rows * tokens, chunk, layout, offload)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
-            return mm.longest_fitting(fits)
+            return longest_fitting(fits)
 
         def name(layout: Layout, offload: bool) -> str:
             kept = f"stream_keep_every={layout.every}" if layout.every > 1 else layout.describe(layers)

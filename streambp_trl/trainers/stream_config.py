@@ -28,9 +28,10 @@ class StreamArguments:
             from the engine's memory model (`streambp_trl.sizing`); on the CPU the host memory available.
         logits_chunk_size (`int`, `"auto"` or `None`, defaults to `None`):
             Tokens per tile of the chunked logit kernel; `None` or `"auto"` uses the stream chunk size.
-        stream_kv_mode (`str`, defaults to `"recompute"`):
+        stream_kv_mode (`str` or `None`, defaults to `None`):
             How each layer's backward gets its keys/values: `"recompute"` them from the saved layer input, or
-            `"capture"` them during the forward (faster backward, 2 x kv_dim values per token per layer kept).
+            `"capture"` them during the forward (no key/value pass in backward, 2 x kv_dim values per token per
+            attention layer kept). `None`: each batch shape's plan captures them where they fit.
         offload_checkpoints (`bool` or `None`, defaults to `None`):
             Keep each layer's saved input in pinned host memory between forward and backward (brought back one layer
             ahead, copies overlapped with compute): GPU memory then grows by a few hidden vectors per token instead of
@@ -65,9 +66,12 @@ class StreamArguments:
         default=None,
         metadata={"help": "Tokens per tile of the logit kernel: an int or 'auto' (default: the stream chunk size)."},
     )
-    stream_kv_mode: str = field(
-        default="recompute",
-        metadata={"help": f"Keys/values for backward: {' or '.join(map(repr, KV_MODES))} (default: 'recompute')."},
+    stream_kv_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Keys/values for backward: {' or '.join(map(repr, KV_MODES))} (default: each batch shape's plan "
+            "captures them where they fit)."
+        },
     )
     offload_checkpoints: bool | None = field(
         default=None,
