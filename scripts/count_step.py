@@ -3,7 +3,9 @@
 
 What: one SFT forward+backward (every token labelled, random ids, random weights, float32 on the CPU) of Hugging Face
 gradient checkpointing over full logits (``checkpoint``, the reference), TRL's default (checkpointing + its fused LM
-head, ``checkpoint+chunked-loss``) and stream (chunk = logit tile = ``--chunk``), counted by
+head, ``checkpoint+chunked-loss``) and stream (chunk = logit tile = ``--chunk``; every input kept and keys/values
+recomputed, or with ``--planned`` as the trainers plan it: on the CPU without a budget, keys/values kept from the
+forward), counted by
 :class:`streambp_trl.bench.counting.StepCounter` after one uncounted warm-up step: FLOPs (causal attention as the
 pairs it allows), by weight (LM head, attention projections, MLP) and attention; aten operations (views left out);
 host syncs with their file and line.
@@ -50,6 +52,7 @@ def _spec(args: argparse.Namespace, mode: str, chunk: int) -> MeasureSpec:
         stream_chunk_size=chunk,
         logits_chunk_size=args.chunk,
         same_logits_tile=True,
+        planned=args.planned and mode == "stream",
     )
 
 
@@ -84,6 +87,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--planned",
+        action="store_true",
+        help="stream as the trainers do: each call's plan decides the kept inputs, offload and whether keys/values "
+        "are kept from the forward (default: every input kept, keys/values recomputed)",
+    )
     parser.add_argument("--out-dir", default="benchmarks")
     parser.add_argument("--name", default=None, help="output name (default count_<model>_<seq_len>)")
     args = parser.parse_args(argv)

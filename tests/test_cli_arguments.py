@@ -104,7 +104,7 @@ def test_stream_options_are_one_titled_group_each_default_once(objective):
     entries = re.split(r"\n  (?=--)", group)[1:]
     for entry in entries:
         assert " ".join(entry.split()).count("(default") == 1, entry
-    assert "(default: 'recompute')" in " ".join(group.split()) and "(default: recompute)" not in group
+    assert "(default: each batch shape's plan captures them where they fit)" in " ".join(group.split())
 
 
 def test_every_option_of_trl_is_an_option_of_ours():

@@ -227,7 +227,7 @@ def test_the_worker_records_the_plan_auto_chose():
 
     spec = dict(mode="stream", seq_len=64, model="qwen3-tiny", device="cpu", dtype="float32", stream_chunk_size=32)
     record = run_worker(MeasureSpec(**spec, memory_budget="1GiB", planned=True))
-    assert record["plan"] == "64 tokens: chunk 32, every layer input kept"
+    assert record["plan"] == "64 tokens: chunk 32, every layer input kept, keys/values kept from the forward"
     assert run_worker(MeasureSpec(**spec, memory_budget="1GiB"))["plan"] is None  # chunk, kept inputs, offload fixed
 
 

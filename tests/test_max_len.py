@@ -115,7 +115,7 @@ def fake_model(monkeypatch):
     monkeypatch.setattr(mm.ModelShape, "from_name", classmethod(from_name))
     monkeypatch.setattr(mm, "estimate_peak_bytes", peak)
     monkeypatch.setattr(mm, "estimate_host_bytes", host)
-    monkeypatch.setattr(mm, "max_len", longest)
+    monkeypatch.setattr(ml, "max_len", longest)
     return calls
 
 

@@ -50,7 +50,7 @@ def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
     return {
         "stream_chunk_size": spec.stream_chunk_size,
         "logits_chunk_size": spec.logits_chunk_size,
-        "kv_mode": spec.kv_mode,
+        "kv_mode": None if spec.planned else spec.kv_mode,
         "temperature": TEMPERATURE[spec.objective],
         "offload_checkpoints": None if spec.planned else spec.mode is Mode.STREAM_OFFLOAD,
         "keep_every": None if spec.planned else spec.keep_every,

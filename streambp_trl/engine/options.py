@@ -134,4 +134,6 @@ class StreamOptions:
     def planned(self) -> bool:
         """Whether anything is chosen per call: a chunk size, the kept layer inputs, checkpoint offload or whether
         keys/values are kept from the forward."""
-        return self.auto or self.keep_every is None or self.offload_checkpoints is None or self.kv_mode is None
+        # (keys/values are not planned beside a fixed offload: the memory model sizes capture without offload)
+        capture_open = self.kv_mode is None and self.offload_checkpoints is not True
+        return self.auto or self.keep_every is None or self.offload_checkpoints is None or capture_open
