@@ -248,6 +248,7 @@ def test_the_hub_name_of_a_named_shape_needs_no_network(capsys, monkeypatch):
         raise AssertionError("the config was looked up")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    monkeypatch.setattr(plans, "host_room", lambda: 20 * 2**30)  # (the host memory available moves between calls)
     tables = []
     for name in ("Qwen/Qwen3-0.6B", "qwen3-0.6b"):
         cli.main(["max-len", "--model", name, "--gpu-memory", "78GiB"])
@@ -350,7 +351,7 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
     result = ml.main([*argv, "--lengths", "131072", "212992", "262144"])
     out = capsys.readouterr().out
     assert "| 212,992 | chunk 2048, 1 layer input rebuilt in backward | 76.8 GiB | - |" in out
-    assert "| 131,072 | chunk 2048, every layer input kept |" in out
+    assert "| 131,072 | chunk 2048, every layer input kept, keys/values kept from the forward |" in out
     rows = {row["tokens"]: row for row in result["plans"]["rows"]}
     config = transformers.Qwen3Config(
         num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
@@ -361,6 +362,6 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
     planner = auto.AutoChunks(model, budget=78 * 2**30, offload=None, keep_every=None, chunk=2048)
     for tokens, row in rows.items():
         plan = planner.plan(1, tokens, torch.device("meta"))
-        assert (plan.chunk, plan.layout.every, plan.layout.drop, plan.offload) == (
-            row["chunk"], row["layout"]["every"], row["layout"]["drop"], row["offload"]
+        assert (plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.capture) == (
+            row["chunk"], row["layout"]["every"], row["layout"]["drop"], row["offload"], row["capture"]
         ), tokens  # fmt: skip

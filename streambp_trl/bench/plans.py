@@ -21,10 +21,12 @@ def plan_rows(
     host: int | None = None,
     lengths: list[int] | None = None,
     keep_every: int | None = None,
+    kv_mode: str | None = None,
 ) -> dict[str, Any]:
     """For each length (default: 16,384 doubled up to the longest any plan fits, and that longest), what the plan
     would run and its predicted peak (weights, gradients and optimizer state included) and pinned host bytes, or
-    ``None`` where nothing fits; and the longest length each way of running allows."""
+    ``None`` where nothing fits; and the longest length each way of running allows. ``keep_every``, ``kv_mode``: the
+    user's fixed choices (``None``: planned, as the trainers leave them)."""
     host = host_room() if host is None else host
     static = mm.static_bytes(shape, setup)
     limit = budget - static - margin(budget)
@@ -38,6 +40,7 @@ def plan_rows(
         keep_every=keep_every,
         layer_trained_params=trained,
         pending_grads=setup.pending_grads,
+        kv_mode=kv_mode,
     )
     longest = planner.longest(setup.rows, limit, host, rebuildable=True, can_offload=True)
     reach = max(longest.values())
@@ -53,6 +56,7 @@ def plan_rows(
                 "chunk": None if plan is None else plan.chunk,
                 "layout": None if plan is None else {"every": plan.layout.every, "drop": plan.layout.drop},
                 "offload": None if plan is None else plan.offload,
+                "capture": None if plan is None else plan.capture,
                 "peak_bytes": None if plan is None else static + plan.activations,
                 "host_bytes": None if plan is None else plan.host,
             }

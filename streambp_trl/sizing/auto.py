@@ -88,7 +88,7 @@ class AutoChunks:
         offload: bool | None,
         keep_every: int | None = 1,
         chunk: int | None = None,
-        kv_mode: str | None = "recompute",
+        kv_mode: str | None = None,
     ):
         self._model = weakref.ref(model)
         self.budget, self.offload, self.keep_every, self.chunk = budget, offload, keep_every, chunk
