@@ -62,6 +62,7 @@ import bench_report  # noqa: E402  (the modes' labels, the plot axes)
 from streambp_trl.bench.measure import bisect_max_len, measure  # noqa: E402
 from streambp_trl.bench.metadata import environment  # noqa: E402
 from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode  # noqa: E402
+from streambp_trl.layers import KV_MODES  # noqa: E402
 from streambp_trl.sizing import memory_model as mm  # noqa: E402
 from streambp_trl.sizing.lengths import max_len  # noqa: E402
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name  # noqa: E402
@@ -436,6 +437,7 @@ class Run:
             dtype=a.dtype,
             stream_chunk_size=a.chunk,
             logits_chunk_size=a.chunk,
+            kv_mode=a.kv_mode,
             warmup_seq_len=self.warmup_for(seq_len),
             repeats=a.repeats,
         )
@@ -553,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", nargs="+", choices=[m.value for m in Mode], default=[m.value for m in DEFAULT_MODES])
     p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--chunk", type=_positive, default=4096, help="stream chunk and logit tile (tokens)")
+    p.add_argument(
+        "--kv-mode",
+        choices=KV_MODES,
+        default="recompute",
+        help="stream modes: keys/values recomputed in backward, or captured in the forward (no key/value pass)",
+    )
     p.add_argument("--warmup-seq-len", type=_positive, default=2048, help="length of each process's warm-up step")
     p.add_argument(
         "--repeats",

@@ -6,6 +6,9 @@
 #   bash scripts/gpu_session.sh [OUT] long-context    # only scripts/gpu_long_context.py (one call, under 9 minutes):
 #       TRL's default and "auto" at 163,840 and 262,144 tokens and a StreamSFTTrainer LoRA run at 131,072, the
 #       allocator capped at 78 GiB
+#   bash scripts/gpu_session.sh [OUT] speed           # only scripts/gpu_bench.py at 16k, 32k and 64k (one call, under
+#       9 minutes): TRL's default and stream with keys/values recomputed, then stream with them captured (the plan's
+#       choice where they fit) and stream with checkpoint offload, two measured steps per mode, a fresh process each
 #
 # 1. tests/test_cuda.py with its JSON-lines report (exactness, kernels, offload, memory model): about 110 s;
 # 2. scripts/gpu_bench.py at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
@@ -31,6 +34,19 @@ if [ "${2:-}" = "long-context" ]; then
   echo "== scripts/gpu_long_context.py"
   timeout 530 python3 scripts/gpu_long_context.py --out-dir "$OUT" --timeout 120 > "$OUT/gpu_long_context.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/gpu_long_context.log"
+  exit 0
+fi
+
+if [ "${2:-}" = "speed" ]; then
+  echo "== scripts/gpu_bench.py, keys/values recomputed"
+  timeout 300 python3 scripts/gpu_bench.py --device cuda --seq-len 16384 32768 65536 --mode checkpoint+chunked-loss stream \
+    --repeats 2 --no-max-len --time-budget 280 --out-dir "$OUT" --name gpu_speed_recompute > "$OUT/gpu_speed_recompute.log" 2>&1
+  echo "rc=$?"; tail -12 "$OUT/gpu_speed_recompute.log"
+  echo "== scripts/gpu_bench.py, keys/values captured, and offload, at $((SECONDS - T0)) s"
+  timeout $((540 - (SECONDS - T0))) python3 scripts/gpu_bench.py --device cuda --seq-len 16384 32768 65536 \
+    --mode stream stream+offload --kv-mode capture --repeats 2 --no-max-len --time-budget $((520 - (SECONDS - T0))) \
+    --out-dir "$OUT" --name gpu_speed_capture > "$OUT/gpu_speed_capture.log" 2>&1
+  echo "rc=$?"; tail -12 "$OUT/gpu_speed_capture.log"
   exit 0
 fi
 
