@@ -90,14 +90,15 @@ def device_slug(device_name: str) -> str:
 
 
 def estimated_peak_mb(
-    model: str, mode: Mode, seq_len: int, dtype: str, chunk: int, head_form: str | None = None
+    model: str, mode: Mode, seq_len: int, dtype: str, chunk: int, head_form: str | None = None, capture: bool = False
 ) -> float | None:
     """The memory model's peak (MiB, weights and gradients included) of ``mode`` at ``seq_len``, stream modes with
     the logit gradient form the step took (``head_form``; None: the two-node form); None for a model that is not a
     named shape (no config is read) and for ``plain`` (which the memory model has no name for). The model holds every
-    parameter's gradient through the step (gradients accumulated from an earlier micro-batch)."""
+    parameter's gradient through the step (gradients accumulated from an earlier micro-batch). ``capture``: the
+    stream step keeps its keys/values from the forward (sized without offload: ``None`` for ``stream+offload``)."""
     name = canonical_model_name(model)
-    if name not in NAMED_MODELS or mode is Mode.PLAIN:
+    if name not in NAMED_MODELS or mode is Mode.PLAIN or (capture and mode is Mode.STREAM_OFFLOAD):
         return None
     setup = mm.StepSetup(
         mode=mode.memory_model_mode,
@@ -105,6 +106,7 @@ def estimated_peak_mb(
         chunk=chunk if mode.streams else None,
         logits_chunk=chunk if mode.streams else None,
         head_form=head_form or "two-node",
+        capture=capture and mode is Mode.STREAM,
     )
     return mm.estimate_peak_bytes(mm.ModelShape.from_name(name), setup, seq_len) / 2**20
 
@@ -452,7 +454,8 @@ class Run:
             record["time_s"] = record.get("time_min_s", record["time_s"])
             record["ms_per_1k_tokens"] = 1e6 * record["time_s"] / (record["batch_size"] * seq_len)
         form = record.get("head_form")
-        record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, a.chunk, form)
+        capture = a.kv_mode == "capture"
+        record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, a.chunk, form, capture)
         return record
 
     def grid(self) -> None:

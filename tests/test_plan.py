@@ -76,6 +76,9 @@ def test_plans_capture_keys_values_where_they_fit():
     recomputed = Planner(shape, pending_grads=True).best(1, 65536, limit, None, True, True)  # kv_mode="recompute"
     assert not recomputed.capture and recomputed.time > short.time
     assert short.activations - recomputed.activations == 35 * 2 * shape.kv_dim * 2 * 65536  # the layers below the top
+    # a segment of kept inputs holds every input of its layers at its top layer's backward, beside the keys/values
+    # captured below that layer (6 layers in segments of 3: the top layer's 5 below, not the segment's lowest's 3)
+    assert mm._saved_inputs(6, Layout(every=3), False, None, 100, 0, lambda j: j) == 3 * 100 + 5
     long = planner.best(1, 163840, limit, 100 * mm.GiB, True, True)
     assert not long.capture and "keys/values" not in long.describe(163840, 36)
     assert planner.captures(offload=True) == [False]

@@ -108,6 +108,8 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         record["objective"] = objective
     if spec.mode.streams:
         record.update({k: getattr(spec, k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
+        if spec.planned:  # (what the plan chose is in record["plan"])
+            record["kv_mode"] = "planned"
     if spec.mode is Mode.CHECKPOINT_CHUNKED_LOSS:
         record["logits_chunk_size"] = spec.logits_chunk_size if spec.same_logits_tile else trl_token_chunk()
     if spec.warmup and spec.warmup_seq_len is not None:

@@ -44,7 +44,8 @@ class StreamOptions:
         kv_mode: ``"recompute"`` or ``"capture"``: how a layer's backward gets its keys/values, recomputed from its
             saved input by a no-grad pass or kept from its forward (2 x kv_dim values per token per attention layer).
             ``None`` (default): each call's plan keeps them where they fit (:mod:`streambp_trl.sizing.plan`),
-            recomputes them otherwise or where no memory figure is known.
+            recomputes them otherwise, where no memory figure is known or where no plan is made (a fixed chunk,
+            ``keep_every`` and ``offload_checkpoints``).
         temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
             ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; ``log_probs`` is always
@@ -132,8 +133,7 @@ class StreamOptions:
 
     @property
     def planned(self) -> bool:
-        """Whether anything is chosen per call: a chunk size, the kept layer inputs, checkpoint offload or whether
-        keys/values are kept from the forward."""
-        # (keys/values are not planned beside a fixed offload: the memory model sizes capture without offload)
-        capture_open = self.kv_mode is None and self.offload_checkpoints is not True
-        return self.auto or self.keep_every is None or self.offload_checkpoints is None or capture_open
+        """Whether anything is chosen per call: a chunk size, the kept layer inputs or checkpoint offload (and then
+        whether keys/values are kept from the forward, unless ``kv_mode`` is set)."""
+        # (kv_mode None is planned where a plan is made, and recompute where every other choice is fixed)
+        return self.auto or self.keep_every is None or self.offload_checkpoints is None

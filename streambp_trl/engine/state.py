@@ -75,7 +75,7 @@ class EngineState:
         settings = None
         capture = "capture" if plan.capture else "recompute"
         if plan.offload != (self.settings.offload is not None) or capture != self.settings.kv_mode:
-            offload = self.offloader if plan.offload else None
+            offload = (self.settings.offload or self.offloader) if plan.offload else None
             settings = dataclasses.replace(self.settings, offload=offload, kv_mode=capture)
         return DecoderCall(
             chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings

@@ -211,7 +211,8 @@ class AutoChunks:
             self.keep_every,
             self.offload,
             pending_grads=pending,
-            kv_mode=self.kv_mode,
+            # (a call without grad has no backward: its keys/values are never kept)
+            kv_mode=self.kv_mode if grad or self.kv_mode is not None else "recompute",
         )
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         rebuildable = rebuildable and grad

@@ -191,7 +191,8 @@ def _saved_inputs(
     """Bytes of the layer inputs on the device during the backward's worst layer (of ``among``: those layer indices
     only; all by default), each input ``input_bytes``; with ``grad_bytes`` (a layer's parameter gradients, when they
     are formed by the backward: ``pending_grads``), the gradients of the layers above it too; with ``captured`` (the
-    bytes of the keys/values captured below a layer index), those below it too. The first layer's input
+    bytes of the keys/values captured below a layer index), those below it too (at the segment's layer where the
+    inputs, the gradients above and the keys/values below weigh most). The first layer's input
     is rebuilt from the token ids (:mod:`streambp_trl.layers.kept.rebuild`). Each segment of the ``layout`` keeps its
     first input and rebuilds the others while the segment's backward runs (every layer its own segment: each keeps its
     own): segment i's backward holds its inputs and the kept first inputs of segments 1..i-1, or, with offload, its
@@ -199,12 +200,13 @@ def _saved_inputs(
     ids)."""
     worst = 0
     for i, (start, size) in enumerate(layout.segments(layers)):
-        lowest = next((j for j in range(start, start + size) if among is None or j in among), None)
-        if lowest is None:
+        counted = [j for j in range(start, start + size) if among is None or j in among]
+        if not counted:
             continue
         below = (1 if i >= 2 else 0) if offload else max(i - 1, 0)
-        held = (size + below) * input_bytes + (layers - 1 - lowest) * grad_bytes
-        worst = max(worst, held + (captured(lowest) if captured is not None else 0))
+        for j in counted if captured is not None else counted[:1]:  # (without captures the lowest weighs most)
+            held = (size + below) * input_bytes + (layers - 1 - j) * grad_bytes
+            worst = max(worst, held + (captured(j) if captured is not None else 0))
     return worst
 
 
