@@ -197,6 +197,23 @@ def test_refuses_no_teacher(tmp_path):
         )
 
 
+@pytest.mark.parametrize("hooked", ["student", "teacher"])
+def test_a_hook_on_an_lm_head_is_refused_by_name(tmp_path, hooked):
+    """The divergence kernel applies each model's LM head to its hidden states tile by tile and never calls the head:
+    a hook on the student's or the teacher's lm_head would not run, so the step says so."""
+    trainer = _trainer(StreamDistillationTrainer, wide_teacher, GivenCompletions)(
+        model=load_model(),
+        args=args(StreamDistillationConfig, tmp_path, max_steps=1),
+        train_dataset=tiny_dataset("prompt_completion", 4),
+        processing_class=load_tokenizer(),
+    )
+    GivenCompletions.completions = _given(tiny_dataset("prompt_completion", 4))
+    model = trainer.model if hooked == "student" else trainer.teacher_model
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: None)
+    with pytest.raises(ValueError, match="lm_head has a forward or backward hook.*disable_streambp"):
+        trainer.train()
+
+
 def test_refuses_a_teacher_the_engine_cannot_stream(tmp_path):
     teacher = wide_teacher()
     teacher.config.is_causal = False

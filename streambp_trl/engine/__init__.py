@@ -13,7 +13,7 @@
 * :mod:`.zero3`: DeepSpeed ZeRO-3 leaf layers and parameter gathers.
 """
 
-from .head_side import HeadSide, decode_for_head, logit_gradient_form, logits_tile
+from .head_side import HeadSide, decode_for_head, kernel_head, logit_gradient_form, logits_tile
 from .install import (
     chunk_sizes,
     disable_streambp,
@@ -32,6 +32,7 @@ __all__ = [
     "StreamOptions",
     "chunk_sizes",
     "decode_for_head",
+    "kernel_head",
     "disable_streambp",
     "enable_streambp",
     "last_head_form",

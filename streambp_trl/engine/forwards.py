@@ -24,7 +24,7 @@ from ..layers.sharding import check_segmentable
 from ..layers.traits import takes_state_argument
 from ..logits import chunked_logprobs
 from ..patching import hooked_without_grad, original, temporarily, unpatched
-from .head_side import decode_for_head, hooked
+from .head_side import decode_for_head, kernel_head
 from .model_parts import lm_head_linear
 from .state import EngineState
 from .support import router_loss_refusal
@@ -274,21 +274,13 @@ def stream_forward(
     if state.decoder_keywords is not None:  # the model's forward hands its decoder these alone (the rest: its loss)
         kwargs = {k: v for k, v in kwargs.items() if k in state.decoder_keywords}
     decoder = state.decoder
-    head_module = self.get_output_embeddings()
-    if hooked(head_module, False) or hooked(lm_head_linear(self), False):
-        raise ValueError(
-            f"{type(self).__name__}.lm_head has a forward or backward hook, which would not run: StreamBP computes "
-            "the loss from the hidden states tile by tile and never forms the (tokens x vocab) logits the hook would "
-            "see. Remove the hook for streamed training calls, or disable_streambp(model) to train with full logits."
-        )
+    head = kernel_head(self)
     # the final norm runs inside the logit kernel as decode_for_head decides (the decoder's last step, no hidden
-    # states asked, no hook on it); global hooks are not refused for lm_head: they watch every module, and a streamed
-    # call has no head call
+    # states asked, no hook on it)
     side = decode_for_head(
         state, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states")
     )
     decoded, hidden, norm = side.decoded, side.hidden, side.norm
-    head = lm_head_linear(self)
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)
     labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep)

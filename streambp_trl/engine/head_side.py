@@ -26,7 +26,7 @@ from torch import nn
 
 from ..layers.sharding import sharded
 from ..patching import bypassed
-from .model_parts import causal_lm
+from .model_parts import causal_lm, lm_head_linear
 from .state import EngineState
 
 
@@ -39,6 +39,22 @@ def hooked(module: nn.Module, global_hooks: bool) -> bool:
     own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
     modules = nn.modules.module
     return any(own) or (global_hooks and bool(modules._global_forward_hooks or modules._global_forward_pre_hooks))
+
+
+def kernel_head(lm: nn.Module) -> nn.Linear:
+    """The ``nn.Linear`` of causal LM ``lm``'s head, for a kernel that applies it itself to the hidden states tile by
+    tile (:func:`~.model_parts.lm_head_linear`). Refuses a head that user code hooks (:func:`hooked`, its own forward
+    and backward hooks): such a hook would not run, as the kernel never calls the head or forms the (tokens x vocab)
+    logits it would see. Global module hooks are not refused: they watch every module, and a streamed call has no head
+    call."""
+    head = lm_head_linear(lm)
+    if hooked(lm.get_output_embeddings(), False) or hooked(head, False):
+        raise ValueError(
+            f"{type(lm).__name__}.lm_head has a forward or backward hook, which would not run: StreamBP computes "
+            "the loss from the hidden states tile by tile and never forms the (tokens x vocab) logits the hook would "
+            "see. Remove the hook for streamed training calls, or disable_streambp(model) to train with full logits."
+        )
+    return head
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 from trl import DistillationTrainer
 
-from ..engine import decode_for_head, enable_streambp, lm_head_linear, logit_gradient_form, logits_tile
+from ..engine import decode_for_head, enable_streambp, kernel_head, logit_gradient_form, logits_tile
 from ..engine.forwards import logit_transform
 from ..engine.model_parts import causal_lm
 from ..engine.zero3 import zero3_gathered
@@ -98,7 +98,7 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
                 ),
             )
         teacher_hidden, teacher_norm = teacher_side.hidden, teacher_side.norm
-        s_head, t_head = lm_head_linear(student), lm_head_linear(teacher)
+        s_head, t_head = kernel_head(student), kernel_head(teacher)
         if s_head.weight.device != t_head.weight.device:
             raise ValueError(
                 f"The student's lm_head is on {s_head.weight.device} and the teacher's on {t_head.weight.device}: the "
