@@ -5,6 +5,7 @@ the user's own choices kept, and a clear error where nothing fits."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -82,6 +83,8 @@ def test_plans_capture_keys_values_where_they_fit():
     long = planner.best(1, 163840, limit, 100 * mm.GiB, True, True)
     assert not long.capture and "keys/values" not in long.describe(163840, 36)
     assert planner.captures(offload=True) == [False]
+    indexed = Planner(dataclasses.replace(shape, index_heads=64), kv_mode=None)  # its indexer keys are not sized
+    assert indexed.captures(offload=False) == [False]
     assert Planner(shape, kv_mode="capture").captures(offload=False) == [True]
 
 

@@ -236,7 +236,8 @@ def estimate_activation_bytes(
     form (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``:
     float32 LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
     (:class:`.layout.Layout`); ``capture``: each softmax-attention layer keeps its keys/values ``2 kv db n`` from its
-    forward to its backward (``kv_mode="capture"``; a model of softmax-attention layers only, without offload), so a
+    forward to its backward (``kv_mode="capture"``; a model of softmax-attention layers only, without a sparse indexed
+    attention's indexer or offload), so a
     layer's forward and backward hold those of the attention layers below it, the head's backward every layer's. The
     larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
     the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
@@ -251,8 +252,8 @@ def estimate_activation_bytes(
         layer_params = (shape.params - shape.embedding_params) // max(shape.layers, 1)
         layer_grad = (layer_params if layer_trained_params is None else layer_trained_params) * db
 
-    if capture and (offload or recurrent_kinds(shape, db) or shape.mlp_layers):
-        raise ValueError("capture is sized for softmax-attention layers only, without offload.")
+    if capture and (offload or recurrent_kinds(shape, db) or shape.mlp_layers or shape.index_heads):
+        raise ValueError("capture is sized for softmax-attention layers only, without an indexer or offload.")
 
     def captured(below: int) -> int:
         """Keys/values captured by the softmax-attention layers below layer ``below``."""

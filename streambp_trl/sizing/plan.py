@@ -115,8 +115,10 @@ class Planner:
 
     @property
     def capture_sized(self) -> bool:
-        """Whether the memory model sizes captured keys/values for this model: softmax-attention layers only."""
-        return set(self.shape.plain_attention_layers) == set(range(self.shape.layers))
+        """Whether the memory model sizes captured keys/values for this model: softmax-attention layers only, without
+        a sparse indexed attention's indexer (whose captured indexer keys it does not count)."""
+        attention_only = set(self.shape.plain_attention_layers) == set(range(self.shape.layers))
+        return attention_only and not self.shape.index_heads
 
     def estimate(
         self, tokens: int, chunk: int, layout: Layout, offload: bool, capture: bool = False
