@@ -82,10 +82,11 @@ def test_plans_capture_keys_values_where_they_fit():
     assert mm._saved_inputs(6, Layout(every=3), False, None, 100, 0, lambda j: j) == 3 * 100 + 5
     long = planner.best(1, 163840, limit, 100 * mm.GiB, True, True)
     assert not long.capture and "keys/values" not in long.describe(163840, 36)
-    assert planner.captures(offload=True) == [False]
+    assert planner.captures(offload=True, layout=Layout()) == [False]
+    assert planner.captures(offload=False, layout=Layout(drop=1)) == [False]  # not traded for rebuilt inputs
     indexed = Planner(dataclasses.replace(shape, index_heads=64), kv_mode=None)  # its indexer keys are not sized
-    assert indexed.captures(offload=False) == [False]
-    assert Planner(shape, kv_mode="capture").captures(offload=False) == [True]
+    assert indexed.captures(offload=False, layout=Layout()) == [False]
+    assert Planner(shape, kv_mode="capture").captures(offload=False, layout=Layout()) == [True]
 
 
 def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):

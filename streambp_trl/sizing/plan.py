@@ -153,12 +153,15 @@ class Planner:
         offloads = [self.offload] if self.offload is not None else [False, True] if can_offload else [False]
         return chunks, layouts(self.shape.layers, self.keep_every, rebuildable), offloads
 
-    def captures(self, offload: bool) -> list[bool]:
-        """Whether keys/values are captured, for a plan that offloads or not: the user's ``kv_mode`` where fixed;
-        else recomputed, or captured where the memory model sizes it (not with offload)."""
+    def captures(self, offload: bool, layout: Layout) -> list[bool]:
+        """Whether keys/values are captured, for a plan that offloads or not and keeps the layer inputs ``layout``
+        says: the user's ``kv_mode`` where fixed; else recomputed, or captured where the memory model sizes it (not
+        with offload) and every layer input is kept as well. A rebuilt input costs a layer forward, as much as the
+        key/value pass capture saves: trading one for the other gains nothing and holds more."""
         if self.kv_mode is not None:
             return [self.kv_mode == "capture"]
-        return [False, True] if self.capture_sized and not offload else [False]
+        open_ = self.capture_sized and not offload and not layout.rebuilt(self.shape.layers)
+        return [False, True] if open_ else [False]
 
     def best(
         self, rows: int, seq_len: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
@@ -171,7 +174,7 @@ class Planner:
         for offload in offloads:
             for layout in layout_choices:
                 for chunk in chunks:
-                    for capture in self.captures(offload):
+                    for capture in self.captures(offload, layout):
                         activations, host = self.estimate(rows * seq_len, chunk, layout, offload, capture)
                         if activations > limit or (offload and (host_room is None or host > host_room)):
                             continue
