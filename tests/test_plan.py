@@ -112,6 +112,12 @@ def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
     assert torch.equal(loss, loss_planned)
     for name, g in grads.items():
         assert torch.equal(g, grads_planned[name]), name
+    plain = copy.deepcopy(model)
+    loss_plain = reference_loss(plain, ids, mask, labels)
+    loss_plain.backward()
+    assert abs(loss_plain.item() - loss_planned.item()) < 1e-12
+    for name, p in plain.named_parameters():
+        assert (p.grad - grads_planned[name]).norm() <= 1e-10 * p.grad.norm(), name
     shape = mm.ModelShape.from_model(model)
     planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
     need = [planner.estimate(ids.numel(), CHUNK, Layout(), False, capture)[0] for capture in (False, True)]
