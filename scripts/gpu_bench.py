@@ -64,6 +64,7 @@ from streambp_trl.bench.metadata import environment  # noqa: E402
 from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode  # noqa: E402
 from streambp_trl.layers import KV_MODES  # noqa: E402
 from streambp_trl.sizing import memory_model as mm  # noqa: E402
+from streambp_trl.sizing.auto import AUTO  # noqa: E402
 from streambp_trl.sizing.lengths import max_len  # noqa: E402
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name  # noqa: E402
 
@@ -389,7 +390,8 @@ class Run:
                 "dtype": args.dtype,
                 "modes": [m.value for m in args.mode],
                 "seq_lens": sorted(set(args.seq_len)),
-                "chunk": args.chunk,
+                "chunk": "auto" if args.planned else args.chunk,
+                "memory_cap": args.memory_cap,
                 "warmup_seq_len": args.warmup_seq_len,
                 "repeats": args.repeats,
                 "step": args.step,
@@ -437,11 +439,14 @@ class Run:
             model=a.model,
             device=self.device,
             dtype=a.dtype,
-            stream_chunk_size=a.chunk,
-            logits_chunk_size=a.chunk,
+            stream_chunk_size=AUTO if a.planned else a.chunk,
+            logits_chunk_size=AUTO if a.planned else a.chunk,
             kv_mode=a.kv_mode,
             warmup_seq_len=self.warmup_for(seq_len),
             repeats=a.repeats,
+            planned=a.planned,
+            memory_budget=a.memory_cap if a.planned else None,
+            memory_cap=a.memory_cap,
         )
         start = self.clock()
         record = measure(spec, timeout=max(a.time_budget - self.elapsed(), 1.0))
@@ -453,9 +458,10 @@ class Run:
             record["first_step_s"] = record.get("times_s", [record["time_s"]])[0]
             record["time_s"] = record.get("time_min_s", record["time_s"])
             record["ms_per_1k_tokens"] = 1e6 * record["time_s"] / (record["batch_size"] * seq_len)
-        form = record.get("head_form")
-        capture = a.kv_mode == "capture"
-        record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, a.chunk, form, capture)
+        form, chunk = record.get("head_form"), record.get("stream_chunk_size", a.chunk)
+        capture = record.get("captured", a.kv_mode == "capture")
+        if isinstance(chunk, int):  # (a planned step that failed never chose its chunk)
+            record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, chunk, form, capture)
         return record
 
     def grid(self) -> None:
@@ -561,8 +567,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-mode",
         choices=KV_MODES,
-        default="recompute",
-        help="stream modes: keys/values recomputed in backward, or captured in the forward (no key/value pass)",
+        help="stream modes: keys/values recomputed in backward, or captured in the forward (no key/value pass); "
+        "default: recompute, or the plan's choice with --planned",
+    )
+    p.add_argument(
+        "--planned",
+        action="store_true",
+        help="stream modes as the trainers run them: chunk, logit tile, kept inputs and kept keys/values chosen by "
+        "the plan (stream_chunk_size='auto') within --memory-cap, or the free memory; stream+offload fixes offload on",
+    )
+    p.add_argument(
+        "--memory-cap",
+        help="CUDA: PyTorch's allocator capped at this size (e.g. 78GiB: an 80 GB card's limits on a larger one), "
+        "and the plan's memory_budget with --planned",
     )
     p.add_argument("--warmup-seq-len", type=_positive, default=2048, help="length of each process's warm-up step")
     p.add_argument(

@@ -6,9 +6,10 @@
 #   bash scripts/gpu_session.sh [OUT] long-context    # only scripts/gpu_long_context.py (one call, under 9 minutes):
 #       TRL's default and "auto" at 163,840 and 262,144 tokens and a StreamSFTTrainer LoRA run at 131,072, the
 #       allocator capped at 78 GiB
-#   bash scripts/gpu_session.sh [OUT] speed           # only scripts/gpu_bench.py at 16k, 32k and 64k (one call, under
-#       9 minutes): TRL's default and stream with keys/values recomputed, then stream with them captured (the plan's
-#       choice where they fit) and stream with checkpoint offload, two measured steps per mode, a fresh process each
+#   bash scripts/gpu_session.sh [OUT] speed           # only scripts/gpu_bench.py (one call, under 9 minutes), the
+#       allocator capped at 78 GiB and stream as the trainers plan it (--planned): TRL's default and stream at 16k,
+#       32k and 64k; then at 64k stream and stream + offload with keys/values recomputed (offload's cost, and what
+#       capture saves); then stream recomputing at 16k and 32k; two measured steps per mode, a fresh process each
 #
 # 1. tests/test_cuda.py with its JSON-lines report (exactness, kernels, offload, memory model): about 110 s;
 # 2. scripts/gpu_bench.py at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
@@ -38,15 +39,19 @@ if [ "${2:-}" = "long-context" ]; then
 fi
 
 if [ "${2:-}" = "speed" ]; then
-  echo "== scripts/gpu_bench.py, keys/values recomputed"
-  timeout 300 python3 scripts/gpu_bench.py --device cuda --seq-len 16384 32768 65536 --mode checkpoint+chunked-loss stream \
-    --repeats 2 --no-max-len --time-budget 280 --out-dir "$OUT" --name gpu_speed_recompute > "$OUT/gpu_speed_recompute.log" 2>&1
-  echo "rc=$?"; tail -12 "$OUT/gpu_speed_recompute.log"
-  echo "== scripts/gpu_bench.py, keys/values captured, and offload, at $((SECONDS - T0)) s"
-  timeout $((540 - (SECONDS - T0))) python3 scripts/gpu_bench.py --device cuda --seq-len 16384 32768 65536 \
-    --mode stream stream+offload --kv-mode capture --repeats 2 --no-max-len --time-budget $((520 - (SECONDS - T0))) \
-    --out-dir "$OUT" --name gpu_speed_capture > "$OUT/gpu_speed_capture.log" 2>&1
-  echo "rc=$?"; tail -12 "$OUT/gpu_speed_capture.log"
+  # bench NAME SECONDS ARGS...: scripts/gpu_bench.py with stream as the trainers plan it, in at most SECONDS
+  bench() {
+    local name=$1 most=$2 left; shift 2
+    left=$((545 - (SECONDS - T0))); left=$((left < most ? left : most))
+    echo "== $name at $((SECONDS - T0)) s ($left s)"
+    [ "$left" -gt 40 ] || return 0
+    timeout "$left" python3 scripts/gpu_bench.py --device cuda --planned --memory-cap 78GiB --repeats 2 --no-max-len \
+      --time-budget $((left - 15)) --out-dir "$OUT" --name "$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/$name.log"
+  }
+  bench gpu_speed 360 --seq-len 16384 32768 65536 --mode checkpoint+chunked-loss stream
+  bench gpu_speed_recompute_64k 200 --seq-len 65536 --mode stream stream+offload --kv-mode recompute
+  bench gpu_speed_recompute 200 --seq-len 16384 32768 --mode stream --kv-mode recompute
   exit 0
 fi
 

@@ -233,6 +233,23 @@ def test_a_planned_offload_is_exact(monkeypatch):
         assert torch.equal(g, grads_planned[name]), name
 
 
+def test_offload_asked_for_on_the_cpu_is_planned_as_none():
+    """``offload_checkpoints=True`` with a budget on the CPU, where offload keeps the checkpoints where they are: the
+    plan sizes the step as without offload (it used to find no plan, while naming a length that fits) and keeps the
+    offload asked for; the gradient is that of offload off, bit for bit."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    kept = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, keep_every=1, offload_checkpoints=False)
+    loss, grads = loss_and_grads(kept, ids, mask, labels)
+    asked = enable_streambp(model, stream_chunk_size=CHUNK, offload_checkpoints=True, memory_budget="1GiB")
+    loss_asked, grads_asked = loss_and_grads(asked, ids, mask, labels)
+    plan = asked._streambp.auto.last_plan
+    assert plan.offload and plan.host == 0 and plan.layout == Layout()
+    assert torch.equal(loss, loss_asked)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_asked[name]), name
+
+
 def test_a_micro_step_holding_gradients_takes_its_own_plan(caplog):
     """A budget that every input kept fits while the backward forms the parameter gradients (the model holds none, as
     after a trainer's zero_grad) but not while it holds them (the next micro-step of a gradient accumulation): the

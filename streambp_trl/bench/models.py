@@ -50,9 +50,9 @@ def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
     return {
         "stream_chunk_size": spec.stream_chunk_size,
         "logits_chunk_size": spec.logits_chunk_size,
-        "kv_mode": None if spec.planned else spec.kv_mode,
+        "kv_mode": spec.kv_mode if spec.kv_mode is not None or spec.planned else "recompute",
         "temperature": TEMPERATURE[spec.objective],
-        "offload_checkpoints": None if spec.planned else spec.mode is Mode.STREAM_OFFLOAD,
+        "offload_checkpoints": True if spec.mode is Mode.STREAM_OFFLOAD else (None if spec.planned else False),
         "keep_every": None if spec.planned else spec.keep_every,
         "token_mean_loss": spec.objective == "sft",  # as StreamSFTTrainer sets it for TRL's nll loss
         "memory_budget": spec.memory_budget,

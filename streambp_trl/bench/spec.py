@@ -88,14 +88,16 @@ class MeasureSpec:
     lora: bool = False  # LoRA (rank 16, every linear layer) instead of full fine-tuning
     stream_chunk_size: int | str = AUTO  # stream modes: tokens per chunk, or "auto" (as the trainers)
     logits_chunk_size: int | str | None = None  # stream modes: the logit kernel's tile (None: the chunk)
-    kv_mode: str = "recompute"  # stream modes: one of streambp_trl.layers.KV_MODES (planned with ``planned``)
+    kv_mode: str | None = None  # stream modes: one of streambp_trl.layers.KV_MODES; None: recompute, or planned
+    # with ``planned`` (as the trainers leave it)
     keep_every: int = 1  # stream modes: keep only every k-th layer's input
     same_logits_tile: bool = False  # checkpoint+chunked-loss: TRL's fused head takes logits_chunk_size as its tile
     phases: bool = False  # also record each phase's peak and time (streambp_trl.bench.memory_meter.PhaseMarks)
     reserve_bytes: int = 0  # a tensor held through the step like optimizer states, counted with the model
     warmup_seq_len: int | None = None  # the warm-up step's length (fresh random ids); None: seq_len
     memory_budget: str | None = None  # stream modes: enable_streambp's memory_budget ("78GiB"); None: free memory
-    planned: bool = False  # stream mode: kept inputs, offload and kept keys/values left to the plan (as the trainers)
+    planned: bool = False  # stream modes: kept inputs, offload (stream+offload: on) and, with kv_mode None, kept
+    # keys/values left to the plan (as the trainers leave them)
     memory_cap: str | None = None  # CUDA: PyTorch's allocator capped at this size, e.g. "78GiB" (an 80 GB card's)
 
     def __post_init__(self) -> None:

@@ -108,8 +108,8 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         record["objective"] = objective
     if spec.mode.streams:
         record.update({k: getattr(spec, k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
-        if spec.planned:  # (what the plan chose is in record["plan"])
-            record["kv_mode"] = "planned"
+        if spec.kv_mode is None:  # (what the plan chose is in record["plan"])
+            record["kv_mode"] = "planned" if spec.planned else "recompute"
     if spec.mode is Mode.CHECKPOINT_CHUNKED_LOSS:
         record["logits_chunk_size"] = spec.logits_chunk_size if spec.same_logits_tile else trl_token_chunk()
     if spec.warmup and spec.warmup_seq_len is not None:
@@ -173,6 +173,7 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
             record.update(head_form=last_head_form(policy), memory_budget=spec.memory_budget)
             plan = last_plan(policy)
             record["plan"] = None if plan is None else plan.describe(tokens, len(policy._streambp.layers))
+            record["captured"] = spec.kv_mode == "capture" if plan is None else plan.capture
     except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
         if not is_oom(exc):
             raise

@@ -33,6 +33,7 @@ the one that computes the logits fewest times whose buffers fit, the least memor
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import psutil
@@ -202,6 +203,7 @@ class AutoChunks:
         # adapters (LoRA: some parameters trained beside frozen ones), whose float32 products the forward holds
         trained = [p.requires_grad for p in model.parameters()]
         adapters = any(trained) and not all(trained)
+        n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         planner = Planner(
             self.shape,
             db,
@@ -209,16 +211,18 @@ class AutoChunks:
             adapters,
             self.chunk,
             self.keep_every,
-            self.offload,
+            # (offload on the CPU keeps the checkpoints where they are: sized as none, and kept as asked below)
+            self.offload if can_offload or self.offload is None else False,
             pending_grads=pending,
             # (a call without grad has no backward: its keys/values are never kept)
             kv_mode=self.kv_mode if grad or self.kv_mode is not None else "recompute",
         )
-        n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         rebuildable = rebuildable and grad
         limit = room - margin(total)
         host = host_room() if can_offload and self.offload is not False else None
         plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
+        if plan is not None and self.offload and not can_offload:
+            plan = dataclasses.replace(plan, offload=True)
         if plan is not None:
             planned = (plan.layout.rebuilt(layers) and self.keep_every is None) or (plan.offload and not self.offload)
             say = logger.warning if planned else logger.info
