@@ -4,8 +4,10 @@ gradient checkpointing, TRL's default (checkpointing + its fused LM head), strea
 at several lengths, then a bisection of stream's longest length; within a wall-clock budget.
 
 What: Qwen3-8B shapes with random weights (fixed seed), bfloat16, one SFT forward+backward on random token ids
-(batch 1, every token labelled), stream chunk = logit tile = ``--chunk`` (4096) tokens; TRL's default keeps its own
-token tile. Lengths 16k, 32k and 64k by default; stream's longest length against ``--budget`` (default: the GPU's
+(batch 1, every token labelled), stream chunk = logit tile = ``--chunk`` (4096) tokens, keys/values recomputed
+(``--kv-mode``); or, with ``--planned``, stream as the trainers run it: chunk, logit tile, kept inputs and kept
+keys/values chosen per call by the plan within ``--memory-cap`` (which also caps PyTorch's allocator, e.g. 78GiB: an
+80 GB card's limits on a larger one). TRL's default keeps its own token tile. Lengths 16k, 32k and 64k by default; stream's longest length against ``--budget`` (default: the GPU's
 total memory), in multiples of ``--step``.
 
 How (the harness of :mod:`streambp_trl.bench.measure`): every (mode, length) runs in a fresh process (no allocator

@@ -193,3 +193,12 @@ def test_offload_checkpoints_is_planned_unless_given(argv, expected):
     """offload_checkpoints left out is None (each call's plan decides); a bare flag or its --no_ form fixes it."""
     _, training, _, _ = parse_args("sft", ["--model_name_or_path", "m", "--use_cpu", "--bf16", "false", *argv])
     assert training.offload_checkpoints is expected and training.to_options().offload_checkpoints is expected
+
+
+def test_stream_kv_mode_none_on_a_command_line_says_to_omit_the_flag():
+    """``--stream_kv_mode None`` reaches the config as the string 'None' (TRL's parser types it as str): refused,
+    naming the way to get the plan; the flag left out gives the plan (None)."""
+    argv = ["--model_name_or_path", "m", "--use_cpu", "--bf16", "false"]
+    assert parse_args("sft", argv)[1].stream_kv_mode is None
+    with pytest.raises((ValueError, UsageError), match="omit the flag"):
+        parse_args("sft", [*argv, "--stream_kv_mode", "None"])

@@ -98,7 +98,8 @@ class StreamOptions:
             object.__setattr__(self, "logits_chunk_size", self.stream_chunk_size)
         if self.kv_mode is not None and self.kv_mode not in KV_MODES:
             raise ValueError(
-                f"{_named('kv_mode')} must be one of {KV_MODES} or None (planned per call), got {self.kv_mode!r}."
+                f"{_named('kv_mode')} must be one of {KV_MODES} or None (planned per call), got {self.kv_mode!r}. "
+                "For the plan, leave it unset (on a command line, omit the flag; in YAML, null)."
             )
         temperature = self.temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
