@@ -7,8 +7,9 @@ What: Qwen3-8B shapes with random weights (fixed seed), bfloat16, one SFT forwar
 (batch 1, every token labelled), stream chunk = logit tile = ``--chunk`` (4096) tokens, keys/values recomputed
 (``--kv-mode``); or, with ``--planned``, stream as the trainers run it: chunk, logit tile, kept inputs and kept
 keys/values chosen per call by the plan within ``--memory-cap`` (which also caps PyTorch's allocator, e.g. 78GiB: an
-80 GB card's limits on a larger one). TRL's default keeps its own token tile. Lengths 16k, 32k and 64k by default; stream's longest length against ``--budget`` (default: the GPU's
-total memory), in multiples of ``--step``.
+80 GB card's limits on a larger one). TRL's default keeps its own token tile. Lengths 16k, 32k and 64k by default;
+stream's longest length against ``--budget`` (default: ``--memory-cap``, else the GPU's total memory), in multiples
+of ``--step``.
 
 How (the harness of :mod:`streambp_trl.bench.measure`): every (mode, length) runs in a fresh process (no allocator
 cache, peak counter or patched model leaks between measurements). Each process runs one warm-up step at
@@ -93,13 +94,21 @@ def device_slug(device_name: str) -> str:
 
 
 def estimated_peak_mb(
-    model: str, mode: Mode, seq_len: int, dtype: str, chunk: int, head_form: str | None = None, capture: bool = False
+    model: str,
+    mode: Mode,
+    seq_len: int,
+    dtype: str,
+    chunk: int,
+    head_form: str | None = None,
+    capture: bool = False,
+    logits_chunk: int | None = None,
 ) -> float | None:
     """The memory model's peak (MiB, weights and gradients included) of ``mode`` at ``seq_len``, stream modes with
     the logit gradient form the step took (``head_form``; None: the two-node form); None for a model that is not a
     named shape (no config is read) and for ``plain`` (which the memory model has no name for). The model holds every
     parameter's gradient through the step (gradients accumulated from an earlier micro-batch). ``capture``: the
-    stream step keeps its keys/values from the forward (sized without offload: ``None`` for ``stream+offload``)."""
+    stream step keeps its keys/values from the forward (sized without offload: ``None`` for ``stream+offload``).
+    ``logits_chunk``: the logit tile (None: the chunk)."""
     name = canonical_model_name(model)
     if name not in NAMED_MODELS or mode is Mode.PLAIN or (capture and mode is Mode.STREAM_OFFLOAD):
         return None
@@ -107,7 +116,7 @@ def estimated_peak_mb(
         mode=mode.memory_model_mode,
         dtype_bytes=DTYPE_BYTES[dtype],
         chunk=chunk if mode.streams else None,
-        logits_chunk=chunk if mode.streams else None,
+        logits_chunk=(logits_chunk or chunk) if mode.streams else None,
         head_form=head_form or "two-node",
         capture=capture and mode is Mode.STREAM,
     )
@@ -251,7 +260,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{s['warmup_seq_len']} tokens (at the length itself when not longer); peak = {peak_how} (model and gradients "
         "included); time = the fastest measured step's wall clock (the first at a length also allocates pinned host "
         "buffers and cuDNN plans: `first_step_s` in the JSON)",
-        f"- stream chunk = logit tile = {s['chunk']} tokens; TRL's default keeps its own token tile",
+        _stream_line(s),
         f"- run: {s['elapsed_s']:.0f} s of the {s['time_budget_s']:.0f} s time budget",
         "",
         f"Peak {unit} and ms per 1k tokens. In parentheses the memory model's estimate, which holds every parameter's "
@@ -393,6 +402,8 @@ class Run:
                 "modes": [m.value for m in args.mode],
                 "seq_lens": sorted(set(args.seq_len)),
                 "chunk": "auto" if args.planned else args.chunk,
+                "planned": args.planned,
+                "kv_mode": args.kv_mode or ("planned" if args.planned else "recompute"),
                 "memory_cap": args.memory_cap,
                 "warmup_seq_len": args.warmup_seq_len,
                 "repeats": args.repeats,
@@ -461,9 +472,14 @@ class Run:
             record["time_s"] = record.get("time_min_s", record["time_s"])
             record["ms_per_1k_tokens"] = 1e6 * record["time_s"] / (record["batch_size"] * seq_len)
         form, chunk = record.get("head_form"), record.get("stream_chunk_size", a.chunk)
-        capture = record.get("captured", a.kv_mode == "capture")
-        if isinstance(chunk, int):  # (a planned step that failed never chose its chunk)
-            record["estimated_peak_mb"] = estimated_peak_mb(a.model, mode, seq_len, a.dtype, chunk, form, capture)
+        tile, capture = record.get("logits_chunk_size"), record.get("captured", a.kv_mode == "capture")
+        # (a planned step that failed never chose its chunk; the estimate keeps every input on the device)
+        sized = isinstance(chunk, int) and not record.get("inputs_rebuilt")
+        if sized and not (record.get("offloaded") and mode is Mode.STREAM):
+            tile = tile if isinstance(tile, int) else None
+            record["estimated_peak_mb"] = estimated_peak_mb(
+                a.model, mode, seq_len, a.dtype, chunk, form, capture, tile
+            )
         return record
 
     def grid(self) -> None:
@@ -489,7 +505,8 @@ class Run:
         """Stream's longest length within the budget, from the memory model's estimate; stops at the time budget
         (or at a failed trial) with the bracket so far."""
         a = self.args
-        section: dict[str, Any] = {"mode": Mode.STREAM.value, "stream_chunk_size": a.chunk, "step": a.step}
+        chunk = AUTO if a.planned else a.chunk
+        section: dict[str, Any] = {"mode": Mode.STREAM.value, "stream_chunk_size": chunk, "step": a.step}
         self.result["max_len"] = section
         if not a.max_len:
             section.update(budget_bytes=None, status="not run (--no-max-len)")
@@ -547,6 +564,29 @@ def _budget_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _stream_line(s: dict[str, Any]) -> str:
+    """How the stream modes ran, for the report's header."""
+    kv = {"planned": "kept or recomputed as planned", "capture": "kept from the forward"}.get(
+        s.get("kv_mode", "recompute"), "recomputed in backward"
+    )
+    cap = f", the allocator capped at {s['memory_cap']}" if s.get("memory_cap") else ""
+    if s.get("planned"):
+        return (
+            f"- stream as the trainers plan it (chunk, logit tile, kept inputs per call within the budget{cap}; "
+            f"each record's plan in the JSON), keys/values {kv}; TRL's default keeps its own token tile"
+        )
+    return (
+        f"- stream chunk = logit tile = {s['chunk']} tokens, keys/values {kv}{cap}; TRL's default keeps its own "
+        "token tile"
+    )
+
+
+def _size_text(text: str) -> str:
+    """A size with its unit (``78GiB``), checked and kept as written (the worker parses it again)."""
+    _budget_arg(text)
+    return text
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -580,8 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory-cap",
+        type=_size_text,
         help="CUDA: PyTorch's allocator capped at this size (e.g. 78GiB: an 80 GB card's limits on a larger one), "
-        "and the plan's memory_budget with --planned",
+        "the plan's memory_budget with --planned, and the bisection's budget unless --budget is given",
     )
     p.add_argument("--warmup-seq-len", type=_positive, default=2048, help="length of each process's warm-up step")
     p.add_argument(
@@ -624,6 +665,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.model = args.model or ("qwen3-8b" if cuda else "qwen3-tiny")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.mode = [Mode(m) for m in dict.fromkeys(args.mode)]
+    if args.budget is None and args.memory_cap is not None:
+        args.budget = mm.parse_budget(args.memory_cap)  # the bisection within the allocator's cap
     if cuda and args.budget is None:
         args.budget = torch.cuda.get_device_properties(0).total_memory
     args.name = args.name or (f"gpu_{device_slug(torch.cuda.get_device_name(0))}" if cuda else "cpu_fallback")

@@ -50,6 +50,7 @@ from streambp_trl.attention import cuda
 from streambp_trl.attention.causal_chunk import cudnn_usable
 from streambp_trl.engine import last_head_form, last_plan
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.layout import Layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -424,7 +425,8 @@ def test_peak_memory_within_5_percent_of_the_model(model_name, seq_len, chunk):
     peak = torch.cuda.max_memory_allocated() - before
     form = last_head_form(model)  # the logit kernel's gradient form the engine chose for the free memory
     plan = last_plan(model)  # (kept keys/values where the free memory holds them)
-    capture = plan is not None and plan.capture
+    assert plan.layout == Layout() and not plan.offload, plan  # what the estimate sizes: every input on the device
+    capture = plan.capture
     estimate = mm.estimate_peak_bytes(shape, dataclasses.replace(setup, head_form=form, capture=capture), seq_len)
     error = abs(peak - estimate) / peak
     _report(test="memory_model", model=model_name, seq_len=seq_len, chunk=chunk, head_form=form, capture=capture,

@@ -137,6 +137,39 @@ def test_repeats_report_the_fastest_step(tmp_path, monkeypatch):
     assert record["ms_per_1k_tokens"] == pytest.approx(1e6 * 1.0 / 256)
 
 
+def test_planned_runs_as_the_trainers_plan_within_the_cap(tmp_path, monkeypatch):
+    """``--planned --memory-cap``: each spec leaves chunk, tile and kept keys/values to the plan within the cap (the
+    bisection's budget too); ``--kv-mode`` still fixes the keys/values; the report says how stream ran; the memory
+    model's estimate sizes the plan that ran, and none for a plan that rebuilt inputs."""
+    specs = []
+
+    def fake_measure(spec, timeout=None, log=True):
+        specs.append(spec)
+        record = {"mode": str(spec.mode), "seq_len": spec.seq_len, "batch_size": 1, "status": "ok", "time_s": 1.0}
+        record.update(peak_mb=1, total_peak_mb=11, stream_chunk_size=128, logits_chunk_size=64, captured=True)
+        return {**record, "inputs_rebuilt": 1 if spec.seq_len == 512 else 0, "offloaded": False}
+
+    monkeypatch.setattr(gb, "measure", fake_measure)
+    argv = ["--device", "cpu", "--model", "qwen3-8b", "--mode", "stream", "--seq-len", "256", "512", "--planned"]
+    result = gb.main([*argv, "--memory-cap", "2GiB", "--no-max-len", "--out-dir", str(tmp_path)])
+    assert all(s.planned and s.kv_mode is None and s.stream_chunk_size == "auto" for s in specs)
+    assert {(s.memory_budget, s.memory_cap) for s in specs} == {("2GiB", "2GiB")}
+    assert result["settings"]["kv_mode"] == "planned" and "stream as the trainers plan it" in gb.render_markdown(
+        result
+    )
+    at_256, at_512 = result["records"]
+    assert at_256["estimated_peak_mb"] == gb.estimated_peak_mb(
+        "qwen3-8b", Mode.STREAM, 256, "float32", 128, None, True, 64
+    )
+    assert "estimated_peak_mb" not in at_512  # (the memory model's estimate keeps every input)
+    assert gb.build_parser().parse_args(["--memory-cap", "2GiB"]).memory_cap == "2GiB"
+    with pytest.raises(SystemExit):
+        gb.main([*argv, "--memory-cap", "2", "--no-max-len", "--out-dir", str(tmp_path)])  # a size without its unit
+    specs.clear()
+    gb.main([*argv, "--kv-mode", "recompute", "--no-max-len", "--out-dir", str(tmp_path)])
+    assert {s.kv_mode for s in specs} == {"recompute"}
+
+
 def test_order_oom_and_time_budget_with_a_fake_measure(tmp_path, monkeypatch):
     """Lengths increasing, modes interleaved; a mode that ran out of memory is not run longer; nothing starts that
     would likely pass the time budget; the bisection stops with the grid's bracket."""
@@ -228,7 +261,35 @@ def test_the_worker_records_the_plan_auto_chose():
     spec = dict(mode="stream", seq_len=64, model="qwen3-tiny", device="cpu", dtype="float32", stream_chunk_size=32)
     record = run_worker(MeasureSpec(**spec, memory_budget="1GiB", planned=True))
     assert record["plan"] == "64 tokens: chunk 32, every layer input kept, keys/values kept from the forward"
-    assert run_worker(MeasureSpec(**spec, memory_budget="1GiB"))["plan"] is None  # chunk, kept inputs, offload fixed
+    assert (record["kv_mode"], record["captured"], record["inputs_rebuilt"], record["offloaded"]) == (
+        "planned",
+        True,
+        0,
+        False,
+    )
+    fixed = run_worker(MeasureSpec(**spec, memory_budget="1GiB"))  # chunk, kept inputs, offload fixed
+    assert fixed["plan"] is None and (fixed["kv_mode"], fixed["captured"]) == ("recompute", False)
+
+
+@pytest.mark.parametrize(
+    ("mode", "planned", "kv_mode", "expected"),
+    [
+        ("stream", False, None, ("recompute", False, 1)),
+        ("stream", True, None, (None, None, None)),
+        ("stream", True, "recompute", ("recompute", None, None)),
+        ("stream+offload", True, None, (None, True, None)),
+        ("stream+offload", False, "capture", ("capture", True, 1)),
+    ],
+)
+def test_stream_options_fix_what_is_given_and_plan_the_rest(mode, planned, kv_mode, expected):
+    """A spec's kv_mode None is recompute unless planned; planned leaves kept inputs and offload to the plan, except
+    that stream+offload fixes offload on."""
+    from streambp_trl.bench.models import _stream_options
+
+    spec = MeasureSpec(mode=mode, seq_len=8, model="qwen3-tiny", device="cpu", dtype="float32", planned=planned,
+                       kv_mode=kv_mode)  # fmt: skip
+    options = _stream_options(spec)
+    assert (options["kv_mode"], options["offload_checkpoints"], options["keep_every"]) == expected
 
 
 @pytest.mark.slow

@@ -173,7 +173,10 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
             record.update(head_form=last_head_form(policy), memory_budget=spec.memory_budget)
             plan = last_plan(policy)
             record["plan"] = None if plan is None else plan.describe(tokens, len(policy._streambp.layers))
+            layers = len(policy._streambp.layers)
             record["captured"] = spec.kv_mode == "capture" if plan is None else plan.capture
+            if plan is not None:  # what the memory model's estimate of the record needs to know of the plan
+                record.update(inputs_rebuilt=plan.layout.rebuilt(layers), offloaded=plan.offload)
     except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
         if not is_oom(exc):
             raise

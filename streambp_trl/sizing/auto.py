@@ -232,7 +232,8 @@ class AutoChunks:
             )
             return plan
         chunks, layout_choices, offloads = planner.choices(seq_len, rebuildable, can_offload)
-        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0], capture=self.kv_mode == "capture")
+        offload = offloads[0] or bool(self.offload)  # (the offload asked for on the CPU, as above)
+        smallest = StepPlan(chunks[0], layout_choices[0], offload, capture=self.kv_mode == "capture")
         if not grad or (self.budget is None and device.type == "cpu"):
             logger.warning(
                 f"StreamBP: no plan is predicted to fit {n:,} tokens in {size_text(room)}; running "

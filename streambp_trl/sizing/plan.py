@@ -66,8 +66,9 @@ class StepPlan:
         to host (70.0 GiB pinned), predicted peak 41.2 GiB of 78.0 GiB``; ``held``: the weights and gradients the
         peak adds to the activations, ``room``: what the device allows them (``None``: not known)."""
         words = [f"{tokens:,} tokens: chunk {self.chunk}", self.layout.describe(layers)]
-        if self.offload:
-            words.append(f"checkpoints offloaded to host ({size_text(self.host)} pinned)")
+        if self.offload:  # (no pinned bytes on the CPU, where offload keeps the checkpoints as they are)
+            pinned = f" ({size_text(self.host)} pinned)" if self.host else ""
+            words.append(f"checkpoints offloaded to host{pinned}")
         if self.capture:
             words.append("keys/values kept from the forward")
         if held is not None:
