@@ -14,12 +14,14 @@ The time model, per token of a step, relative to one that keeps every layer inpu
   200 FLOPs per byte) costs as much as the matmuls of a couple of hundred tokens, plus the chunk's kernel launches;
 * a rebuilt layer input costs one more layer forward, ``REBUILD_COST`` of a layer's step (a streamed layer step is
   a forward, a recompute and a backward of twice the FLOPs: 2 + 2 + 4, of which the forward is a quarter);
-* offload multiplies the step by ``OFFLOAD_COST``, the ratio measured on an H200 at 16,384 tokens
-  (``benchmarks/gpu_nvidia_h200.md``: 1.049), where the copies hide least behind compute;
+* offload multiplies the step by ``OFFLOAD_COST``, the ratio measured on an H200 at 16,384 tokens in chunks of 4096
+  (``benchmarks/gpu_nvidia_h200.md``: 1.049), where the copies hide least behind compute (at 65,536 tokens in chunks
+  of 16384 it was 1.001: ``benchmarks/gpu_nvidia_h200_speed.md``);
 * keys/values captured in the forward (``kv_mode="capture"``) save the backward's key/value collection pass,
   ``COLLECT_COST`` of the step: 0.160 s of 3.20 s on an H200 at 16,384 tokens (Qwen3-8B shapes,
-  ``benchmarks/gpu_nvidia_h200_profile.md``). Capture is open where the memory model sizes it: a model of
-  softmax-attention layers only, without offload (or where the user fixed it).
+  ``benchmarks/gpu_nvidia_h200_profile.md``); timed against recompute at the same chunk of 16384 it saved 4.1%, 3.5%
+  and 2.5% of the step at 16k, 32k and 64k tokens (``benchmarks/gpu_nvidia_h200_speed.md``). Capture is open where the
+  memory model sizes it: a model of softmax-attention layers only, without offload (or where the user fixed it).
 """
 
 from __future__ import annotations
