@@ -10,6 +10,9 @@
 #       allocator capped at 78 GiB and stream as the trainers plan it (--planned): TRL's default and stream at 16k,
 #       32k and 64k; then at 64k stream and stream + offload with keys/values recomputed (offload's cost, and what
 #       capture saves); then stream recomputing at 16k and 32k; two measured steps per mode, a fresh process each
+#   bash scripts/gpu_session.sh [OUT] calibrate       # the time model's constants (sizing/plan.py) where the plan
+#       must choose: stream at 98,304 tokens in chunks of 4096, 8192 and 16384, keys/values recomputed, then kept
+#       (8192, 16384), fixed rather than planned (about 8 minutes)
 #
 # 1. tests/test_cuda.py with its JSON-lines report (exactness, kernels, offload, memory model): about 110 s;
 # 2. scripts/gpu_bench.py at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
@@ -35,6 +38,22 @@ if [ "${2:-}" = "long-context" ]; then
   echo "== scripts/gpu_long_context.py"
   timeout 530 python3 scripts/gpu_long_context.py --out-dir "$OUT" --timeout 120 > "$OUT/gpu_long_context.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/gpu_long_context.log"
+  exit 0
+fi
+
+if [ "${2:-}" = "calibrate" ]; then  # the time model's chunk and capture costs where the plan must choose
+  for kv in recompute capture; do
+    for chunk in 4096 8192 16384; do
+      [ "$kv/$chunk" = "capture/4096" ] && continue
+      echo "== chunk $chunk, keys/values $kv"
+      left=$((545 - (SECONDS - T0)))
+      [ "$left" -gt 60 ] || break 2
+      timeout "$left" python3 scripts/gpu_bench.py --device cuda --memory-cap 78GiB --repeats 2 --no-max-len \
+        --seq-len 98304 --mode stream --chunk $chunk --kv-mode $kv --time-budget $((left - 10)) --out-dir "$OUT" \
+        --name "gpu_calibrate_${kv}_$chunk" > "$OUT/gpu_calibrate_${kv}_$chunk.log" 2>&1
+      echo "rc=$?"; grep -A3 "^| mode" "$OUT/gpu_calibrate_${kv}_$chunk.log" | head -4
+    done
+  done
   exit 0
 fi
 
