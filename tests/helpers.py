@@ -279,6 +279,20 @@ def assert_same_training(
 # -- plain autograd -----------------------------------------------------------------------------------------------
 
 
+def count_calls(monkeypatch, owner: type, name: str, note: Callable) -> list:
+    """Wraps ``owner.name`` for the test (``monkeypatch``): each call still runs and appends ``note(self, *args)``
+    to the list returned."""
+    calls: list = []
+    original = getattr(owner, name)
+
+    def counted(self, *args, **kwargs):
+        calls.append(note(self, *args, **kwargs))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def reference_loss(model, ids, mask, labels):
     """Plain autograd, loss in the model's own dtype (HF's loss_function upcasts only to float32)."""
     logits = model(input_ids=ids, attention_mask=mask).logits

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from helpers import CopyingOffload, loss_and_grads, reference_loss
+from helpers import CopyingOffload, count_calls, loss_and_grads, reference_loss
 from models import batch, tiny_model
 from transformers.utils import logging as hf_logging
 
@@ -93,14 +93,7 @@ def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
     """Where the keys/values fit, the plan keeps them from the forward: no layer's backward runs the key/value pass,
     and the gradient is bit for bit that of recomputing them (float64); under a budget they do not fit in (but the
     recompute does) the plan recomputes them."""
-    collected = []
-    collect_kv = backward.ChunkBackward.collect_kv
-
-    def counted(self, x):
-        collected.append(self.call.layer)
-        return collect_kv(self, x)
-
-    monkeypatch.setattr(backward.ChunkBackward, "collect_kv", counted)
+    collected = count_calls(monkeypatch, backward.ChunkBackward, "collect_kv", lambda self, x: self.call.layer)
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     ids, mask, labels = batch(padding="left")
     recompute = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, kv_mode="recompute")

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from helpers import max_rel_grad_error, reference_loss, saved_hidden_sized
+from helpers import count_calls, max_rel_grad_error, reference_loss, saved_hidden_sized
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
@@ -16,15 +16,7 @@ TOL = 1e-10
 @pytest.fixture
 def rebuilds(monkeypatch):
     """How many times the first layer's input was rebuilt."""
-    calls = []
-    original = rebuild.EmbeddingSource.rebuild
-
-    def counted(self, autocast):
-        calls.append(self.ids.shape)
-        return original(self, autocast)
-
-    monkeypatch.setattr(rebuild.EmbeddingSource, "rebuild", counted)
-    return calls
+    return count_calls(monkeypatch, rebuild.EmbeddingSource, "rebuild", lambda self, autocast: self.ids.shape)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: a scaled embedding (an nn.Embedding subclass)

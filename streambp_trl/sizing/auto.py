@@ -204,6 +204,8 @@ class AutoChunks:
         trained = [p.requires_grad for p in model.parameters()]
         adapters = any(trained) and not all(trained)
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
+        # offload asked for on the CPU keeps the checkpoints where they are: sized as none, the plan keeps it as asked
+        on_cpu = bool(self.offload) and not can_offload
         planner = Planner(
             self.shape,
             db,
@@ -211,8 +213,7 @@ class AutoChunks:
             adapters,
             self.chunk,
             self.keep_every,
-            # (offload on the CPU keeps the checkpoints where they are: sized as none, and kept as asked below)
-            self.offload if can_offload or self.offload is None else False,
+            False if on_cpu else self.offload,
             pending_grads=pending,
             # (a call without grad has no backward: its keys/values are never kept)
             kv_mode=self.kv_mode if grad or self.kv_mode is not None else "recompute",
@@ -221,9 +222,8 @@ class AutoChunks:
         limit = room - margin(total)
         host = host_room() if can_offload and self.offload is not False else None
         plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
-        if plan is not None and self.offload and not can_offload:
-            plan = dataclasses.replace(plan, offload=True)
         if plan is not None:
+            plan = dataclasses.replace(plan, offload=True) if on_cpu else plan
             planned = (plan.layout.rebuilt(layers) and self.keep_every is None) or (plan.offload and not self.offload)
             say = logger.warning if planned else logger.info
             say(
@@ -232,8 +232,7 @@ class AutoChunks:
             )
             return plan
         chunks, layout_choices, offloads = planner.choices(seq_len, rebuildable, can_offload)
-        offload = offloads[0] or bool(self.offload)  # (the offload asked for on the CPU, as above)
-        smallest = StepPlan(chunks[0], layout_choices[0], offload, capture=self.kv_mode == "capture")
+        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0] or on_cpu, capture=self.kv_mode == "capture")
         if not grad or (self.budget is None and device.type == "cpu"):
             logger.warning(
                 f"StreamBP: no plan is predicted to fit {n:,} tokens in {size_text(room)}; running "
