@@ -187,6 +187,7 @@ def train(
     peft_config=None,
     rewards: Callable[[], list] | None = None,
     model: Callable[[], PreTrainedModel] = load_model,
+    callbacks: tuple[TrainerCallback, ...] = (),
     **overrides,
 ) -> tuple[Trainer, dict[str, torch.Tensor]]:
     """Train ``trainer_cls`` from :func:`load_model` on ``dataset`` with :func:`args` (``overrides`` on top) in
@@ -195,7 +196,8 @@ def train(
 
     ``ref_model``: give the trainer a separately loaded reference model (otherwise it makes its own, if it uses one);
     ``peft_config``: a copy of it; ``rewards``: builds the reward functions (GRPO, RLOO), anew for each trainer;
-    ``model``: builds the policy (and the reference), the same weights on every call.
+    ``model``: builds the policy (and the reference), the same weights on every call; ``callbacks``: the trainer's
+    besides the recorder.
     """
     record = RecordUpdate()
     extra = {}
@@ -209,7 +211,7 @@ def train(
         train_dataset=dataset,
         processing_class=load_tokenizer(),
         peft_config=copy.deepcopy(peft_config),
-        callbacks=[record],
+        callbacks=[*callbacks, record],
         **extra,
     )
     trainer.train()

@@ -77,24 +77,35 @@ def _quiet(lm: nn.Module, streaming_decoder: nn.Module | None = None) -> Iterato
 
 @contextmanager
 def _kept(lm: nn.Module) -> Iterator[None]:
-    """Every module of ``lm`` left as it was: its attributes (the same objects), the contents of the containers among
-    them (its buffers, parameters, submodules, hooks) and the values of its tensors (buffers and plain tensor
-    attributes). A module may change its own state in a forward: a dynamic rotary embedding (transformers'
+    """Every module of ``lm`` left as it was: its attributes (the same objects) and the attributes of the objects among
+    them (one level down: :func:`_objects`), the contents of the containers among them (its buffers, parameters,
+    submodules, hooks), the values of its tensors (buffers and plain tensor attributes), and each parameter's data
+    and attributes (the same way).
+
+    A module may change its own state in a forward: a dynamic rotary embedding (transformers'
     ``dynamic_rope_update``) sets new frequencies (``inv_freq``, ``max_seq_len_cached``, ``attention_scaling``) for
-    the longest sequence it has seen, and resets them on a short one, as the probe's is; the model must compute
-    after the probe what it computed before. Holds a copy of every buffer and tensor attribute while it runs."""
+    the longest sequence it has seen, and resets them on a short one, as the probe's is; bitsandbytes' 8-bit layer
+    updates its matmul state object. A layer may also re-lay its own weights in a forward that needs no gradient:
+    bitsandbytes' 4-bit linear layer, in eval mode on a CPU with AVX512-BF16, replaces its weight's data with a
+    layout for an inference kernel and rewrites its ``quant_state`` in place (block scales rounded to bfloat16, a
+    packing flag set); a later training forward then takes that kernel, which has no backward, and no gradient
+    reaches the layer's input (the LoRA gradients of every layer below it go wrong while the loss stays the same).
+    The probe runs every such layer in eval mode without grad, so the model must compute after the probe what it
+    computed before. Holds a copy of every buffer and tensor attribute while it runs, and references to the
+    parameters' data (a re-laid weight's old data stays alive beside its new one)."""
     saved = []
     for m in lm.modules():
         attributes = dict(vars(m))
         contents = {k: v.copy() for k, v in attributes.items() if isinstance(v, (dict, set))}
         tensors = [t for t in attributes.values() if isinstance(t, torch.Tensor)]
         tensors += [t for t in m._buffers.values() if t is not None]
-        saved.append((m, attributes, contents, [(t, t.detach().clone()) for t in tensors]))
+        saved.append((m, attributes, contents, [(t, t.detach().clone()) for t in tensors], _objects(attributes)))
+    parameters = [(p, p.data, dict(vars(p)), _objects(vars(p))) for p in lm.parameters()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for m, attributes, contents, tensors in saved:
+            for m, attributes, contents, tensors, objects in saved:
                 vars(m).clear()
                 vars(m).update(attributes)
                 for k, copy in contents.items():
@@ -102,6 +113,28 @@ def _kept(lm: nn.Module) -> Iterator[None]:
                     attributes[k].update(copy)
                 for t, copy in tensors:
                     t.copy_(copy)
+                _restore(objects)
+            for p, data, attributes, objects in parameters:
+                p.data = data
+                vars(p).clear()
+                vars(p).update(attributes)
+                _restore(objects)
+
+
+def _objects(attributes: dict) -> list[tuple[object, dict]]:
+    """The objects among ``attributes`` that hold state in their ``__dict__`` (a quantization state, a matmul
+    state, a config), not tensors, modules, classes or functions, each with a copy of its ``__dict__``."""
+    return [
+        (v, dict(vars(v)))
+        for v in attributes.values()
+        if hasattr(v, "__dict__") and not isinstance(v, (torch.Tensor, nn.Module, type)) and not callable(v)
+    ]
+
+
+def _restore(objects: list[tuple[object, dict]]) -> None:
+    for v, contents in objects:
+        vars(v).clear()
+        vars(v).update(contents)
 
 
 def _device(lm: nn.Module) -> torch.device:

@@ -17,6 +17,7 @@ from transformers.utils import logging
 
 from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT
 from ..layers.traits import names_called, passes_keywords
+from .quantized import check_quantized
 
 logger = logging.get_logger(__name__)
 
@@ -111,6 +112,7 @@ def check_supported(
 ) -> None:
     """Raise ``ValueError`` if ``lm`` cannot be streamed exactly; ``layers`` are its decoder's layers; ``lm_head``:
     it must have an LM head (``False`` for a sequence classifier, whose score head :mod:`.score_head` serves)."""
+    check_quantized(lm)
     config = lm.config.get_text_config()
     if getattr(lm.config, "is_encoder_decoder", False):
         refuse(lm, "encoder-decoder models are not supported, only decoder-only causal LMs")

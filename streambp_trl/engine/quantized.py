@@ -1,0 +1,63 @@
+"""Quantized base weights: the formats the engine trains exactly, and the refusal of the others at enable.
+
+Exact, tested against plain autograd on the same quantized model (``tests/test_quantized.py``): bitsandbytes' 4-bit
+linear layers (NF4, FP4, double quantization; any compute dtype), the base of QLoRA, and its 8-bit ones (LLM.int8).
+Their own autograd Functions run in each chunk's recompute like any other layer code, so the gradients are the plain
+backward's, given the same weights in the same mode. What an eval-mode forward of theirs changes (bitsandbytes
+re-lays a 4-bit weight for a CPU inference kernel that has no backward) the probe puts back
+(:func:`~.probe._kept_parameters`).
+
+Refused by name, before anything runs: a model that transformers loaded with another quantization method (its
+``config.quantization_config.quant_method``: GPTQ, AWQ, HQQ, torchao, quanto, FP8, ...), and any parameter of a
+tensor type the engine has not been tested on (a tensor subclass such as torchao's ``quantize_`` makes, an integer or
+float8 parameter outside bitsandbytes). Their kernels carry their own backward, with paths that can depend on the
+mode, the grad state or the input's shape (a chunk's rows are not the whole sequence's); untested, they are not run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+TESTED_METHODS = ("bitsandbytes",)
+# bitsandbytes' parameter types (its 4-bit weights are uint8 or another storage dtype; its 8-bit ones int8)
+_BITSANDBYTES_PARAMETERS = {"Params4bit", "Int8Params"}
+_FIX = (
+    "for QLoRA load the base weights with bitsandbytes (BitsAndBytesConfig(load_in_4bit=True), TRL's "
+    "--load_in_4bit), or train unquantized weights"
+)
+
+
+def check_quantized(lm: nn.Module) -> None:
+    """Raise ``ValueError`` if ``lm`` holds quantized weights of a format the engine has not been tested on (see the
+    module docstring), naming the method or the parameter and its type."""
+    config = getattr(lm, "config", None)
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    method = getattr(quantization, "quant_method", method)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod, a str enum
+    if method is not None and str(method) not in TESTED_METHODS:
+        raise ValueError(
+            f"StreamBP cannot train {type(lm).__name__} exactly: its weights are quantized with {method} "
+            f"(config.quantization_config.quant_method), whose layers StreamBP has not been tested on; {_FIX}."
+        )
+    for name, p in lm.named_parameters():
+        why = _untested(p)
+        if why is not None:
+            raise ValueError(
+                f"StreamBP cannot train {type(lm).__name__} exactly: the parameter `{name}` is {why}, a weight "
+                f"format StreamBP has not been tested on; {_FIX}."
+            )
+
+
+def _untested(p: torch.Tensor) -> str | None:
+    """Why ``p`` is a weight format the engine has not been tested on, or ``None``."""
+    kind = type(p)
+    if kind.__name__ in _BITSANDBYTES_PARAMETERS and kind.__module__.startswith("bitsandbytes"):
+        return None
+    if kind not in (nn.Parameter, torch.Tensor) and not isinstance(p, DTensor):
+        return f"a {kind.__module__}.{kind.__qualname__}"
+    if not (p.dtype.is_floating_point or p.dtype.is_complex) or p.dtype.itemsize == 1:
+        return f"of dtype {p.dtype}"
+    return None
