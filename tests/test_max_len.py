@@ -147,7 +147,8 @@ def test_estimate_passes_the_setup(fake_model, capsys):
     setups = {s.mode: s for s in fake_model["setups"]}
     assert set(setups) == {"trl-default", "stream"}
     for s in setups.values():
-        assert (s.objective, s.lora, s.optimizer_bytes_per_param, s.dtype_bytes) == ("dpo", True, 8, 2)
+        # "adamw", max-len's earlier spelling, is TRL's default AdamW
+        assert (s.objective, s.lora, s.optimizer, s.dtype_bytes) == ("dpo", True, "adamw_torch_fused", 2)
     assert (setups["stream"].chunk, setups["stream"].logits_chunk) == (2048, 2048)
     assert (setups["trl-default"].chunk, setups["trl-default"].logits_chunk) == (None, None)
 
@@ -219,24 +220,29 @@ def test_a_size_without_a_unit_is_refused(argv, fake_model, fake_measure, capsys
 
 
 def test_a_row_of_0_says_why(capsys):
-    """The real memory model: Qwen3-32B's weights and gradients alone exceed 78 GiB; with LoRA at 15.9 GiB each mode's
-    shortest length is over the budget."""
+    """The real memory model: Qwen3-32B's weights, gradients and AdamW state (TRL's default) alone exceed 78 GiB, which
+    max-len says in one line with what fits instead; with LoRA at 15.9 GiB each mode's shortest length is over the
+    budget."""
     cli.main(["max-len", "--model", "Qwen/Qwen3-32B", "--gpu-memory", "78GiB"])
     out = capsys.readouterr().out
-    static = mm.static_bytes(mm.ModelShape.from_name("qwen3-32b"), mm.StepSetup())
+    static = mm.static_bytes(mm.ModelShape.from_name("qwen3-32b"), mm.StepSetup(optimizer="adamw_torch_fused"))
     assert f"| {ml.ROWS['stream'][1]} | 0 |" in out
-    assert (
-        f"0 for every mode: the weights and gradients alone need {static / 2**30:.2f} GiB (32.76B parameters), "
-        "above the budget of 78.00 GiB: try --lora or a larger --gpu-memory." in out.splitlines()
+    (line,) = [line for line in out.splitlines() if line.startswith("Fits at no length")]
+    assert line.startswith(
+        f"Fits at no length: the weights, gradients and adamw_torch_fused state alone need {static / 2**30:.2f} GiB "
+        "(32.76B parameters), above the budget of 78.00 GiB. Instead (the longest length streamed, with TRL's default "
+        "in brackets): LoRA (--lora): "
     )
-    cli.main(["max-len", "--model", "qwen3-8b", "--gpu-memory", "15.9GiB", "--lora", "--mode", "stream"])
+    argv = ["--gpu-memory", "15.9GiB", "--lora", "--mode", "stream", "--optim", "none"]
+    cli.main(["max-len", "--model", "qwen3-8b", *argv])
     out = capsys.readouterr().out
     shape, setup = mm.ModelShape.from_name("qwen3-8b"), mm.StepSetup(lora=True, pending_grads=True)
     peak, static = mm.estimate_peak_bytes(shape, setup, 1024), mm.static_bytes(shape, mm.StepSetup(lora=True))
     assert static < 15.9 * 2**30 < peak
     assert (
-        f"0 for stream (streambp-trl): 1,024 tokens need {peak / 2**30:.2f} GiB (the weights and gradients: "
-        f"{static / 2**30:.2f} GiB), above the budget of 15.90 GiB." in out.splitlines()
+        f"Fits at no length: 1,024 tokens need {peak / 2**30:.2f} GiB (the weights and gradients: "
+        f"{static / 2**30:.2f} GiB), above the budget of 15.90 GiB. Instead (the longest length streamed, with TRL's "
+        "default in brackets): " in out
     )
 
 
@@ -347,7 +353,7 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
 
     monkeypatch.setattr(auto, "host_room", lambda: 20 * 2**30)
     monkeypatch.setattr(plans, "host_room", lambda: 20 * 2**30)
-    argv = ["--model", "qwen3-8b", "--gpu-memory", "78GiB", "--chunk", "2048"]
+    argv = ["--model", "qwen3-8b", "--gpu-memory", "78GiB", "--chunk", "2048", "--optimizer", "none"]
     result = ml.main([*argv, "--lengths", "131072", "212992", "262144"])
     out = capsys.readouterr().out
     assert "| 212,992 | chunk 2048, 1 layer input rebuilt in backward | 76.8 GiB | - |" in out

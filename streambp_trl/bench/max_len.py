@@ -41,12 +41,15 @@ from .max_len_rows import (
     CUDA_RESERVE_GIB,
     DEFAULT_GPU,
     DEFAULT_GPU_MEMORY,
+    DEFAULT_OPTIMIZER,
     GPUS,
     OFFLOAD_ROW,
-    OPTIMIZER_BYTES,
+    OPTIMIZER_CHOICES,
     ROWS,
+    alternatives,
     gpu_budget,
     human,
+    quantized,
     row_label,
     row_setup,
 )
@@ -78,7 +81,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="a size (qwen3-4b, qwen3-8b, 8b, ...), a Hub name or a local dir")
     p.add_argument("--objective", choices=mm.OBJECTIVES, default="sft")
-    p.add_argument("--lora", action="store_true", help="LoRA (r 16, all linear layers) instead of full fine-tuning")
+    p.add_argument(
+        "--lora", "--use-peft", "--use_peft", action="store_true", help="LoRA (r 16, all linear layers) instead of "
+        "full fine-tuning (the adapters float32, as PEFT keeps them beside a bfloat16 base)"
+    )  # fmt: skip
+    quant = p.add_mutually_exclusive_group()
+    quant.add_argument(
+        "--load-in-4bit",
+        "--load_in_4bit",
+        action="store_true",
+        help="QLoRA: LoRA on base weights stored as bitsandbytes 4-bit (NF4/FP4: 0.5 byte a weight and a float32 "
+        "absmax per 64), the embedding and LM head in the compute dtype, the adapters bfloat16 (TRL's cast); "
+        "estimates only",
+    )
+    quant.add_argument(
+        "--load-in-8bit", "--load_in_8bit", action="store_true", help="LoRA on LLM.int8 base weights; estimates only"
+    )
+    p.add_argument(
+        "--use-bnb-nested-quant",
+        "--use_bnb_nested_quant",
+        action="store_true",
+        help="with --load-in-4bit: double quantization (the absmax in a byte per 64 weights)",
+    )
     p.add_argument(
         "--offload",
         action="store_true",
@@ -122,7 +146,24 @@ def build_parser() -> argparse.ArgumentParser:
         "as the engine allows itself)",
     )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 (float32 on the CPU)")
-    p.add_argument("--optimizer", choices=OPTIMIZER_BYTES, default="none", help="optimizer state held during the step")
+    p.add_argument(
+        "--optimizer",
+        "--optim",
+        choices=OPTIMIZER_CHOICES,
+        default=DEFAULT_OPTIMIZER,
+        metavar="OPTIM",
+        help=f"the optimizer whose state the step holds, by TrainingArguments' optim name (default "
+        f"{DEFAULT_OPTIMIZER}, TRL's: for full fine-tuning the state of every weight, for LoRA the adapters'), in the "
+        "trained parameters' dtype where it follows it (AdamW: 2 moments of it); none: the forward+backward alone. "
+        f"One of: {', '.join(OPTIMIZER_CHOICES)}",
+    )
+    p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="the optimizer state in host memory (DeepSpeed's offload_optimizer, configs/accelerate/zero3_offload.yaml"
+        "): none of it on the GPU (the weights and gradients counted there all the same: an upper bound under ZeRO-3, "
+        "which also offloads the weights)",
+    )
     p.add_argument(
         "--gradient-accumulation-steps",
         type=_positive,
@@ -162,13 +203,14 @@ def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step:
     """Why not even ``step`` tokens fit in ``budget``: the weights, gradients and optimizer state alone (the
     gradients counted whether or not the backward forms them: every one is there at its end), or the step's peak at
     ``step`` tokens."""
-    static = mm.static_bytes(shape, dataclasses.replace(setup, pending_grads=False))
-    held = "the weights and gradients" + (" and optimizer states" if setup.optimizer_bytes_per_param else "")
+    static = max(
+        mm.static_bytes(shape, dataclasses.replace(setup, pending_grads=False)), mm.optimizer_step_bytes(shape, setup)
+    )
+    state = setup.optimizer != "none" and not setup.optimizer_offload
+    held = f"the weights, gradients and {setup.optimizer} state" if state else "the weights and gradients"
     if static > budget:
-        return (
-            f"{held} alone need {human(static)} ({shape.params / 1e9:.2f}B parameters), above the budget of "
-            f"{human(budget)}: try --lora or a larger --gpu-memory"
-        )
+        params = f"{shape.params / 1e9:.2f}B parameters"
+        return f"{held} alone need {human(static)} ({params}), above the budget of {human(budget)}"
     peak = mm.estimate_peak_bytes(shape, setup, step)
     return f"{step:,} tokens need {human(peak)} ({held}: {human(static)}), above the budget of {human(budget)}"
 
@@ -188,7 +230,22 @@ def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], b
                 "why": None if length else _why_none_fits(shape, setup, budget, args.step),
             }
         )
-    return {"kind": "estimated", "budget_bytes": budget, "rows": rows}
+    result = {"kind": "estimated", "budget_bytes": budget, "rows": rows}
+    if not any(row["max_len"] for row in rows):
+        result["instead"] = instead(args, shape, budget)
+    return result
+
+
+def instead(args: argparse.Namespace, shape: mm.ModelShape, budget: int) -> list[dict[str, Any]]:
+    """Where no mode fits: each other recipe (:func:`.max_len_rows.alternatives`) with the longest length it fits
+    by the same memory model, streamed and with TRL's default."""
+    found = []
+    for words, other in alternatives(args):
+        lengths = {
+            mode: max_len(shape, row_setup(mode, other), budget, step=args.step) for mode in ("stream", "trl-default")
+        }
+        found.append({"recipe": words, **lengths})
+    return found
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -221,8 +278,9 @@ def measured(args: argparse.Namespace, shape: mm.ModelShape | None, modes: list[
     from tqdm.auto import tqdm
 
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
-    trainable = shape.params if shape is not None and not args.lora else 0  # an optimizer placeholder of this size
-    reserve = trainable * OPTIMIZER_BYTES[args.optimizer]
+    # the optimizer state, a placeholder of its size held through each trial (in the dtype the trials run)
+    as_run = argparse.Namespace(**{**vars(args), "dtype": dtype})
+    reserve = mm.optimizer_bytes(shape, row_setup(modes[0], as_run)) if shape is not None else 0
     width = max(len(row_label(mode, args)) for mode in modes)
     rows, all_trials = [], []
     for mode in modes:
@@ -308,6 +366,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device = "cuda" if torch.cuda.is_available() and args.gpu_memory is None else "estimate"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available (without one, max-len estimates)")
+    if device != "estimate" and quantized(args):
+        parser.error("--load-in-4bit/--load-in-8bit are estimated only (pass --gpu or --gpu-memory): a measured "
+                     "trial builds random weights of the model's shape, unquantized")  # fmt: skip
+    if args.use_bnb_nested_quant and not args.load_in_4bit:
+        parser.error("--use-bnb-nested-quant goes with --load-in-4bit")
     if device == "cpu" and args.budget is None:
         parser.error("--device cpu needs --budget (e.g. 512MiB): the CPU has no out-of-memory error to bisect on")
     shape = _shape(args.model)

@@ -7,7 +7,7 @@ from typing import Any
 
 from streambp_trl.sizing import memory_model as mm
 
-from .max_len_rows import CUDA_RESERVE_GIB, DEFAULT_GPU, DEFAULT_GPU_MEMORY, GPUS, OFFLOAD_ROW, human
+from .max_len_rows import CUDA_RESERVE_GIB, DEFAULT_GPU, DEFAULT_GPU_MEMORY, GPUS, OFFLOAD_ROW, human, training
 from .plans import render_plans
 
 
@@ -25,7 +25,9 @@ def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
             zero.setdefault(row["why"], []).append(row["label"])
     for why, labels in zero.items():
         who = "every mode" if len(labels) == len(rows) > 1 else "; ".join(labels)
-        notes.append(f"0 for {who}: {why}.")
+        notes.append(
+            f"0 for {who}: {why}." if "instead" not in result else f"Fits at no length: {why}. {_instead(result)}"
+        )
     if args.offload and result["kind"] == "estimated":
         notes.append("--offload changes nothing here: an estimate always has the stream + offload row.")
     k = args.keep_every or 1
@@ -38,11 +40,21 @@ def _notes(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return notes
 
 
+def _instead(result: dict[str, Any]) -> str:
+    """What would fit instead, with its lengths (streamed; TRL's default), in one sentence."""
+    each = [f"{i['recipe']}: {i['stream']:,} ({i['trl-default']:,})" for i in result["instead"] if i["stream"]]
+    each += [f"{i['recipe']}: none either" for i in result["instead"] if not i["stream"]]
+    return f"Instead (the longest length streamed, with TRL's default in brackets): {'; '.join(each)}." if each else ""
+
+
 def render(result: dict[str, Any], args: argparse.Namespace) -> str:
-    training = "LoRA" if args.lora else "full fine-tuning"
-    what = f"{args.model}, {args.objective.upper()} ({training}), one forward+backward, batch 1"
-    if args.optimizer != "none":
-        what += f", {args.optimizer} states held"
+    what = f"{args.model}, {args.objective.upper()} ({training(args)}), one forward+backward, batch 1"
+    if args.optimizer == "none":
+        what += ", no optimizer state (--optimizer none: the forward+backward alone)"
+    elif getattr(args, "offload_optimizer", False):
+        what += f", {args.optimizer} state in host memory (none on the GPU)"
+    else:
+        what += f", {args.optimizer} state held (what its first step allocates)"
     sizes = [r[k] or 0 for r in result["rows"] for k in ("peak_bytes", "host_bytes")] + [result["budget_bytes"] or 0]
     unit = "GiB" if max(sizes) >= 2**30 else "MiB"
     if result["kind"] == "estimated":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing import optimizers
 
 from .spec import Mode
 
@@ -18,7 +19,11 @@ _LABELS = {
 # a row by its memory-model name (the --mode choices, the rows of the output) -> (its measured mode, its label)
 ROWS: dict[str, tuple[Mode, str]] = {mode.memory_model_mode: (mode, label) for mode, label in _LABELS.items()}
 OFFLOAD_ROW = Mode.STREAM_OFFLOAD.memory_model_mode  # the row --offload adds to a measured run
-OPTIMIZER_BYTES = {"none": 0, "adamw": 8, "adamw-8bit": 2}  # state bytes per trainable parameter
+# --optimizer: TrainingArguments' optim names whose state the memory model sizes (streambp_trl.sizing.optimizers),
+# max-len's earlier spellings adamw / adamw-8bit, and none (the forward+backward alone); TRL's default by default
+OPTIMIZER_CHOICES = (*optimizers.OPTIMIZERS, *optimizers.ALIASES)
+DEFAULT_OPTIMIZER = optimizers.DEFAULT
+ZERO3_OFFLOAD_CONFIG = "configs/accelerate/zero3_offload.yaml"
 # cards by the memory their makers state ("80 GB", "141 GB"), which is GiB: an H100's 80 GB is 80 GiB, of which
 # nvidia-smi shows 79.6; an H200's 141 GB shows 140.4
 GPUS = {"a100-40gb": 40, "a100-80gb": 80, "h100": 80, "h200": 141}
@@ -42,19 +47,60 @@ def row_label(mode: str, args: argparse.Namespace) -> str:
     return label
 
 
+def quantized(args: argparse.Namespace) -> str | None:
+    """The base weights' storage ``--load-in-4bit`` / ``--load-in-8bit`` ask for (:data:`memory_model.QUANTIZED`)."""
+    if getattr(args, "load_in_4bit", False):
+        return "4bit-nested" if getattr(args, "use_bnb_nested_quant", False) else "4bit"
+    return "8bit" if getattr(args, "load_in_8bit", False) else None
+
+
+def training(args: argparse.Namespace) -> str:
+    """What is trained, in words: ``full fine-tuning``, ``LoRA`` or ``QLoRA (4-bit base)``."""
+    kind = quantized(args)
+    if kind is not None:
+        return f"QLoRA ({'8-bit' if kind == '8bit' else '4-bit'} base)"
+    return "LoRA" if args.lora else "full fine-tuning"
+
+
 def row_setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
     stream = ROWS[mode][0].streams
+    kind = quantized(args)
     return mm.StepSetup(
         mode=mode,
         objective=args.objective,
-        lora=args.lora,
+        lora=args.lora or kind is not None,
         dtype_bytes=4 if args.dtype == "float32" else 2,
         chunk=args.chunk if stream else None,
         logits_chunk=(args.logits_chunk or args.chunk) if stream else None,
-        optimizer_bytes_per_param=OPTIMIZER_BYTES[args.optimizer],
+        optimizer=args.optimizer,
+        optimizer_offload=getattr(args, "offload_optimizer", False),
+        quantized=kind,
         keep_every=(args.keep_every or 1) if stream else 1,
         pending_grads=stream and args.gradient_accumulation_steps == 1,
     )
+
+
+# what would fit where a recipe fits at no length: (words, the arguments changed)
+ALTERNATIVES = (
+    ("8-bit AdamW (--optimizer adamw_8bit)", {"optimizer": "adamw_8bit"}),
+    (
+        f"the optimizer state in host memory (--offload-optimizer: ZeRO-3 offload, {ZERO3_OFFLOAD_CONFIG})",
+        {"offload_optimizer": True},
+    ),
+    ("LoRA (--lora)", {"lora": True}),
+    ("QLoRA (--load-in-4bit)", {"lora": True, "load_in_4bit": True, "load_in_8bit": False}),
+)
+
+
+def alternatives(args: argparse.Namespace) -> list[tuple[str, argparse.Namespace]]:
+    """The recipes of :data:`ALTERNATIVES` that differ from ``args``' own, each as its arguments (the rest kept)."""
+    own = row_setup("stream", args)
+    found = []
+    for words, changes in ALTERNATIVES:
+        other = argparse.Namespace(**{**vars(args), **changes})
+        if row_setup("stream", other) != own:
+            found.append((words, other))
+    return found
 
 
 def human(n_bytes: float) -> str:

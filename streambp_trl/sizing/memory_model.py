@@ -4,10 +4,13 @@ Everything is counted in buffers the step allocates, per token of the micro-batc
 chunk token, in the parameter dtype (``db`` bytes; float32 statistics where the engine keeps them), with the CUDA
 caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA context):
 
-* static: weights ``P db``, parameter gradients ``P_train db`` (held through the step where the model holds them when
-  it starts, as a micro-step of gradient accumulation after the first; otherwise, ``pending_grads``, each counted
-  from the moment the backward forms it), optimizer state; with LoRA, the adapters and their gradients in float32
-  (PEFT's upcast of half-precision adapters).
+* static (:mod:`.setup`): weights ``P db`` (quantized base weights at their stored size), parameter gradients
+  ``P_train db`` (held through the step where the model holds them when it starts, as a micro-step of gradient
+  accumulation after the first; otherwise, ``pending_grads``, each counted from the moment the backward forms it),
+  the optimizer state of ``TrainingArguments.optim`` in the trained parameters' dtype (:mod:`.optimizers`); with
+  LoRA, the adapters and their gradients in float32 (PEFT's upcast of half-precision adapters; bfloat16 beside
+  quantized weights, TRL's cast). The optimizer step's own moment (every gradient and the state, and what ``step()``
+  allocates) is a floor of the peak (:func:`.setup.optimizer_step_bytes`).
 * stream (``enable_streambp``), the larger of the forward's peak and the backward's. The forward's
   (:mod:`.forward`): the top layer of each kind running its first chunk, whose linear outputs (with LoRA, their
   float32 adapter products) the engine's unread-output check keeps until the chunk ends, beside the inputs of every
@@ -46,7 +49,6 @@ it (``tests/test_memory_model.py``, ``benchmarks/sim_qwen3_bf16.jsonl``, ``bench
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Collection
 
 from ..logits.eager import eager_rows
@@ -61,6 +63,21 @@ from .mixers import (
     ssm_chunk_token_bytes,
 )
 from .model_shape import ModelShape
+from .setup import (
+    HEAD_FORMS,
+    LORA_RANK,
+    MODES,
+    OBJECTIVES,
+    QUANTIZED,
+    StepSetup,
+    dequantized_bytes,
+    lora_layer_params,
+    optimizer_bytes,
+    optimizer_step_bytes,
+    static_bytes,
+    trained_params,
+    weight_bytes,
+)
 from .units import UNITS, GiB, gib, parse_budget, parse_size
 
 __all__ = [
@@ -69,99 +86,28 @@ __all__ = [
     "HEAD_FORMS",
     "MODES",
     "OBJECTIVES",
+    "QUANTIZED",
     "UNITS",
     "ModelShape",
     "StepSetup",
+    "dequantized_bytes",
     "estimate_activation_bytes",
     "estimate_host_bytes",
     "estimate_peak_bytes",
     "gib",
     "head_backward_bytes",
     "lora_layer_params",
+    "optimizer_bytes",
+    "optimizer_step_bytes",
     "parse_budget",
     "parse_size",
     "static_bytes",
+    "trained_params",
+    "weight_bytes",
 ]
 
-MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
-OBJECTIVES = ("sft", "dpo", "grpo")
 _VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
-HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
-_LORA_RANK = 16
-_ADAPTER_BYTES = 4  # PEFT keeps LoRA adapters in float32 beside a half-precision base (autocast_adapter_dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSetup:
-    """How the step runs. ``chunk``/``logits_chunk`` ``None`` (stream modes): the smallest chunk of :data:`CHUNKS`,
-    which ``"auto"`` takes at the longest lengths a budget allows."""
-
-    mode: str = "stream"
-    objective: str = "sft"
-    lora: bool = False
-    dtype_bytes: int = 2
-    chunk: int | None = None
-    logits_chunk: int | None = None
-    optimizer_bytes_per_param: int = 0  # e.g. 8 for AdamW's two float32 moments of every trainable parameter
-    keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.kept.segments)
-    drop: int = 0  # stream modes: layers below the top one whose input is rebuilt (.layout.Layout)
-    head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
-    # stream modes: no parameter gradient is allocated when the step starts (a trainer's zero_grad(set_to_none=True)
-    # between optimizer steps, every micro-step with gradient_accumulation_steps=1): each is counted from the moment
-    # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
-    pending_grads: bool = False
-    capture: bool = False  # stream mode: every layer keeps its keys/values from its forward (kv_mode="capture")
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
-        if self.head_form not in HEAD_FORMS:
-            raise ValueError(f"head_form must be one of {HEAD_FORMS}, got {self.head_form!r}.")
-
-    @property
-    def rows(self) -> int:
-        """Sequences per micro-batch: DPO scores the chosen and the rejected completion together."""
-        return 2 if self.objective == "dpo" else 1
-
-    @property
-    def offload(self) -> bool:
-        return self.mode == "stream+offload"
-
-
-def _lora_params(shape: ModelShape) -> int:
-    """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer (a Gated DeltaNet layer's:
-    its four input projections and its output projection; a lightning attention layer's: qkv_proj, output_gate,
-    out_proj; a Mamba v1 layer's: in_proj, x_proj, dt_proj, out_proj)."""
-    q, kv, i = shape.heads * shape.head_dim, shape.kv_dim, shape.intermediate
-    mlp = (shape.hidden + i) * 3
-    full = (shape.hidden + q) * 2 + (shape.hidden + kv) * 2 + mlp
-    value, v_heads = shape.linear_v_heads * shape.linear_v_dim, shape.linear_v_heads
-    linear = 5 * shape.hidden + shape.conv_dim + 2 * value + 2 * v_heads + mlp
-    lightning = 3 * shape.hidden + 5 * q + mlp
-    inner, rank = shape.ssm_inner, shape.ssm_dt_rank
-    ssm = 2 * shape.hidden + 4 * inner + 2 * rank + 2 * shape.ssm_state + (mlp if shape.ssm_mlp else 0)
-    mixers = len(shape.linear_layers) * linear + len(shape.lightning_layers) * lightning + len(shape.ssm_layers) * ssm
-    return (shape.full_layers * full + mixers) * _LORA_RANK
-
-
-def lora_layer_params(shape: ModelShape) -> int:
-    """Adapter parameters of one decoder layer, on average (:func:`_lora_params` over the layers)."""
-    return _lora_params(shape) // shape.layers
-
-
-def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
-    """Weights, parameter gradients (unless ``setup.pending_grads`` in a stream mode: the activations' estimate counts
-    them as the backward forms them) and optimizer state. LoRA: the base weights in the parameter dtype, the adapters
-    and their gradients in float32 at least (PEFT upcasts half-precision adapters)."""
-    weights = shape.params * setup.dtype_bytes
-    grads = 0 if setup.pending_grads and setup.mode.startswith("stream") else 1
-    if setup.lora:
-        adapter_bytes = max(setup.dtype_bytes, _ADAPTER_BYTES)
-        return weights + _lora_params(shape) * ((1 + grads) * adapter_bytes + setup.optimizer_bytes_per_param)
-    return weights + shape.params * (grads * setup.dtype_bytes + setup.optimizer_bytes_per_param)
 
 
 def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
@@ -270,7 +216,7 @@ def estimate_activation_bytes(
         return inputs + _per_token_bytes(shape, db) * n + head_grad
 
     chunk_rows = min(chunk, n)
-    fresh_grad = (shape.hidden if layer_trained_params is None else _LORA_RANK) * shape.intermediate * db
+    fresh_grad = (shape.hidden if layer_trained_params is None else LORA_RANK) * shape.intermediate * db
     mlp = chunk_rows * _chunk_token_bytes(shape, db) + fresh_grad
     peaks = []
     if shape.plain_attention_layers:
@@ -383,7 +329,8 @@ def _checkpointing_bytes(shape: ModelShape, setup: StepSetup, n: int) -> int:
 def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
     """Peak device bytes (``torch.cuda.max_memory_allocated``) of one step at ``seq_len`` tokens per sequence:
     :func:`static_bytes` plus the activations' peak, in stream modes the larger of the forward's and the backward's
-    (:func:`estimate_activation_bytes`)."""
+    (:func:`estimate_activation_bytes`), or the optimizer step's moment where that is more
+    (:func:`optimizer_step_bytes`)."""
     n = setup.rows * seq_len
     if setup.mode.startswith("stream"):
         chunk = setup.chunk or CHUNKS[0]  # None: the smallest, where "auto" ends up at the longest lengths
@@ -405,7 +352,7 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
-    return static_bytes(shape, setup) + activations
+    return max(static_bytes(shape, setup) + activations, optimizer_step_bytes(shape, setup))
 
 
 def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:

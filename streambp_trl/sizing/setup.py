@@ -1,0 +1,176 @@
+"""How a training step runs (:class:`StepSetup`) and what it holds beside its activations (:func:`static_bytes`): the
+weights (quantized ones at their stored size), the parameter gradients, LoRA adapters and the optimizer's state
+(:mod:`.optimizers`); and the optimizer step's own moment (:func:`optimizer_step_bytes`). Part of the memory model
+(:mod:`.memory_model`, which exports these names).
+
+Quantized base weights (bitsandbytes through transformers' ``BitsAndBytesConfig``, :data:`QUANTIZED`), the layers'
+linear weights stored as
+
+* ``4bit`` (NF4 or FP4): two weights a byte and a float32 absmax per block of 64, ``0.5 + 4/64`` bytes a weight;
+  ``4bit-nested`` (``bnb_4bit_use_double_quant``, TRL's ``use_bnb_nested_quant``): the absmax quantized to a byte
+  with a float32 absmax of its own per 256 blocks, ``0.5 + 1/64 + 4/(64 x 256)``;
+* ``8bit`` (LLM.int8): a byte a weight and a float32 scale per output row.
+
+The embedding (an ``nn.Embedding``, never replaced) and the LM head (transformers leaves the output embeddings
+unquantized: ``llm_int8_skip_modules`` defaults to them; a tied head is the embedding) stay in the compute dtype;
+the decoder layers' norms, counted with the quantized weights, are 0.004% of Qwen3-8B. Each quantized linear layer's
+forward and backward dequantize its weight into the compute dtype, one layer at a time: the widest such weight
+(``hidden x intermediate``, 96 MiB for Qwen3-8B in bfloat16) is counted as held through the step, an upper bound by
+that much. TRL casts the adapters of a quantized model to bfloat16 (its trainers, following the QLoRA paper), so
+their gradients and optimizer state are 2-byte; beside an unquantized half-precision base PEFT keeps them float32.
+``prepare_model_for_kbit_training``, which TRL's trainers do not call, would also cast the embedding, the head and the
+norms to float32 (2 more bytes each: 2.3 GiB for Qwen3-8B's untied head and embedding): not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import optimizers
+from .model_shape import ModelShape
+
+MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
+OBJECTIVES = ("sft", "dpo", "grpo")
+HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
+LORA_RANK = 16
+_ADAPTER_BYTES = 4  # PEFT keeps LoRA adapters in float32 beside a half-precision base (autocast_adapter_dtype)
+_QUANTIZED_ADAPTER_BYTES = 2  # TRL casts a quantized model's adapters to bfloat16
+# bytes a quantized linear weight takes (its scales included; 8-bit's per-row scale is added per output row)
+QUANTIZED = {"4bit": 0.5 + 4 / 64, "4bit-nested": 0.5 + 1 / 64 + 4 / (64 * 256), "8bit": 1.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSetup:
+    """How the step runs. ``chunk``/``logits_chunk`` ``None`` (stream modes): the smallest chunk of
+    :data:`~.memory_model.CHUNKS`, which ``"auto"`` takes at the longest lengths a budget allows. ``optimizer``: the
+    ``TrainingArguments.optim`` whose state the step holds (:mod:`.optimizers`; ``"none"``: the forward+backward
+    alone), ``optimizer_offload``: that state in host memory (DeepSpeed's ``offload_optimizer``), none on the device.
+    ``quantized``: the base weights' storage (:data:`QUANTIZED`; LoRA adapters are then what is trained)."""
+
+    mode: str = "stream"
+    objective: str = "sft"
+    lora: bool = False
+    dtype_bytes: int = 2
+    chunk: int | None = None
+    logits_chunk: int | None = None
+    optimizer: str = "none"
+    keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.kept.segments)
+    drop: int = 0  # stream modes: layers below the top one whose input is rebuilt (.layout.Layout)
+    head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
+    # stream modes: no parameter gradient is allocated when the step starts (a trainer's zero_grad(set_to_none=True)
+    # between optimizer steps, every micro-step with gradient_accumulation_steps=1): each is counted from the moment
+    # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
+    pending_grads: bool = False
+    capture: bool = False  # stream mode: every layer keeps its keys/values from its forward (kv_mode="capture")
+    optimizer_offload: bool = False
+    quantized: str | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
+        if self.head_form not in HEAD_FORMS:
+            raise ValueError(f"head_form must be one of {HEAD_FORMS}, got {self.head_form!r}.")
+        if self.quantized is not None and (self.quantized not in QUANTIZED or not self.lora):
+            raise ValueError(f"quantized must be one of {tuple(QUANTIZED)}, with lora=True; got {self.quantized!r}.")
+        object.__setattr__(self, "optimizer", optimizers.canonical(self.optimizer))
+
+    @property
+    def rows(self) -> int:
+        """Sequences per micro-batch: DPO scores the chosen and the rejected completion together."""
+        return 2 if self.objective == "dpo" else 1
+
+    @property
+    def offload(self) -> bool:
+        return self.mode == "stream+offload"
+
+    @property
+    def trained_bytes(self) -> int:
+        """Bytes of a trained element: the parameter dtype; LoRA adapters float32 at least (PEFT's upcast), or
+        bfloat16 beside quantized weights (TRL's cast)."""
+        if not self.lora:
+            return self.dtype_bytes
+        return _QUANTIZED_ADAPTER_BYTES if self.quantized else max(self.dtype_bytes, _ADAPTER_BYTES)
+
+
+def _lora_params(shape: ModelShape) -> int:
+    """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer (a Gated DeltaNet layer's:
+    its four input projections and its output projection; a lightning attention layer's: qkv_proj, output_gate,
+    out_proj; a Mamba v1 layer's: in_proj, x_proj, dt_proj, out_proj)."""
+    q, kv, i = shape.heads * shape.head_dim, shape.kv_dim, shape.intermediate
+    mlp = (shape.hidden + i) * 3
+    full = (shape.hidden + q) * 2 + (shape.hidden + kv) * 2 + mlp
+    value, v_heads = shape.linear_v_heads * shape.linear_v_dim, shape.linear_v_heads
+    linear = 5 * shape.hidden + shape.conv_dim + 2 * value + 2 * v_heads + mlp
+    lightning = 3 * shape.hidden + 5 * q + mlp
+    inner, rank = shape.ssm_inner, shape.ssm_dt_rank
+    ssm = 2 * shape.hidden + 4 * inner + 2 * rank + 2 * shape.ssm_state + (mlp if shape.ssm_mlp else 0)
+    mixers = len(shape.linear_layers) * linear + len(shape.lightning_layers) * lightning + len(shape.ssm_layers) * ssm
+    return (shape.full_layers * full + mixers) * LORA_RANK
+
+
+def lora_layer_params(shape: ModelShape) -> int:
+    """Adapter parameters of one decoder layer, on average (:func:`_lora_params` over the layers)."""
+    return _lora_params(shape) // shape.layers
+
+
+def trained_params(shape: ModelShape, setup: StepSetup) -> int:
+    """Parameters the step trains: the adapters with LoRA, else every one."""
+    return _lora_params(shape) if setup.lora else shape.params
+
+
+def weight_bytes(shape: ModelShape, setup: StepSetup) -> int:
+    """The model's weights (not the adapters): every parameter in the parameter dtype, or with quantized base
+    weights, the decoder layers' at their stored size (:data:`QUANTIZED`) beside the embedding and head in the
+    compute dtype, plus the widest weight dequantized (see the module docstring)."""
+    db = setup.dtype_bytes
+    if setup.quantized is None:
+        return shape.params * db
+    quantized = shape.params - shape.embedding_params
+    stored = math.ceil(quantized * QUANTIZED[setup.quantized])
+    if setup.quantized == "8bit":
+        stored += 4 * quantized // max(shape.hidden, 1)  # a float32 scale per output row (rows ~ params / hidden)
+    return shape.embedding_params * db + stored + dequantized_bytes(shape, setup)
+
+
+def dequantized_bytes(shape: ModelShape, setup: StepSetup) -> int:
+    """The widest quantized weight dequantized into the compute dtype, as each quantized linear layer's forward and
+    backward make it (0 without quantized weights)."""
+    if setup.quantized is None:
+        return 0
+    return shape.hidden * max(shape.intermediate, shape.heads * shape.head_dim, shape.ssm_inner) * setup.dtype_bytes
+
+
+def optimizer_bytes(shape: ModelShape, setup: StepSetup) -> int:
+    """The optimizer state on the device (:mod:`.optimizers`, in the trained parameters' dtype where it follows it);
+    0 when it is offloaded to host memory."""
+    if setup.optimizer_offload:
+        return 0
+    narrow = LORA_RANK if setup.lora else min(shape.hidden, shape.kv_dim or shape.hidden)
+    each = optimizers.OPTIMIZERS[setup.optimizer].element_bytes(setup.trained_bytes, narrow)
+    return math.ceil(trained_params(shape, setup) * each)
+
+
+def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
+    """Weights (:func:`weight_bytes`), parameter gradients (unless ``setup.pending_grads`` in a stream mode: the
+    activations' estimate counts them as the backward forms them) and optimizer state (:func:`optimizer_bytes`). LoRA:
+    the adapters and their gradients at :attr:`StepSetup.trained_bytes`."""
+    grads = 0 if setup.pending_grads and setup.mode.startswith("stream") else 1
+    adapters = _lora_params(shape) * setup.trained_bytes if setup.lora else 0
+    trained = trained_params(shape, setup) * setup.trained_bytes
+    return weight_bytes(shape, setup) + adapters + grads * trained + optimizer_bytes(shape, setup)
+
+
+def optimizer_step_bytes(shape: ModelShape, setup: StepSetup) -> int:
+    """Device bytes while ``optimizer.step()`` runs, after the backward: the weights, adapters, every gradient, the
+    state and what the step allocates beside it (torch's foreach AdamW: a moment of every parameter; Adafactor: float32
+    copies of the largest trained matrix, the embedding in full fine-tuning); nothing beyond the state for the fused
+    AdamW and bitsandbytes' optimizers, or where the state is offloaded (the step runs on the host)."""
+    held = static_bytes(shape, dataclasses.replace(setup, pending_grads=False))
+    if setup.optimizer_offload:
+        return held
+    largest = shape.intermediate * LORA_RANK if setup.lora else shape.vocab * shape.hidden
+    each = optimizers.OPTIMIZERS[setup.optimizer]
+    return held + each.step_bytes(trained_params(shape, setup), setup.trained_bytes, largest)
