@@ -17,10 +17,18 @@ from the moment the backward forms it (``pending_grads``: the top layer's backwa
 and its own, not every layer's); where some do, the missing ones are counted as held through the step. The two are
 planned apart (a micro-step after the first may take another plan). On a CUDA device what is allocated when the
 call starts counts too (with a budget, where it is more than the weights and gradients: optimizer state, a reference
-model's buffers), and a call that finds another whole number of GiB allocated is planned again: the first step's plan
-is made before the optimizer has allocated its state, which the next steps hold.
+model's buffers), and a call that finds another whole number of GiB allocated is planned again.
 * without any memory figure (another device type, or a model whose config lacks the usual size fields): the user's
   choices, else an eighth of the sequence clamped to [512, 4096] (:func:`rule_of_thumb`), every input kept.
+
+The optimizer's state is counted from the first step: a trainer names its optimizer
+(:meth:`AutoChunks.count_optimizer`, ``TrainingArguments.optim``), and until the optimizer has allocated the state
+(at its first ``step()``, after the first backward) each plan reserves what it will allocate
+(:func:`.optimizers.state_bytes`, the rule the memory model and ``max-len`` count it by: trained parameters x bytes
+per element of their dtype); once allocated, the state is counted at its tensors' bytes, which a CUDA device's
+allocation already holds (``held`` is the larger of the two counts, never their sum). So the first step runs the plan
+every later step runs, and a length that fits only before the state exists is refused before the first step rather
+than running out of memory at the second.
 
 Offload's pinned host memory must fit :func:`host_room`. Where nothing fits, a call with grad raises before its step
 (naming the longest length each way of running allows) when the figure is a budget or a CUDA device's free memory;
@@ -42,6 +50,7 @@ from torch import nn
 from transformers.utils import logging
 
 from . import memory_model as mm
+from . import optimizers
 from .layout import Layout
 from .plan import Planner, StepPlan, margin
 from .units import GiB, size_text
@@ -94,6 +103,8 @@ class AutoChunks:
         self._model = weakref.ref(model)
         self.budget, self.offload, self.keep_every, self.chunk = budget, offload, keep_every, chunk
         self.kv_mode = kv_mode
+        self.optim: str | None = None  # the optimizer whose state the plans count (count_optimizer)
+        self._owner = _gone
         self._chosen: dict[tuple, StepPlan] = {}
         self._latest: dict[tuple[int, int], StepPlan] = {}
         self.last: int | None = None  # the latest chunk chosen (what the trainers log)
@@ -135,12 +146,29 @@ class AutoChunks:
         return copy
 
     def __getstate__(self) -> dict:
-        """Pickled (``torch.save`` of a streaming model) with the model itself, which pickle stores once."""
-        return {**self.__dict__, "_model": self._model()}
+        """Pickled (``torch.save`` of a streaming model) with the model itself, which pickle stores once; without the
+        optimizer's owner (a trainer: :meth:`count_optimizer`), whose state a loaded copy no longer sees."""
+        return {**self.__dict__, "_model": self._model(), "_owner": None}
 
     def __setstate__(self, state: dict) -> None:
         model = state.pop("_model")
-        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _gone)
+        state.pop("_owner", None)
+        self.__dict__.update(state, _model=weakref.ref(model) if model is not None else _gone, _owner=_gone)
+
+    def count_optimizer(self, optim: object, owner: object | None = None) -> None:
+        """Count the state of the optimizer ``optim`` (``TrainingArguments.optim``, :data:`.optimizers.OPTIMIZERS`)
+        in every plan from the first: ``owner`` (kept by weak reference) is what holds the optimizer once built as
+        its ``optimizer`` attribute (a trainer), whose allocated state is counted as it is."""
+        self.optim = optimizers.canonical(optim)
+        self._owner = weakref.ref(owner) if owner is not None else _gone
+
+    def optimizer_state(self) -> tuple[int, int]:
+        """``(all, pending)``: device bytes of the counted optimizer's state, and of those the bytes it has not
+        allocated yet (:func:`.optimizers.state_bytes`); ``(0, 0)`` when no optimizer is counted."""
+        model = self._model()
+        if self.optim is None or model is None:
+            return 0, 0
+        return optimizers.state_bytes(model.parameters(), self.optim, getattr(self._owner(), "optimizer", None))
 
     def choose(self, rows: int, seq_len: int, device: torch.device) -> int:
         """The chunk of the latest plan for (``rows``, ``seq_len``), planning one (with every layout open) if none."""
@@ -157,6 +185,7 @@ class AutoChunks:
         model = self._model()
         pending = model is not None and _grads_pending(list(model.parameters()))
         allocated = allocated_bytes(device)
+        state = self.optimizer_state() if grad else (0, 0)  # (a call without grad: no optimizer step follows)
         key = (
             rows,
             seq_len,
@@ -165,12 +194,14 @@ class AutoChunks:
             device.type,
             pending,
             None if allocated is None else allocated // REPLAN_STEP,
+            state[0] // REPLAN_STEP,
+            state[1] > 0,
         )
         if key not in self._chosen:
             if len(self._chosen) > 256:
                 self._chosen.clear()
                 self._latest.clear()
-            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, allocated)
+            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, allocated, state)
         plan = self._chosen[key]
         self._latest[(rows, seq_len)] = self.last_plan = plan
         self.last = plan.chunk
@@ -191,9 +222,10 @@ class AutoChunks:
         grad: bool,
         pending: bool,
         allocated: int | None,
+        state: tuple[int, int] = (0, 0),
     ) -> StepPlan:
         model = self._model()
-        figure = self._room(model, device, pending, allocated)
+        figure = self._room(model, device, pending, allocated, state)
         if figure is None or self.shape is None or model is None:
             return self._fixed(seq_len)
         room, held, total = figure
@@ -243,32 +275,40 @@ class AutoChunks:
         where = "memory_budget" if self.budget is not None else "the free device memory"
         raise ValueError(
             f"StreamBP: {rows} x {seq_len:,} tokens fit in no way of running within {where} ({size_text(room)} "
-            f"for activations beside {size_text(held)} of weights and gradients, less a {size_text(margin(total))} "
+            f"for activations beside {size_text(held)} of weights, gradients and optimizer state, less a "
+            f"{size_text(margin(total))} "
             "margin). Longest lengths per sequence that would fit: "
             + "; ".join(f"{way}: {tokens:,}" for way, tokens in longest.items())
             + ". Shorten max_length, or set the option named, or a larger memory_budget."
         )
 
     def _room(
-        self, model: nn.Module | None, device: torch.device, pending: bool, allocated: int | None
+        self,
+        model: nn.Module | None,
+        device: torch.device,
+        pending: bool,
+        allocated: int | None,
+        state: tuple[int, int] = (0, 0),
     ) -> tuple[int, int, int] | None:
-        """``(room, held, total)``: bytes the call's activations may take, what is held beside them (the weights and
-        gradients, or what the device has allocated when more: ``allocated``) and the device's whole figure the margin
-        is taken of; or None when no memory figure is known. ``pending``: the gradients are counted with the
-        activations, as the backward forms them."""
+        """``(room, held, total)``: bytes the call's activations may take, what is held beside them (the weights,
+        gradients and optimizer ``state``, or what the device has allocated and the state yet to be allocated, when
+        more: ``allocated``) and the device's whole figure the margin is taken of; or None when no memory figure is
+        known. ``pending``: the gradients are counted with the activations, as the backward forms them. ``state``:
+        :meth:`optimizer_state`, whose pending part the free memory does not hold yet."""
         if model is None:
             return None
         params = list(model.parameters())
-        held = sum(p.numel() * p.element_size() for p in params)
+        everything, unallocated = state
+        held = sum(p.numel() * p.element_size() for p in params) + everything
         if not pending:
             held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        held = max(held, allocated or 0)
+        held = max(held, (allocated or 0) + unallocated)
         if self.budget is not None:
             return self.budget - held, held, self.budget
         free = free_bytes(device)
         if free is None:
             return None
-        missing = 0 if pending else _missing_grad_bytes(params)
+        missing = (0 if pending else _missing_grad_bytes(params)) + unallocated
         return free - missing, held, free + held - missing
 
 

@@ -140,8 +140,8 @@ def state_bytes(params: Iterable[torch.nn.Parameter], optim: object, optimizer=N
         state = states.get(p) if isinstance(states, dict) else None
         if state:
             for t in state.values():
-                if torch.is_tensor(t) and t.device == p.device and t.dim() > 0 and t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
+                if torch.is_tensor(t) and t.device == p.device and t.dim() > 0 and id(t) not in seen:
+                    seen.add(id(t))
                     held += t.numel() * t.element_size()
         else:
             expected = each.tensor_bytes(p.shape, p.element_size())

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..engine import StreamOptions, chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
 from ..engine.forwards import logit_transform
+from ..engine.model_parts import causal_lm
 from ..engine.support import router_loss_refusal
 from .stream_config import stream_options
 
@@ -186,10 +187,26 @@ class StreamTrainerMixin:
         policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
         _say_where_trl_differs(self)
         enable_streambp(self.model, policy)
+        self._count_optimizer_state()
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
             enable_streambp(self.accelerator.unwrap_model(ref_model), options)
         self.stream_options = policy
+
+    def _count_optimizer_state(self) -> None:
+        """The policy's per-call plan counts the state of the optimizer ``args.optim`` names from the first step,
+        before the optimizer has allocated it (:meth:`~streambp_trl.sizing.auto.AutoChunks.count_optimizer`). Not
+        under DeepSpeed or FSDP, whose optimizer state is partitioned or offloaded (there the plan counts it once
+        allocated, as the device's allocation), nor for an optimizer the memory model does not size (said at info
+        level)."""
+        state = getattr(causal_lm(self.model), "_streambp", None)
+        auto = getattr(state, "auto", None)
+        if auto is None or getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            return
+        try:
+            auto.count_optimizer(self.args.optim, self)
+        except ValueError as error:
+            logger.info(f"StreamBP's plan counts the optimizer state once allocated, not before: {error}")
 
     def training_step(self, *args, **kwargs):
         cuda = torch.cuda.is_available() and self.args.device.type == "cuda"

@@ -1,0 +1,112 @@
+"""A trainer's per-call plan counts the optimizer state from the first step: before the optimizer allocates it (its
+first ``step()``, after the first backward) the plan reserves what ``TrainingArguments.optim`` will allocate, by the
+rule max-len counts it by; once allocated it is counted as allocated, never twice. No network."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from helpers import args, load_model, load_tokenizer, tiny_dataset
+
+from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+from streambp_trl.bench import max_len as ml
+from streambp_trl.bench import plans
+from streambp_trl.sizing import auto, optimizers
+
+GiB = 2**30
+LENGTHS = (65536, 131072, 212992)
+
+
+def _qwen3_8b_on_meta():
+    config = transformers.Qwen3Config(
+        num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+
+
+def _plan_key(plan) -> tuple:
+    return plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.capture
+
+
+class _Owner:
+    """What a trainer is to the plan: the holder of ``optimizer`` once built."""
+
+    optimizer = None
+
+
+def test_the_plan_reserves_the_state_max_len_counts_until_it_is_allocated(monkeypatch, capsys):
+    """Qwen3-8B (bfloat16, on the meta device: no gradient held), 78 GiB, chunk 2048: a planner that counts AdamW
+    (the default optim) plans what max-len plans with its default optimizer, and not what it plans without one; once
+    the optimizer holds its state (and a CUDA device's allocation holds it too), the plans are the same."""
+    monkeypatch.setattr(auto, "host_room", lambda: 20 * GiB)
+    monkeypatch.setattr(plans, "host_room", lambda: 20 * GiB)
+    argv = ["--model", "qwen3-8b", "--gpu-memory", "78GiB", "--chunk", "2048", "--lengths", *map(str, LENGTHS)]
+    with_state = {row["tokens"]: row for row in ml.main(argv)["plans"]["rows"]}
+    without = {row["tokens"]: row for row in ml.main([*argv, "--optimizer", "none"])["plans"]["rows"]}
+    capsys.readouterr()
+
+    def expected(row) -> tuple:
+        layout = row["layout"]
+        return row["chunk"], layout["every"], layout["drop"], row["offload"], row["capture"]
+
+    model, owner = _qwen3_8b_on_meta(), _Owner()
+    counted = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+    counted.count_optimizer("adamw_torch_fused", owner)
+    plain = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+    params = sum(p.numel() for p in model.parameters())
+    assert counted.optimizer_state() == (4 * params, 4 * params)  # two bfloat16 moments, none allocated yet
+    meta = torch.device("meta")
+    before = {n: _plan_key(counted.plan(1, n, meta)) for n in LENGTHS}
+    assert before == {n: expected(with_state[n]) for n in LENGTHS}
+    assert {n: _plan_key(plain.plan(1, n, meta)) for n in LENGTHS} == {n: expected(without[n]) for n in LENGTHS}
+    assert before != {n: expected(without[n]) for n in LENGTHS}
+
+    # the optimizer's first step allocates the state: counted as it is, nothing reserved besides it
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        optimizer.state[p] = {
+            "step": torch.tensor(1.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+    owner.optimizer = optimizer
+    assert counted.optimizer_state() == (4 * params, 0)
+    assert {n: _plan_key(counted.plan(1, n, meta)) for n in LENGTHS} == before
+
+    # a CUDA device's allocation holds the weights and then the state too: never counted twice
+    weights = 2 * params
+    for allocated, state in [(weights, None), (weights + 4 * params, optimizer)]:
+        owner.optimizer = state
+        replanned = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+        replanned.count_optimizer("adamw", owner)
+        monkeypatch.setattr(auto, "allocated_bytes", lambda device, allocated=allocated: allocated)
+        assert {n: _plan_key(replanned.plan(1, n, meta)) for n in LENGTHS} == before
+
+
+def test_a_trainer_counts_its_optim_until_the_first_step_allocates_it(tmp_path):
+    """StreamSFTTrainer (tiny model, float32, adamw_torch, "auto" chunks): its plan counts AdamW's float32 moments of
+    every weight before the first step, and the state the optimizer holds after it, nothing pending."""
+    config = args(StreamSFTConfig, tmp_path, optim="adamw_torch", stream_chunk_size="auto", memory_budget="4GiB")
+    trainer = StreamSFTTrainer(
+        model=load_model(), args=config, train_dataset=tiny_dataset("text", 8), processing_class=load_tokenizer()
+    )
+    planner = trainer.model._streambp.auto
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    state = 8 * sum(p.numel() for p in params)
+    assert planner.optim == "adamw_torch" and planner.optimizer_state() == (state, state)
+    trainer.train()
+    assert planner.optimizer_state() == (state, 0)
+    assert optimizers.state_bytes(params, "adamw_torch", trainer.optimizer) == (state, 0)
+
+
+def test_an_optimizer_the_model_does_not_size_is_counted_once_allocated(tmp_path):
+    config = args(StreamSFTConfig, tmp_path, optim="galore_adamw", stream_chunk_size="auto", memory_budget="4GiB")
+    trainer = StreamSFTTrainer.__new__(StreamSFTTrainer)  # (only the counting step, on an installed engine)
+    trainer.args, trainer.model = config, load_model()
+    from streambp_trl import enable_streambp
+
+    enable_streambp(trainer.model, stream_chunk_size="auto", memory_budget="4GiB")
+    trainer._count_optimizer_state()
+    assert trainer.model._streambp.auto.optim is None
