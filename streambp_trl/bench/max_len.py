@@ -19,6 +19,13 @@ One row per mode: Hugging Face gradient checkpointing, TRL's default (checkpoint
 and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it trials up to a
 million tokens and needs host memory). A row of 0 says why under the table.
 
+What the step holds beside its activations is what a trainer's step holds (:mod:`streambp_trl.sizing.setup`): the
+optimizer state of ``--optimizer`` (TrainingArguments' ``optim`` names, default TRL's ``adamw_torch_fused``; ``none``:
+the forward+backward alone; ``--offload-optimizer``: in host memory), LoRA adapters, and with ``--load-in-4bit`` /
+``--load-in-8bit`` (QLoRA, estimates only) the base weights at their bitsandbytes size. Where no mode fits at any
+length, one line says so and gives the lengths of what would fit instead (8-bit AdamW, the optimizer state in host
+memory, LoRA, QLoRA).
+
 ``--model``: a named shape of :data:`~streambp_trl.sizing.shapes.NAMED_MODELS` (or the Hub name of one, e.g.
 ``Qwen/Qwen3-0.6B``: no network), a local config directory, or a Hub name (its config only).
 """
@@ -46,9 +53,9 @@ from .max_len_rows import (
     OFFLOAD_ROW,
     OPTIMIZER_CHOICES,
     ROWS,
-    alternatives,
     gpu_budget,
     human,
+    instead,
     quantized,
     row_label,
     row_setup,
@@ -234,18 +241,6 @@ def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], b
     if not any(row["max_len"] for row in rows):
         result["instead"] = instead(args, shape, budget)
     return result
-
-
-def instead(args: argparse.Namespace, shape: mm.ModelShape, budget: int) -> list[dict[str, Any]]:
-    """Where no mode fits: each other recipe (:func:`.max_len_rows.alternatives`) with the longest length it fits
-    by the same memory model, streamed and with TRL's default."""
-    found = []
-    for words, other in alternatives(args):
-        lengths = {
-            mode: max_len(shape, row_setup(mode, other), budget, step=args.step) for mode in ("stream", "trl-default")
-        }
-        found.append({"recipe": words, **lengths})
-    return found
 
 
 # ------------------------------------------------------------------------------------------------------------

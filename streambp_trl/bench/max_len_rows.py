@@ -4,9 +4,11 @@ step setup for the memory model."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing import optimizers
+from streambp_trl.sizing.lengths import max_len
 
 from .spec import Mode
 
@@ -108,3 +110,15 @@ def human(n_bytes: float) -> str:
         if n_bytes >= mm.UNITS[unit.lower()]:
             return f"{n_bytes / mm.UNITS[unit.lower()]:.2f} {unit}"
     return f"{n_bytes:.0f} bytes"
+
+
+def instead(args: argparse.Namespace, shape: mm.ModelShape, budget: int) -> list[dict[str, Any]]:
+    """Where no mode fits: each other recipe (:func:`alternatives`) with the longest length it fits
+    by the same memory model, streamed and with TRL's default."""
+    found = []
+    for words, other in alternatives(args):
+        lengths = {
+            mode: max_len(shape, row_setup(mode, other), budget, step=args.step) for mode in ("stream", "trl-default")
+        }
+        found.append({"recipe": words, **lengths})
+    return found
