@@ -1,5 +1,6 @@
 """The ``streambp-trl`` command end to end, and its errors for bad configs."""
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -177,7 +178,14 @@ def test_tiny_configs_of_every_objective_train_and_save(tmp_path, objective):
 
 
 @pytest.mark.parametrize(
-    "config", ["dpo_qwen3_8b.yaml", "sft_qwen3_8b.yaml", "grpo_qwen3_8b.yaml", "sft_qwen3_5_9b_lora.yaml"]
+    "config",
+    [
+        "dpo_qwen3_8b.yaml",
+        "sft_qwen3_8b.yaml",
+        "sft_qwen3_8b_qlora.yaml",
+        "grpo_qwen3_8b.yaml",
+        "sft_qwen3_5_9b_lora.yaml",
+    ],
 )
 def test_hub_example_configs_parse(config):
     """The Hub examples cannot run offline; their fields must still all be known to the parser."""
@@ -194,6 +202,7 @@ def test_hub_example_configs_parse(config):
     ("config", "objective", "shape"),
     [
         ("sft_qwen3_8b.yaml", "sft", "qwen3-8b"),
+        ("sft_qwen3_8b_qlora.yaml", "sft", "qwen3-8b"),
         ("dpo_qwen3_8b.yaml", "dpo", "qwen3-8b"),
         ("grpo_qwen3_8b.yaml", "grpo", "qwen3-8b"),
         ("sft_qwen3_5_9b_lora.yaml", "sft", "qwen3.5-9b"),
@@ -201,7 +210,9 @@ def test_hub_example_configs_parse(config):
 )
 def test_hub_example_configs_need_streaming(config, objective, shape):
     """Each Hub example trains at a length the memory model puts past TRL's default (checkpointing + its fused LM
-    head) and within streaming, on the 80 GB card its comment names (78 GiB usable), as max-len estimates it."""
+    head) and within streaming (its layer inputs rebuilt where they no longer all fit), on the 80 GB card its comment
+    names (78 GiB usable), as max-len estimates it: the base weights at their stored size, the optimizer's state
+    held."""
     from streambp_trl.cli import parse_args
     from streambp_trl.sizing.lengths import max_len
     from streambp_trl.sizing.memory_model import StepSetup
@@ -213,8 +224,14 @@ def test_hub_example_configs_need_streaming(config, objective, shape):
     length = training_args.max_completion_length if objective == "grpo" else training_args.max_length
     model = ModelShape.from_name(shape)
     budget = 78 * 2**30
-    trl = max_len(model, StepSetup(mode="trl-default", objective=objective, lora=model_args.use_peft), budget)
-    stream = max_len(model, StepSetup(mode="stream", objective=objective, lora=model_args.use_peft), budget)
+    setup = StepSetup(
+        objective=objective,
+        lora=model_args.use_peft,
+        optimizer=training_args.optim,
+        quantized="4bit" if model_args.load_in_4bit else None,
+    )
+    trl = max_len(model, dataclasses.replace(setup, mode="trl-default"), budget)
+    stream = max_len(model, dataclasses.replace(setup, keep_every=5), budget)
     assert trl < length <= stream, (trl, length, stream)
 
 
