@@ -52,7 +52,7 @@ class Layout:
 
     def describe(self, layers: int) -> str:
         if self.every > 1:
-            return f"every {self.every}th layer input kept ({self.rebuilt(layers)} rebuilt in backward)"
+            return f"every {_ordinal(self.every)} layer input kept ({self.rebuilt(layers)} rebuilt in backward)"
         if self.drop:
             return f"{self.drop} layer input{'s' if self.drop > 1 else ''} rebuilt in backward"
         return "every layer input kept"
@@ -61,3 +61,9 @@ class Layout:
     def drops(layers: int) -> int:
         """The most layers a ``drop`` layout can rebuild for ``layers`` layers."""
         return max((layers - 2) // 2, 0)
+
+
+def _ordinal(k: int) -> str:
+    """2nd, 3rd, 4th, 11th, 21st, ..."""
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"

@@ -216,6 +216,8 @@ def estimate_activation_bytes(
         return inputs + _per_token_bytes(shape, db) * n + head_grad
 
     chunk_rows = min(chunk, n)
+    # a layer's parameter gradient sums: in the parameters' dtype, an adapter's in float32 (layers/call/backward.py)
+    sum_bytes = db if layer_trained_params is None else max(db, 4)
     fresh_grad = (shape.hidden if layer_trained_params is None else LORA_RANK) * shape.intermediate * db
     mlp = chunk_rows * _chunk_token_bytes(shape, db) + fresh_grad
     peaks = []
@@ -226,7 +228,7 @@ def estimate_activation_bytes(
         # chunk): one head group's dK/dV and flash's expanded workspace, the prefix part added into the sums group by
         # group (grouped heads), or all heads' dK/dV at once (as many key/value heads as query heads)
         grads = shape.layer_params if layer_trained_params is None else layer_trained_params
-        layer = common(shape.plain_attention_layers) + (r + 4 * kv) * db * n + grads * db
+        layer = common(shape.plain_attention_layers) + (r + 4 * kv) * db * n + grads * sum_bytes
         group = shape.heads // shape.kv_heads
         attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
         attention += chunk_rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
@@ -238,14 +240,14 @@ def estimate_activation_bytes(
         # carries (its full-length output beside them) or one chunk's backward (its activations and its incoming
         # carry's gradient)
         grads = kind.params if layer_trained_params is None else layer_trained_params
-        layer = common(kind.layers) + r * db * n + grads * db + boundaries(n, chunk_rows) * kind.carry(db)
+        layer = common(kind.layers) + r * db * n + grads * sum_bytes + boundaries(n, chunk_rows) * kind.carry(db)
         layer += 4 * kv * db * n if kind.with_attention else 0
         backward = chunk_rows * kind.token_bytes + fresh_grad + kind.carry_grad(chunk_rows, db)
         peaks.append(layer + max(r * db * n, backward))
     if shape.mlp_layers:
         # a layer with no token mixer (Nemotron-H's MLP / MoE blocks): dY, its gradient sums, one chunk's MLP backward
         grads = shape.mlp_params + h if layer_trained_params is None else layer_trained_params
-        peaks.append(common(shape.mlp_layers) + r * db * n + grads * db + mlp)
+        peaks.append(common(shape.mlp_layers) + r * db * n + grads * sum_bytes + mlp)
     head = common(None) + h * db * n
     head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=head_trained, form=head_form)
     if shape.streams > 1:
