@@ -12,8 +12,10 @@ Steps, in order, each under its own time limit (the whole fits one device call o
 1. TRL 1.16's default (checkpointing + its fused LM head) at the first length (163,840);
 2. stream, "auto" with ``memory_budget`` (the cap) at each length (163,840: every input kept does not fit; 262,144:
    the plan must rebuild or offload layer inputs);
-3. ``StreamSFTTrainer`` with LoRA (rank 16, every linear layer), two optimizer steps at ``--trainer-length``
-   (131,072), its peak as ``torch.cuda.max_memory_allocated``.
+3. ``StreamSFTTrainer`` with LoRA (rank 16, every linear layer), ``--trainer-steps`` (2) optimizer steps at
+   ``--trainer-length`` (131,072; ``--trl-trainer``: TRL's ``SFTTrainer`` with gradient checkpointing), its peak as
+   ``torch.cuda.max_memory_allocated``; with ``--quantize``, QLoRA: the decoder layers' base weights in
+   bitsandbytes' NF4, computing in bfloat16 (:func:`~streambp_trl.bench.models.quantize_4bit`).
 """
 
 from __future__ import annotations
@@ -46,15 +48,17 @@ def _specs(args: argparse.Namespace) -> list[MeasureSpec]:
 
 
 def trainer_run(args: argparse.Namespace) -> dict:
-    """``StreamSFTTrainer`` with LoRA, two optimizer steps on one random row of ``--trainer-length`` tokens (in this
-    process); the peak of each step and the run's time."""
+    """``StreamSFTTrainer`` with LoRA (``--trl-trainer``: TRL's ``SFTTrainer`` with gradient checkpointing, its
+    default for long rows), ``--trainer-steps`` optimizer steps on one random row of ``--trainer-length`` tokens each
+    (in this process); the peak of each step and the run's time."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
 
     from streambp_trl import StreamSFTConfig, StreamSFTTrainer
-    from streambp_trl.bench.models import build_model
+    from streambp_trl.bench.models import build_model, quantize_4bit
     from streambp_trl.engine import last_plan
     from streambp_trl.sizing.units import parse_size
 
@@ -63,10 +67,12 @@ def trainer_run(args: argparse.Namespace) -> dict:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(args.cap) / total), device.index or 0)
     model = build_model(args.model, args.dtype, device, 0)
+    if args.quantize:
+        model = quantize_4bit(model)
     vocab = model.config.vocab_size
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (args.trainer_length,)).tolist()
-    data = Dataset.from_dict({"input_ids": [ids, ids]})
+    data = Dataset.from_dict({"input_ids": [ids] * args.trainer_steps})
     tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "configs" / "tiny_model")
     peaks: list[float] = []
 
@@ -80,13 +86,17 @@ def trainer_run(args: argparse.Namespace) -> dict:
                 peaks.append(torch.cuda.max_memory_allocated(device) / 2**30)
 
     with tempfile.TemporaryDirectory() as out:
-        config = StreamSFTConfig(
-            output_dir=out, max_length=args.trainer_length, per_device_train_batch_size=1, max_steps=2,
-            learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[], bf16=args.dtype == "bfloat16",
-            memory_budget=args.budget, use_cpu=device.type == "cpu", dataloader_num_workers=0,
+        common = dict(
+            output_dir=out, max_length=args.trainer_length, per_device_train_batch_size=1,
+            max_steps=args.trainer_steps, learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to=[],
+            bf16=args.dtype == "bfloat16", use_cpu=device.type == "cpu", dataloader_num_workers=0,
         )  # fmt: skip
+        if args.trl_trainer:
+            trainer_cls, config = SFTTrainer, SFTConfig(**common, gradient_checkpointing=True)
+        else:
+            trainer_cls, config = StreamSFTTrainer, StreamSFTConfig(**common, memory_budget=args.budget)
         lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-        trainer = StreamSFTTrainer(
+        trainer = trainer_cls(
             model=model,
             args=config,
             train_dataset=data,
@@ -97,17 +107,24 @@ def trainer_run(args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         trainer.train()
         elapsed = time.perf_counter() - start
-        plan = last_plan(trainer.model)
+        plan = None if args.trl_trainer else last_plan(trainer.model)
         losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    return {"mode": "StreamSFTTrainer+LoRA", "seq_len": args.trainer_length, "steps": 2, "time_s": elapsed,
-            "peak_gib_per_step": peaks, "losses": losses, "plan": None if plan is None else plan.describe(
+        quantized = sum(type(m).__module__.startswith("bitsandbytes") for m in trainer.model.modules())
+    return {"mode": _trainer_mode(args), "seq_len": args.trainer_length, "steps": args.trainer_steps,
+            "time_s": elapsed, "peak_gib_per_step": peaks, "losses": losses, "4bit_layers": quantized,
+            "plan": None if plan is None else plan.describe(
                 args.trainer_length, len(trainer.model.base_model.model.model.layers))}  # fmt: skip
+
+
+def _trainer_mode(args: argparse.Namespace) -> str:
+    trainer = "SFTTrainer (TRL's default)" if args.trl_trainer else "StreamSFTTrainer"
+    return trainer + ("+QLoRA (NF4)" if args.quantize else "+LoRA")
 
 
 def _trainer_record(args: argparse.Namespace, argv: list[str] | None) -> dict:
     """:func:`trainer_run` in a fresh process: its record, or one saying how it failed."""
     cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--trainer-only"]
-    failed = {"mode": "StreamSFTTrainer+LoRA", "seq_len": args.trainer_length}
+    failed = {"mode": _trainer_mode(args), "seq_len": args.trainer_length}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 2)
     except subprocess.TimeoutExpired:
@@ -144,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--lengths", type=int, nargs="+", default=[163840, 262144])
+    p.add_argument("--lengths", type=int, nargs="*", default=[163840, 262144], help="(none: no stream runs)")
     p.add_argument("--trainer-length", type=int, default=131072)
     p.add_argument("--warmup", type=int, default=2048, help="each process's warm-up step length")
     p.add_argument("--cap", default="78GiB", help="the allocator's cap on CUDA ('none': the whole card)")
@@ -154,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default=None, help="output stem (default: gpu_<device>_long_context)")
     p.add_argument("--no-baseline", action="store_true", help="skip TRL's default at the first length")
     p.add_argument("--no-trainer", action="store_true", help="skip the StreamSFTTrainer LoRA run")
+    p.add_argument(
+        "--quantize", action="store_true", help="the trainer run's base weights in bitsandbytes' NF4 (QLoRA)"
+    )
+    p.add_argument("--trainer-steps", type=int, default=2, help="the trainer run's optimizer steps")
+    p.add_argument("--trl-trainer", action="store_true", help="the trainer run with TRL's SFTTrainer instead")
     p.add_argument("--trainer-only", action="store_true", help=argparse.SUPPRESS)  # the trainer run's own process
     args = p.parse_args(argv)
     args.cap = None if args.cap == "none" else args.cap

@@ -10,6 +10,11 @@
 #       allocator capped at 78 GiB and stream as the trainers plan it (--planned): TRL's default and stream at 16k,
 #       32k and 64k; then at 64k stream and stream + offload with keys/values recomputed (offload's cost, and what
 #       capture saves); then stream recomputing at 16k and 32k; two measured steps per mode, a fresh process each
+#   bash scripts/gpu_session.sh [OUT] qlora           # QLoRA (NF4 base, bf16 compute, LoRA r 16 on every linear
+#       layer), Qwen3-8B shapes, the allocator capped at 78 GiB, one optimizer step each: TRL's SFTTrainer (gradient
+#       checkpointing) at 118,784 tokens (max-len puts its limit at 121,856), then StreamSFTTrainer with "auto" and
+#       memory_budget 78GiB at 262,144 (about 8 minutes). Needs bitsandbytes under .whl/ too (its manylinux wheel,
+#       43 MB, beside the others: under the 64 MiB a call carries)
 #   bash scripts/gpu_session.sh [OUT] calibrate       # the time model's constants (sizing/plan.py) where the plan
 #       must choose: stream at 98,304 tokens in chunks of 4096, 8192 and 16384, keys/values recomputed, then kept
 #       (8192, 16384), fixed rather than planned (about 8 minutes)
@@ -38,6 +43,21 @@ if [ "${2:-}" = "long-context" ]; then
   echo "== scripts/gpu_long_context.py"
   timeout 530 python3 scripts/gpu_long_context.py --out-dir "$OUT" --timeout 120 > "$OUT/gpu_long_context.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/gpu_long_context.log"
+  exit 0
+fi
+
+if [ "${2:-}" = "qlora" ]; then  # a real QLoRA step on either side of TRL's default's limit
+  echo "== TRL's default, QLoRA, 118,784 tokens"
+  timeout 200 python3 scripts/gpu_long_context.py --out-dir "$OUT" --name gpu_qlora_trl_default --no-baseline \
+    --lengths --quantize --trl-trainer --trainer-steps 1 --trainer-length 118784 --timeout 95 \
+    > "$OUT/gpu_qlora_trl_default.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/gpu_qlora_trl_default.log"
+  left=$((545 - (SECONDS - T0)))
+  echo "== stream, QLoRA, 262,144 tokens ($left s)"
+  timeout "$left" python3 scripts/gpu_long_context.py --out-dir "$OUT" --name gpu_qlora_stream --no-baseline \
+    --lengths --quantize --trainer-steps 1 --trainer-length 262144 --timeout $(((left - 10) / 2)) \
+    > "$OUT/gpu_qlora_stream.log" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/gpu_qlora_stream.log"
   exit 0
 fi
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from streambp_trl.bench.spec import MeasureSpec, Mode
+from streambp_trl.sizing.shapes import NAMED_MODELS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
 
@@ -322,3 +323,24 @@ def test_long_context_kit_on_the_cpu(tmp_path):
     assert all(r.get("status", "ok") == "ok" for r in records), records
     assert records[2]["plan"].startswith("512 tokens: chunk 512") and len(records[3]["losses"]) == 2
     assert "| stream auto | 512 | ok |" in (tmp_path / "lc.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trl_default", [True, False], ids=["trl_default", "stream"])
+def test_qlora_kit_on_the_cpu(tmp_path, trl_default):
+    """The kit's QLoRA runs (gpu_session.sh qlora) on a tiny model: no stream-only run, the trainer on NF4 base weights
+    (every decoder linear map a bitsandbytes 4-bit layer), one optimizer step."""
+    pytest.importorskip("bitsandbytes")
+    script = SCRIPT.with_name("gpu_long_context.py")
+    cmd = [sys.executable, str(script), "--device", "cpu", "--model", "qwen3-tiny", "--no-baseline", "--lengths"]
+    cmd += ["--quantize", "--trainer-steps", "1", "--trainer-length", "128", "--cap", "none", "--budget", "1GiB"]
+    cmd += ["--out-dir", str(tmp_path), "--name", "q", *(["--trl-trainer"] if trl_default else [])]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(line) for line in (tmp_path / "q.jsonl").read_text().splitlines()]
+    trainer = "SFTTrainer (TRL's default)" if trl_default else "StreamSFTTrainer"
+    assert record["mode"] == f"{trainer}+QLoRA (NF4)" and record.get("status", "ok") == "ok", record
+    layers = NAMED_MODELS["qwen3-tiny"]["num_hidden_layers"]
+    assert record["4bit_layers"] == 7 * layers and len(record["losses"]) == 1
+    assert (record["plan"] is None) == trl_default

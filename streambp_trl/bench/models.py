@@ -45,6 +45,38 @@ def build_model(name: str, dtype_name: str, device: Any, seed: int) -> Any:
     return model
 
 
+def quantize_4bit(model: Any, quant_type: str = "nf4") -> Any:
+    """``model`` with every linear map of its decoder layers replaced by bitsandbytes' 4-bit layer holding its weight
+    quantized (``quant_type``, computing in the model's dtype), as ``BitsAndBytesConfig(load_in_4bit=True)`` loads a
+    checkpoint (the embedding and the LM head stay as they are); the model then reads as loaded in 4-bit, so TRL takes
+    its QLoRA path (the adapters cast to bfloat16). One layer's weights are quantized at a time, on their device."""
+    import bitsandbytes as bnb
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    dtype = next(model.parameters()).dtype
+    for layer in model.get_decoder().layers:
+        for name, linear in list(layer.named_modules()):
+            if type(linear) is not torch.nn.Linear:
+                continue
+            parent, _, attr = name.rpartition(".")
+            quantized = bnb.nn.Linear4bit(
+                linear.in_features, linear.out_features, bias=linear.bias is not None, compute_dtype=dtype,
+                quant_type=quant_type, device="meta",
+            )  # fmt: skip
+            weight = bnb.nn.Params4bit(
+                linear.weight.data, requires_grad=False, quant_type=quant_type, module=quantized
+            )
+            quantized.weight = weight.to(linear.weight.device)
+            quantized.bias = linear.bias
+            setattr(layer.get_submodule(parent) if parent else layer, attr, quantized)
+    model.is_loaded_in_4bit = True
+    model.config.quantization_config = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype
+    )
+    return model
+
+
 def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
     """The engine options of a stream mode."""
     return {
