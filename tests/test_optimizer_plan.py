@@ -110,3 +110,51 @@ def test_an_optimizer_the_model_does_not_size_is_counted_once_allocated(tmp_path
     enable_streambp(trainer.model, stream_chunk_size="auto", memory_budget="4GiB")
     trainer._count_optimizer_state()
     assert trainer.model._streambp.auto.optim is None
+
+
+def test_an_optimizer_the_user_built_is_counted_once_allocated(tmp_path):
+    """``optimizers=(...)`` (or ``optimizer_cls_and_kwargs``): ``args.optim`` does not describe it, so nothing is
+    reserved by that name."""
+    config = args(StreamSFTConfig, tmp_path, optim="adamw_torch", stream_chunk_size="auto", memory_budget="4GiB")
+    model = load_model()
+    trainer = StreamSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=tiny_dataset("text", 8),
+        processing_class=load_tokenizer(),
+        optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+    )
+    assert trainer.model._streambp.auto.optim is None
+
+
+def test_after_the_first_step_a_parameter_without_state_holds_none():
+    """The first ``step()`` allocates every state it will: a trained parameter it left without one (no gradient
+    reached it) is not reserved for ever."""
+    used, unused = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(8, 8))
+    optimizer = torch.optim.AdamW([used, unused])
+    assert optimizers.state_bytes([used, unused], "adamw_torch", optimizer) == (8 * 80, 8 * 80)
+    used.grad = torch.ones_like(used)
+    optimizer.step()
+    assert optimizers.state_bytes([used, unused], "adamw_torch", optimizer) == (8 * 16, 0)
+
+
+def test_the_plan_of_a_lora_model_is_max_len_s(monkeypatch, capsys):
+    """Qwen3-8B with LoRA (rank 16, every linear layer; on the meta device), 78 GiB, chunk 2048: the trainers' planner
+    counts a layer's trained adapters as max-len's --lora does, so both plan the same at each length."""
+    peft = __import__("pytest").importorskip("peft")
+    monkeypatch.setattr(auto, "host_room", lambda: 20 * GiB)
+    monkeypatch.setattr(plans, "host_room", lambda: 20 * GiB)
+    lengths = (131072, 262144, 524288)
+    argv = ["--model", "qwen3-8b", "--lora", "--gpu-memory", "78GiB", "--chunk", "2048"]
+    rows = {row["tokens"]: row for row in ml.main([*argv, "--lengths", *map(str, lengths)])["plans"]["rows"]}
+    capsys.readouterr()
+    model = peft.get_peft_model(
+        _qwen3_8b_on_meta(), peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    ).base_model.model
+    counted = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+    counted.count_optimizer("adamw_torch_fused", _Owner())
+    meta = torch.device("meta")
+    for n in lengths:
+        layout = rows[n]["layout"]
+        expected = rows[n]["chunk"], layout["every"], layout["drop"], rows[n]["offload"], rows[n]["capture"]
+        assert _plan_key(counted.plan(1, n, meta)) == expected, n

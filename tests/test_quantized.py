@@ -300,3 +300,15 @@ def test_bfloat16_adapters_over_many_chunks_as_close_to_float64_as_plain_autogra
     plain_errors, errors = _errors(ref, plain), _errors(ref, streamed)
     worst = max(errors, key=lambda name: errors[name] / plain_errors[name])
     assert errors[worst] <= 1.25 * plain_errors[worst], (worst, errors[worst], plain_errors[worst])
+
+
+def test_integer_and_boolean_parameters_are_served():
+    """A frozen integer or boolean parameter (a mask, an index table) carries no gradient: not a weight format to
+    refuse."""
+    from helpers import load_model
+
+    model = load_model()
+    layer = model.model.layers[0]
+    layer.register_parameter("kept", torch.nn.Parameter(torch.ones(4, dtype=torch.bool), requires_grad=False))
+    layer.register_parameter("index", torch.nn.Parameter(torch.arange(4), requires_grad=False))
+    enable_streambp(model, stream_chunk_size=8)

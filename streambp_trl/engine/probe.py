@@ -12,7 +12,9 @@ DTensor shards) are not probed.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -116,25 +118,32 @@ def _kept(lm: nn.Module) -> Iterator[None]:
                 _restore(objects)
             for p, data, attributes, objects in parameters:
                 p.data = data
-                vars(p).clear()
-                vars(p).update(attributes)
-                _restore(objects)
+                _restore([(p, attributes), *objects])
 
 
 def _objects(attributes: dict) -> list[tuple[object, dict]]:
     """The objects among ``attributes`` that hold state in their ``__dict__`` (a quantization state, a matmul
-    state, a config), not tensors, modules, classes or functions, each with a copy of its ``__dict__``."""
+    state, a config), not tensors, modules, Python modules, enum members, classes or functions, each with a shallow
+    copy of its ``__dict__`` (its attributes, the same objects)."""
     return [
         (v, dict(vars(v)))
         for v in attributes.values()
-        if hasattr(v, "__dict__") and not isinstance(v, (torch.Tensor, nn.Module, type)) and not callable(v)
+        if hasattr(v, "__dict__")
+        and not isinstance(v, (torch.Tensor, nn.Module, type, types.ModuleType, enum.Enum))
+        and not callable(v)
     ]
 
 
 def _restore(objects: list[tuple[object, dict]]) -> None:
+    """Each object's attributes as they were: those added since removed, those changed put back (the same
+    objects), the others untouched."""
     for v, contents in objects:
-        vars(v).clear()
-        vars(v).update(contents)
+        state = vars(v)
+        for key in [k for k in state if k not in contents]:
+            del state[key]
+        for key, value in contents.items():
+            if state.get(key, contents) is not value:
+                state[key] = value
 
 
 def _device(lm: nn.Module) -> torch.device:

@@ -5,13 +5,14 @@ linear layers (NF4, FP4, double quantization; any compute dtype), the base of QL
 Their own autograd Functions run in each chunk's recompute like any other layer code, so the gradients are the plain
 backward's, given the same weights in the same mode. What an eval-mode forward of theirs changes (bitsandbytes
 re-lays a 4-bit weight for a CPU inference kernel that has no backward) the probe puts back
-(:func:`~.probe._kept_parameters`).
+(:func:`~.probe._kept`).
 
 Refused by name, before anything runs: a model that transformers loaded with another quantization method (its
 ``config.quantization_config.quant_method``: GPTQ, AWQ, HQQ, torchao, quanto, FP8, ...), and any parameter of a
-tensor type the engine has not been tested on (a tensor subclass such as torchao's ``quantize_`` makes, an integer or
-float8 parameter outside bitsandbytes). Their kernels carry their own backward, with paths that can depend on the
-mode, the grad state or the input's shape (a chunk's rows are not the whole sequence's); untested, they are not run.
+tensor type the engine has not been tested on (a tensor subclass such as torchao's ``quantize_`` makes, a float8
+parameter). Their kernels carry their own backward, with paths that can depend on the mode, the grad state or the
+input's shape (a chunk's rows are not the whole sequence's); untested, they are not run. Integer and boolean
+parameters (frozen masks, indices) carry no gradient and are served as they are.
 """
 
 from __future__ import annotations
@@ -58,6 +59,6 @@ def _untested(p: torch.Tensor) -> str | None:
         return None
     if kind not in (nn.Parameter, torch.Tensor) and not isinstance(p, DTensor):
         return f"a {kind.__module__}.{kind.__qualname__}"
-    if not (p.dtype.is_floating_point or p.dtype.is_complex) or p.dtype.itemsize == 1:
+    if p.dtype.is_floating_point and p.dtype.itemsize == 1:
         return f"of dtype {p.dtype}"
     return None

@@ -140,7 +140,10 @@ class AutoChunks:
 
     def __deepcopy__(self, memo) -> AutoChunks:
         copy = AutoChunks.__new__(AutoChunks)
-        copy.__dict__.update(self.__dict__, _chosen=dict(self._chosen), _latest=dict(self._latest))
+        # (the copy's plans count no trainer's optimizer: it is not that optimizer's model)
+        copy.__dict__.update(
+            self.__dict__, _chosen=dict(self._chosen), _latest=dict(self._latest), optim=None, _owner=_gone
+        )
         model = self._model()
         copy._model = weakref.ref(memo.get(id(model), model)) if model is not None else self._model
         return copy
@@ -232,9 +235,12 @@ class AutoChunks:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_trained = head is not None and any(p.requires_grad for p in head.parameters())
         db = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 2)
-        # adapters (LoRA: some parameters trained beside frozen ones), whose float32 products the forward holds
+        # adapters (LoRA: some parameters trained beside frozen ones), whose float32 products the forward holds; a
+        # layer's trained parameters, on average (the memory model's lora_layer_params; ZeRO-3: whole elements)
         trained = [p.requires_grad for p in model.parameters()]
         adapters = any(trained) and not all(trained)
+        elements = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad)
+        layer_trained = elements // max(self.shape.layers, 1) if adapters else None
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         # offload asked for on the CPU keeps the checkpoints where they are: sized as none, the plan keeps it as asked
         on_cpu = bool(self.offload) and not can_offload
@@ -246,6 +252,7 @@ class AutoChunks:
             self.chunk,
             self.keep_every,
             False if on_cpu else self.offload,
+            layer_trained_params=layer_trained,
             pending_grads=pending,
             # (a call without grad has no backward: its keys/values are never kept)
             kv_mode=self.kv_mode if grad or self.kv_mode is not None else "recompute",

@@ -70,6 +70,7 @@ from .setup import (
     OBJECTIVES,
     QUANTIZED,
     StepSetup,
+    adapter_sums,
     dequantized_bytes,
     lora_layer_params,
     optimizer_bytes,
@@ -216,8 +217,9 @@ def estimate_activation_bytes(
         return inputs + _per_token_bytes(shape, db) * n + head_grad
 
     chunk_rows = min(chunk, n)
-    # a layer's parameter gradient sums: in the parameters' dtype, an adapter's in float32 (layers/call/backward.py)
-    sum_bytes = db if layer_trained_params is None else max(db, 4)
+    # a layer's parameter gradient sums: in the parameters' dtype, an adapter's in float32 (setup.adapter_sums)
+    adapters_trained = layer_trained_params is not None and adapter_sums(layer_trained_params, shape.layer_params)
+    sum_bytes = max(db, 4) if adapters_trained else db
     fresh_grad = (shape.hidden if layer_trained_params is None else LORA_RANK) * shape.intermediate * db
     mlp = chunk_rows * _chunk_token_bytes(shape, db) + fresh_grad
     peaks = []

@@ -126,8 +126,10 @@ def state_bytes(params: Iterable[torch.nn.Parameter], optim: object, optimizer=N
     """``(all, pending)``: device bytes the state of ``optim`` holds for the trained ones of ``params``, and of those
     the bytes not allocated yet. A parameter whose state ``optimizer`` (the trainer's, once built) already holds is
     counted at the bytes of its state tensors on the parameter's device (none where they live elsewhere); one without
-    state yet (the first ``step()`` allocates it) by :meth:`OptimizerRule.tensor_bytes` of its shape and dtype
-    (a bitsandbytes 4-bit parameter is never trained: frozen base weights). ``optim`` ``None``: nothing."""
+    state yet by :meth:`OptimizerRule.tensor_bytes` of its shape and dtype, until the optimizer has stepped (it holds
+    some state): the first ``step()`` allocates every state it will, so a parameter still without one (it got no
+    gradient) holds none (a bitsandbytes 4-bit parameter is never trained: frozen base weights). ``optim``
+    ``None``: nothing."""
     if optim is None:
         return 0, 0
     each = rule(optim)
@@ -143,7 +145,7 @@ def state_bytes(params: Iterable[torch.nn.Parameter], optim: object, optimizer=N
                 if torch.is_tensor(t) and t.device == p.device and t.dim() > 0 and id(t) not in seen:
                     seen.add(id(t))
                     held += t.numel() * t.element_size()
-        else:
+        elif not states:
             expected = each.tensor_bytes(p.shape, p.element_size())
             held, pending = held + expected, pending + expected
     return held, pending

@@ -95,6 +95,15 @@ class StepSetup:
         return _QUANTIZED_ADAPTER_BYTES if self.quantized else max(self.dtype_bytes, _ADAPTER_BYTES)
 
 
+def adapter_sums(trained: int, total: int) -> bool:
+    """Whether a layer of ``total`` parameter elements, ``trained`` of them trained, trains adapters beside frozen
+    weights (LoRA, DoRA): no more than half its elements are trained. Its low-precision gradient sums are then float32
+    (:func:`streambp_trl.layers.call.backward.ChunkBackward`), at most 4 bytes per trained element, no more than the
+    layer's frozen elements (about 1% of a layer's for a 16-rank LoRA of an 8B model); the memory model counts them
+    so."""
+    return 0 < 2 * trained <= total
+
+
 def _lora_params(shape: ModelShape) -> int:
     """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer (a Gated DeltaNet layer's:
     its four input projections and its output projection; a lightning attention layer's: qkv_proj, output_gate,

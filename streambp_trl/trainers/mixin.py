@@ -198,10 +198,13 @@ class StreamTrainerMixin:
         before the optimizer has allocated it (:meth:`~streambp_trl.sizing.auto.AutoChunks.count_optimizer`). Not
         under DeepSpeed or FSDP, whose optimizer state is partitioned or offloaded (there the plan counts it once
         allocated, as the device's allocation), nor for an optimizer the memory model does not size (said at info
-        level)."""
+        level), nor for one the user built or named by class (``optimizers=``, ``optimizer_cls_and_kwargs``), which
+        ``args.optim`` does not describe: counted once allocated."""
         state = getattr(causal_lm(self.model), "_streambp", None)
         auto = getattr(state, "auto", None)
         if auto is None or getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            return
+        if getattr(self, "optimizer", None) is not None or getattr(self, "optimizer_cls_and_kwargs", None):
             return
         try:
             auto.count_optimizer(self.args.optim, self)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ...sizing.setup import adapter_sums
 from ..carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from ..rng import rng_fork
 from .layer_call import ForwardRecord, LayerCall
@@ -158,12 +159,13 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def adapters_only(layer: nn.Module, params: list[nn.Parameter]) -> bool:
-    """Whether ``layer`` trains adapters beside frozen weights (LoRA, DoRA): its trained parameters ``params`` hold
-    no more elements than its frozen ones. Their gradient sums are then float32 whatever their dtype
-    (:func:`_absorb`): 4 bytes per trained element, no more than 4 per frozen one (for a 16-rank LoRA of an 8B model,
-    about 1% of the layer's weights)."""
-    trained = sum(p.numel() for p in params)
-    return 0 < 2 * trained <= sum(p.numel() for p in layer.parameters())
+    """Whether ``layer`` trains adapters beside frozen weights (:func:`~streambp_trl.sizing.setup.adapter_sums`):
+    ``params`` are its trained parameters. Counted in whole elements (a ZeRO-3 partition's ``ds_numel``)."""
+    return adapter_sums(sum(_numel(p) for p in params), sum(_numel(p) for p in layer.parameters()))
+
+
+def _numel(p: torch.Tensor) -> int:
+    return getattr(p, "ds_numel", None) or p.numel()
 
 
 def _absorb(sums: list[torch.Tensor | None], zeros: dict, wide: bool, j: int, grad: torch.Tensor) -> torch.Tensor:
