@@ -2,7 +2,7 @@
 
 * :mod:`.options`: :class:`StreamOptions`, the engine's options, validated once;
 * :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`,
-  :func:`last_head_form`, :func:`last_plan`, :func:`packed_rows_refusal`;
+  :func:`count_optimizer`, :func:`last_head_form`, :func:`last_plan`, :func:`packed_rows_refusal`;
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
 * :mod:`.head_side`: :func:`decode_for_head`, the decoder call every head side makes (the LM head's, the score
@@ -16,6 +16,7 @@
 from .head_side import HeadSide, decode_for_head, kernel_head, logit_gradient_form, logits_tile
 from .install import (
     chunk_sizes,
+    count_optimizer,
     disable_streambp,
     enable_streambp,
     is_streaming,
@@ -31,6 +32,7 @@ __all__ = [
     "HeadSide",
     "StreamOptions",
     "chunk_sizes",
+    "count_optimizer",
     "decode_for_head",
     "kernel_head",
     "disable_streambp",

@@ -208,6 +208,18 @@ def last_plan(model: nn.Module) -> StepPlan | None:
     return None if state is None or state.auto is None else state.auto.last_plan
 
 
+def count_optimizer(model: nn.Module, optim: object, owner: object) -> bool:
+    """Make the per-call plan of a streaming ``model`` count the state of the optimizer ``optim`` names
+    (``TrainingArguments.optim``) from the first step, ``owner`` holding the optimizer once built
+    (:meth:`~streambp_trl.sizing.auto.AutoChunks.count_optimizer`). ``False`` where nothing is planned (every choice
+    fixed, or not streaming). Raises ``ValueError`` for an optimizer the memory model does not size."""
+    state = getattr(causal_lm(model), "_streambp", None)
+    if state is None or state.auto is None:
+        return False
+    state.auto.count_optimizer(optim, owner)
+    return True
+
+
 def last_head_form(model: nn.Module) -> str | None:
     """The logit kernel's gradient form (``"two-node"``, ``"fused"`` or ``"eager"``) of ``model``'s latest streamed
     call, as chosen for its memory budget or the free memory (``None`` before any call or without StreamBP)."""

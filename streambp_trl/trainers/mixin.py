@@ -10,9 +10,15 @@ import torch
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
-from ..engine import StreamOptions, chunk_sizes, enable_streambp, mark_zero3_leaves, zero3_enabled
+from ..engine import (
+    StreamOptions,
+    chunk_sizes,
+    count_optimizer,
+    enable_streambp,
+    mark_zero3_leaves,
+    zero3_enabled,
+)
 from ..engine.forwards import logit_transform
-from ..engine.model_parts import causal_lm
 from ..engine.support import router_loss_refusal
 from .stream_config import stream_options
 
@@ -200,14 +206,12 @@ class StreamTrainerMixin:
         allocated, as the device's allocation), nor for an optimizer the memory model does not size (said at info
         level), nor for one the user built or named by class (``optimizers=``, ``optimizer_cls_and_kwargs``), which
         ``args.optim`` does not describe: counted once allocated."""
-        state = getattr(causal_lm(self.model), "_streambp", None)
-        auto = getattr(state, "auto", None)
-        if auto is None or getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+        if getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
             return
         if getattr(self, "optimizer", None) is not None or getattr(self, "optimizer_cls_and_kwargs", None):
             return
         try:
-            auto.count_optimizer(self.args.optim, self)
+            count_optimizer(self.model, self.args.optim, self)
         except ValueError as error:
             logger.info(f"StreamBP's plan counts the optimizer state once allocated, not before: {error}")
 
