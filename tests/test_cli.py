@@ -141,6 +141,13 @@ def test_tiny_config_runs_from_another_directory_and_its_adapter_names_its_base_
     assert adapter["base_model_name_or_path"] == str(MODEL)
 
 
+def test_quantized_base_without_adapters_is_one_line_before_loading(tmp_path):
+    """Quantized base weights train no more: TRL's --load_in_4bit needs --use_peft (QLoRA), said before any load."""
+    out = _sft_tiny(tmp_path, "--load_in_4bit", "true")
+    line = _one_line_error(out)
+    assert "--load_in_4bit" in line and "--use_peft true" in line and "Loading weights" not in out.stderr
+
+
 @pytest.mark.parametrize("value", ["0", "-8"])
 def test_non_positive_chunk_size_fails(value):
     out = _cli("sft", "--config", "configs/sft_tiny.yaml", "--stream_chunk_size", value)

@@ -280,6 +280,13 @@ def parse_args(name: str, argv: list[str]) -> tuple:
         options = [a for a in remaining if a.startswith("-")] or remaining
         hint = _belongs(_other_objective(name, [_option(a) for a in options]), "{label} options")
         raise parser.unknown(options, "option", hint)
+    model_args = parsed[2]
+    if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
+        bits = "4" if model_args.load_in_4bit else "8"
+        raise UsageError(
+            f"--load_in_{bits}bit quantizes the base weights, which then train no more: add adapters to train, "
+            "--use_peft true (QLoRA), or drop the flag to train every weight"
+        )
     return tuple(parsed)
 
 
