@@ -53,6 +53,7 @@ from . import memory_model as mm
 from . import optimizers
 from .layout import Layout
 from .plan import Planner, StepPlan, margin
+from .setup import whole_numel
 from .units import GiB, size_text
 
 logger = logging.get_logger(__name__)
@@ -239,7 +240,7 @@ class AutoChunks:
         # layer's trained parameters, on average (the memory model's lora_layer_params; ZeRO-3: whole elements)
         trained = [p.requires_grad for p in model.parameters()]
         adapters = any(trained) and not all(trained)
-        elements = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters() if p.requires_grad)
+        elements = sum(whole_numel(p) for p in model.parameters() if p.requires_grad)
         layer_trained = elements // max(self.shape.layers, 1) if adapters else None
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         # offload asked for on the CPU keeps the checkpoints where they are: sized as none, the plan keeps it as asked

@@ -104,6 +104,11 @@ def adapter_sums(trained: int, total: int) -> bool:
     return 0 < 2 * trained <= total
 
 
+def whole_numel(p: object) -> int:
+    """A parameter's elements, whole: a ZeRO-3 partition's ``ds_numel`` (its own ``numel()`` is 0 outside a gather)."""
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
 def _lora_params(shape: ModelShape) -> int:
     """Adapter parameters of rank-16 LoRA on every linear layer of every decoder layer (a Gated DeltaNet layer's:
     its four input projections and its output projection; a lightning attention layer's: qkv_proj, output_gate,

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ...sizing.setup import adapter_sums
+from ...sizing.setup import adapter_sums, whole_numel
 from ..carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from ..rng import rng_fork
 from .layer_call import ForwardRecord, LayerCall
@@ -161,11 +161,7 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def adapters_only(layer: nn.Module, params: list[nn.Parameter]) -> bool:
     """Whether ``layer`` trains adapters beside frozen weights (:func:`~streambp_trl.sizing.setup.adapter_sums`):
     ``params`` are its trained parameters. Counted in whole elements (a ZeRO-3 partition's ``ds_numel``)."""
-    return adapter_sums(sum(_numel(p) for p in params), sum(_numel(p) for p in layer.parameters()))
-
-
-def _numel(p: torch.Tensor) -> int:
-    return getattr(p, "ds_numel", None) or p.numel()
+    return adapter_sums(sum(whole_numel(p) for p in params), sum(whole_numel(p) for p in layer.parameters()))
 
 
 def _absorb(sums: list[torch.Tensor | None], zeros: dict, wide: bool, j: int, grad: torch.Tensor) -> torch.Tensor:
