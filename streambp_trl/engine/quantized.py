@@ -11,15 +11,15 @@ Refused by name, before anything runs: a model that transformers loaded with ano
 ``config.quantization_config.quant_method``: GPTQ, AWQ, HQQ, torchao, quanto, FP8, ...), and any parameter of a
 tensor type the engine has not been tested on (a tensor subclass such as torchao's ``quantize_`` makes, a float8
 parameter). Their kernels carry their own backward, with paths that can depend on the mode, the grad state or the
-input's shape (a chunk's rows are not the whole sequence's); untested, they are not run. Integer and boolean
-parameters (frozen masks, indices) carry no gradient and are served as they are.
+input's shape (a chunk's rows are not the whole sequence's); untested, they are not run. The tensor types torch itself
+defines (``nn.Parameter``, FSDP2's ``DTensor``, the ``FakeTensor`` of a fake-mode trace) stand for the weights they
+hold. Integer and boolean parameters (frozen masks, indices) carry no gradient and are served as they are.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 TESTED_METHODS = ("bitsandbytes",)
 # bitsandbytes' parameter types (its 4-bit weights are uint8 or another storage dtype; its 8-bit ones int8)
@@ -57,7 +57,7 @@ def _untested(p: torch.Tensor) -> str | None:
     kind = type(p)
     if kind.__name__ in _BITSANDBYTES_PARAMETERS and kind.__module__.startswith("bitsandbytes"):
         return None
-    if kind not in (nn.Parameter, torch.Tensor) and not isinstance(p, DTensor):
+    if kind.__module__.partition(".")[0] != "torch":  # torch's own (Parameter, DTensor, a fake-mode FakeTensor) pass
         return f"a {kind.__module__}.{kind.__qualname__}"
     if p.dtype.is_floating_point and p.dtype.itemsize == 1:
         return f"of dtype {p.dtype}"
