@@ -84,7 +84,7 @@ def test_streamed_classifier_equals_plain_autograd(family, padding):
         assert ((out.logits - ref.logits).norm() / ref.logits.norm()).item() < EXACT
         err, where = max_rel_grad_error(reference, streamed)
         assert err < EXACT, f"chunk {chunk}: relative gradient error {err:.3e} at {where}"
-        assert streamed._streambp.final_norm is not None  # the final norm ran on the read rows only
+        assert streamed._streambp.final_norm() is not None  # the final norm ran on the read rows only
 
 
 @pytest.mark.parametrize(

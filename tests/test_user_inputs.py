@@ -229,3 +229,19 @@ def test_eager_attention_says_at_enable_what_left_padding_changes(caplog):
     ids, mask, _ = batch(padding="left")
     labels = ids.masked_fill(mask == 0, -100)  # the first real token scored
     assert_matches_plain(reference, streamed, ids, mask, labels)
+
+
+def test_a_dynamic_mask_attention_says_at_enable_what_left_padding_changes(caplog):
+    """Doge's dynamic mask adds a finite bias to masked positions, so even under SDPA a fully masked pad query takes
+    a softmax over the row, and the first real token of a left-padded row is scored from it (loss 4e-4 relative,
+    silently, before this was said). Said at enable, with the fixes that apply (not attn_implementation='sdpa', which
+    it already is); with that label -100 the streamed loss is the plain model's."""
+    reference = tiny_causal_lm("doge")
+    assert reference.config._attn_implementation == "sdpa"
+    with caplog.at_level("WARNING", logger="streambp_trl.engine.support"):
+        streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=CHUNK)
+    assert "its dynamic mask adds a finite per-key bias" in caplog.text
+    assert "first real token of a left-padded row" in caplog.text and "'sdpa'" not in caplog.text
+    ids, mask, labels = batch(padding="left")
+    assert (labels[-1, :8] == -100).all()  # the first real token (position 7) is not scored
+    assert_matches_plain(reference, streamed, ids, mask, labels)

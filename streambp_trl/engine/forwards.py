@@ -74,6 +74,7 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
             "output_attentions=True is not available while StreamBP streams the decoder in training mode: the "
             "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
         )
+    state.check_layers()
     _packing_as_plain(decoder, args, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
     kwargs["use_cache"] = False
@@ -248,6 +249,8 @@ def stream_forward(
         # the model's own forward, whose decoder call streams as decoder_streams says: masks the model builds around
         # the decoder (a vision-language model's, before its language model) are then the stream's too
         streams = decoder_streams(state.decoder.training, state, kwargs)
+        if streams:
+            state.check_decoder(self)
         with streaming(state.configs) if streams else contextlib.nullcontext():
             return original(self, "forward")(*args, **kwargs)
     if not has_labels:
@@ -277,9 +280,7 @@ def stream_forward(
     head = kernel_head(self)
     # the final norm runs inside the logit kernel as decode_for_head decides (the decoder's last step, no hidden
     # states asked, no hook on it)
-    side = decode_for_head(
-        state, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states")
-    )
+    side = decode_for_head(self, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states"))
     decoded, hidden, norm = side.decoded, side.hidden, side.norm
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)

@@ -3,12 +3,14 @@ stream_forward`), a reward model's score head (:func:`.score_head.stream_score_f
 divergence kernel, for the student and the teacher alike.
 
 Each runs the (streamed) decoder, then applies the decoder's final norm and its head to some rows of the decoder's
-output. Where the probe found the final norm to be the decoder's last step (``EngineState.final_norm``), the head
-applies it itself to the rows it reads (tile by tile, or on the read rows only) and the decoder's call bypasses it, so
-no (batch, T, hidden) normed copy is formed: :func:`decode_for_head` decides that, runs the decoder and hands back its
-output with the norm left to the head. The norm stays in the decoder where hidden states are asked for (they are the
-decoder's output, normed as the model returns them) or where user code hooks it (its hooks then see what they see
-without streaming; :func:`hooked`).
+output. Where the probe found the final norm to be the decoder's last step (:meth:`.state.EngineState.final_norm`, the
+module the decoder holds at the call), the head applies it itself to the rows it reads (tile by tile, or on the read
+rows only) and the decoder's call bypasses it, so no (batch, T, hidden) normed copy is formed: :func:`decode_for_head`
+decides that, runs the decoder and hands back its output with the norm left to the head. The norm stays in the decoder
+where hidden states are asked for (they are the decoder's output, normed as the model returns them) or where user code
+watches a module whose output or gradient the bypass would change (:func:`bypass_watched`): the norm and its
+submodules, the decoder and each module between the causal LM and the decoder; their hooks then see what they see
+without streaming.
 
 :func:`logits_tile` and :func:`logit_gradient_form` are the engine's choices for a kernel a trainer runs on the head
 side itself (the divergence), taking the model, so that no trainer reads the engine's state.
@@ -32,13 +34,29 @@ from .state import EngineState
 
 def hooked(module: nn.Module, global_hooks: bool) -> bool:
     """Whether user code hooks ``module``'s forward or backward: its own hooks (and, with ``global_hooks``, global
-    module hooks). The hooks of FSDP2 and DeepSpeed ZeRO-3, which gather a sharded module's parameters, are not user
-    code."""
+    module hooks, forward or backward). The hooks of FSDP2 and DeepSpeed ZeRO-3, which gather a sharded module's
+    parameters, are not user code."""
     if sharded(module):
         return False
     own = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    modules = nn.modules.module
-    return any(own) or (global_hooks and bool(modules._global_forward_hooks or modules._global_forward_pre_hooks))
+    m = nn.modules.module
+    watched = (
+        m._global_forward_hooks,
+        m._global_forward_pre_hooks,
+        m._global_backward_hooks,
+        m._global_backward_pre_hooks,
+    )
+    return any(own) or (global_hooks and any(watched))
+
+
+def bypass_watched(lm: nn.Module, state: EngineState, norm: nn.Module) -> bool:
+    """Whether user code would see a difference if the decoder's call bypassed its final ``norm`` (leaving it to the
+    head): a hook (:func:`hooked`) on the norm or one of its submodules (the head applies its ``forward`` alone, tile
+    by tile), on the decoder or on a module between the causal LM ``lm`` and the decoder (their output would not be
+    normed, their output's gradient not the norm's), or a global module hook."""
+    parts = state.decoder_path.split(".")
+    around = [lm.get_submodule(".".join(parts[:i])) for i in range(1, len(parts) + 1)]
+    return hooked(norm, True) or any(hooked(m, False) for m in (*norm.modules(), *around))
 
 
 def kernel_head(lm: nn.Module) -> nn.Linear:
@@ -78,21 +96,22 @@ def engine_state(model: nn.Module) -> EngineState:
     return state
 
 
-def decode_for_head(
-    model: nn.Module | EngineState, decode: Callable[[], Any], output_hidden_states: bool | None = None
-) -> HeadSide:
-    """Run ``decode`` (a call of ``model``'s decoder, or of a model around it, returning its ``ModelOutput``) for a
-    head applied to rows of its last hidden state.
+def decode_for_head(model: nn.Module, decode: Callable[[], Any], output_hidden_states: bool | None = None) -> HeadSide:
+    """Run ``decode`` (a call of streaming ``model``'s decoder, or of a model around it, returning its
+    ``ModelOutput``) for a head applied to rows of its last hidden state.
 
     The final norm is left to the head (bypassed in the decoder's call) when the probe found it to be the decoder's
     last step, no hidden states are asked for (``output_hidden_states``, the call's argument, or the decoder's config)
-    and no user hook watches it (:func:`hooked`, its forward and backward hooks and the global module hooks); else
-    the decoder applies it. Holds nothing beyond what ``decode`` returns: the decoder's (batch, T, hidden) output, not
-    normed where the head applies the norm."""
-    state = model if isinstance(model, EngineState) else engine_state(model)
+    and no user hook watches what the bypass changes (:func:`bypass_watched`); else the decoder applies it. The
+    decoder and the norm are those ``model`` holds now (a decoder replaced since enabling is refused). Holds nothing
+    beyond what ``decode`` returns: the decoder's (batch, T, hidden) output, not normed where the head applies the
+    norm."""
+    lm = causal_lm(model)
+    state = engine_state(lm)
+    state.check_decoder(lm)
     kept = bool(output_hidden_states or state.decoder.config.output_hidden_states)
-    norm = None if kept else state.final_norm
-    norm = None if norm is not None and hooked(norm, True) else norm
+    norm = None if kept else state.final_norm()
+    norm = None if norm is not None and bypass_watched(lm, state, norm) else norm
     with bypassed(norm) if norm is not None else contextlib.nullcontext():
         decoded = decode()
     return HeadSide(decoded=decoded, hidden=decoded.last_hidden_state, norm=norm)

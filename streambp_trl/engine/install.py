@@ -42,7 +42,15 @@ from ..sizing.auto import AUTO, AutoChunks
 from ..sizing.plan import StepPlan
 from . import probe
 from .forwards import head_logits, stream_decoder_forward, stream_forward, streamed_decoder_call
-from .model_parts import causal_lm, decoder_keywords, decoder_layers, final_norm_name, find_decoder, lm_head_linear
+from .model_parts import (
+    causal_lm,
+    decoder_keywords,
+    decoder_layers,
+    final_norm,
+    final_norm_name,
+    find_decoder,
+    lm_head_linear,
+)
 from .options import StreamOptions
 from .score_head import sequence_classifier, stream_score_forward
 from .state import EngineState
@@ -95,14 +103,14 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         mark_zero3_leaves(lm)
     check_segmentable(lm, options.keep_every or 1)
     norm_name = final_norm_name(decoder)
-    norm = getattr(decoder, norm_name) if norm_name else None
+    norm = final_norm(decoder, norm_name) if norm_name else None
     baseline = None
     if options.verify:  # a sequence classifier's score head is applied as the model applies it: no logits to check
         probe.check_weights(lm, layers, functools.partial(refuse, lm))
         logits = None if classifier else functools.partial(head_logits, lm)
         baseline = probe.baseline(lm, decoder, logits, functools.partial(refuse, lm), norm)
     if baseline is not None and not baseline.norm_last:
-        norm = None
+        norm_name = None
     settings = StreamSettings(
         kv_mode=options.kv_mode or "recompute",  # (None: planned per call, recompute where no plan says)
         offload=CheckpointOffload() if options.offload_checkpoints else None,
@@ -128,7 +136,8 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         layers=layers,
         plans=tuple(LayerPlan.of(layer, settings, type(decoder)) for layer in layers),
         configs=stream_configs(decoder, *layers),
-        final_norm=norm,
+        decoder_path=next(name for name, module in lm.named_modules() if module is decoder),
+        norm_name=norm_name,
         settings=settings,
         auto=auto,
         decoder_keywords=decoder_keywords(lm, decoder),

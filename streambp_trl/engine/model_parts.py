@@ -41,24 +41,42 @@ def decoder_layers(decoder: nn.Module) -> list[GradientCheckpointingLayer]:
 
     Other checkpointable layers (a vision or audio encoder inside a multimodal decoder) are left as they are.
     """
-    return [m for m in decoder.modules() if isinstance(m, GradientCheckpointingLayer) and takes_cache(m)]
+    return [layer for _, layer in named_decoder_layers(decoder)]
+
+
+def named_decoder_layers(decoder: nn.Module) -> list[tuple[str, GradientCheckpointingLayer]]:
+    """:func:`decoder_layers` with each layer's name in ``decoder``."""
+    return [
+        (name, m)
+        for name, m in decoder.named_modules()
+        if isinstance(m, GradientCheckpointingLayer) and takes_cache(m)
+    ]
 
 
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm")
 
 
 def final_norm_name(decoder: nn.Module | None) -> str | None:
-    """The attribute of ``decoder`` holding its final norm (a leaf module with vector parameters only), if any.
+    """The attribute of ``decoder`` holding its final norm (:func:`final_norm`), if any.
 
     The logit kernel applies that module tile by tile when the probe shows it is the decoder's last step, so its
     full-length input is the only thing kept for its backward (no float32 copies of the last hidden state).
     """
-    for name in _FINAL_NORM_NAMES:
-        module = getattr(decoder, name, None)
-        if isinstance(module, nn.Module) and not any(True for _ in module.children()):
-            if all(p.dim() == 1 for p in module.parameters()):
-                return name
-    return None
+    return next((name for name in _FINAL_NORM_NAMES if final_norm(decoder, name) is not None), None)
+
+
+def final_norm(decoder: nn.Module | None, name: str) -> nn.Module | None:
+    """The module ``decoder`` holds as ``name`` now, if it is a row-wise norm: a leaf module with vector parameters
+    only, or PEFT's ``modules_to_save`` wrapper of one (each of its copies such a module; the wrapper, which applies
+    the active one, is returned). ``None`` for anything else, which the decoder then applies itself."""
+    module = getattr(decoder, name, None)
+    if not isinstance(module, nn.Module):
+        return None
+    copies = [module]
+    if hasattr(module, "modules_to_save") and hasattr(module, "original_module"):
+        copies = [module.original_module, *module.modules_to_save.values()]
+    row_wise = all(not any(True for _ in m.children()) and all(p.dim() == 1 for p in m.parameters()) for m in copies)
+    return module if row_wise else None
 
 
 def lm_head_linear(lm: PreTrainedModel) -> nn.Linear:

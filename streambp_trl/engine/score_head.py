@@ -95,7 +95,7 @@ def stream_score_forward(
     if return_dict is None:
         return_dict = self.config.return_dict
     side = decode_for_head(
-        state,
+        self,
         lambda: state.decoder(
             input_ids, attention_mask=attention_mask, use_cache=use_cache, return_dict=True, **call, **kwargs
         ),

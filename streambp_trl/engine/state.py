@@ -1,8 +1,15 @@
 """What :func:`~streambp_trl.engine.enable_streambp` finds and chooses once, kept on the model as ``model._streambp``.
 
-Found once at install: the decoder, its stream layers and the configs their attention reads, the final norm the
-logit kernel may apply, the layers' settings and the ``"auto"`` chunk policy. The forwards the engine installs are
-bound to this one object; a streamed call builds its own :class:`~streambp_trl.layers.DecoderCall` from it.
+Found once at install: the decoder, its stream layers and the configs their attention reads, where the final norm the
+logit kernel may apply sits, the layers' settings and the ``"auto"`` chunk policy. The forwards the engine installs
+are bound to this one object; a streamed call builds its own :class:`~streambp_trl.layers.DecoderCall` from it.
+
+What user code may change on the model after enabling is read from the live model at each streamed call, never from
+what was found at install: the final norm is the module the decoder holds now (:meth:`EngineState.final_norm`: a norm
+replaced, or wrapped by PEFT's ``modules_to_save``, is the one applied), and the hooks that decide where it runs are
+those on the modules now (:func:`~.head_side.decode_for_head`); a decoder or decoder layer replaced, removed or added
+since install, which the installed hooks do not reach, is refused by name (:meth:`EngineState.check_decoder`,
+:meth:`EngineState.check_layers`).
 """
 
 from __future__ import annotations
@@ -19,9 +26,13 @@ from ..layers.kept import CheckpointOffload
 from ..layers.sharding import sharded_module
 from ..sizing.auto import AUTO, AutoChunks, head_form
 from ..sizing.layout import Layout
+from .model_parts import final_norm, named_decoder_layers
 from .options import StreamOptions
+from .support import refuse
 
 logger = logging.get_logger(__name__)
+
+_AGAIN = "call enable_streambp(model) again after changing the model, so that it streams the model as it is"
 
 
 @dataclasses.dataclass
@@ -31,8 +42,9 @@ class EngineState:
     ``options``: as validated; ``decoder``: the model that runs the layers; ``layers``: its stream layers, each with
     its hook installed, bound to its plan in ``plans`` (what the hook needs that no call changes); ``configs``: the
     transformers configs their mask and attention code read (switched to ``"streambp"`` for a streamed call);
-    ``final_norm``: the decoder's final norm when the probe showed it is the decoder's last step, so the logit kernel
-    applies it tile by tile, else ``None``; ``settings``: what every stream layer shares, whatever the call (each
+    ``decoder_path``: the decoder's name in the causal LM; ``norm_name``: the decoder's attribute holding its final
+    norm when the probe showed that norm is the decoder's last step, so the head may apply it to the rows it reads
+    (:meth:`final_norm`), else ``None``; ``settings``: what every stream layer shares, whatever the call (each
     call's chunk comes from :meth:`call_plan`, the one road to the layers); ``auto``: the chunk policy when a chunk
     size is ``"auto"``; ``decoder_keywords``: the only keyword
     arguments the model's own forward hands its decoder, where it names them (``None``: it passes on its
@@ -45,7 +57,8 @@ class EngineState:
     layers: list[nn.Module] = dataclasses.field(compare=False)
     plans: tuple[LayerPlan, ...] = dataclasses.field(compare=False)
     configs: tuple = dataclasses.field(compare=False)
-    final_norm: nn.Module | None = dataclasses.field(compare=False)
+    decoder_path: str = dataclasses.field(compare=False)
+    norm_name: str | None = dataclasses.field(compare=False)
     settings: StreamSettings
     auto: AutoChunks | None
     decoder_keywords: frozenset[str] | None = None
@@ -53,6 +66,43 @@ class EngineState:
     # where a plan offloads checkpoints the options do not: the model's one offloader
     offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
     unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
+
+    def final_norm(self) -> nn.Module | None:
+        """The final norm the decoder holds now, where the probe found its final norm to be its last step and the
+        module there is still a row-wise norm (:func:`~.model_parts.final_norm`); else ``None``."""
+        return None if self.norm_name is None else final_norm(self.decoder, self.norm_name)
+
+    def check_decoder(self, lm: nn.Module) -> None:
+        """Refuse a causal LM ``lm`` whose decoder is no longer the one the engine was installed on (replaced or
+        removed since), naming it and the fix."""
+        try:
+            live = lm.get_submodule(self.decoder_path)
+        except AttributeError:
+            live = None
+        if live is not self.decoder:
+            what = "removed" if live is None else f"replaced by a {type(live).__name__}"
+            refuse(lm, f"its decoder `{self.decoder_path}` was {what} after enable_streambp; {_AGAIN}")
+
+    def check_layers(self) -> None:
+        """Refuse a decoder whose stream layers are no longer those the engine installed its hooks on: a layer
+        replaced, removed or added since, which would run without streaming or not at all. Names the first
+        difference and the fix. (A walk over the decoder's modules: a few milliseconds for thousands of them.)"""
+        live = named_decoder_layers(self.decoder)
+        if len(live) == len(self.layers) and all(a is b for (_, a), b in zip(live, self.layers, strict=True)):
+            return
+        installed = {id(layer) for layer in self.layers}
+        names = {id(layer): name for name, layer in live}
+        added = next((name for name, layer in live if id(layer) not in installed), None)
+        gone = next((layer for layer in self.layers if id(layer) not in names), None)
+        if added is not None and gone is not None:
+            what = f"the decoder layer `{added}` is not the {type(gone).__name__} the engine streams there (replaced)"
+        elif added is not None:
+            what = f"the decoder layer `{added}` was added"
+        elif gone is not None:
+            what = f"a {type(gone).__name__} decoder layer was removed"
+        else:
+            what = "its decoder layers were reordered"
+        refuse(self.decoder, f"{what} after enable_streambp; {_AGAIN}")
 
     def call_plan(self, inputs: torch.Tensor | None, rebuildable: bool) -> DecoderCall:
         """The :class:`~streambp_trl.layers.DecoderCall` of a streamed decoder call on ``inputs`` (batch, T, ...),

@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_rope_utils import dynamic_rope_update
 from transformers.utils import logging
 
+from ..layers.dynamic_mask import dynamic_mask_modules
 from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT
 from ..layers.traits import names_called, passes_keywords
 from .quantized import check_quantized
@@ -157,15 +158,15 @@ def check_supported(
             "Set config.output_router_logits=False.",
         )
     _check_modules(lm, layers)
-    if getattr(config, "_attn_implementation", None) == "eager":
+    padded = _masked_rows_differ(config, layers)
+    if padded is not None:
+        why, fix = padded
         logger.warning(
             f"StreamBP streams {type(lm).__name__} with attention whose fully masked query rows (the padding of a "
-            "left-padded row) give zero output, as SDPA's do; its eager attention instead takes the softmax of "
-            "tied lowest-value scores there, an average over every key of the row, later ones included (NaN in "
-            "float64, where the scores overflow). So the loss term of the first real token of a left-padded row, "
-            "which the logits of the pad before it score, differs from a plain model(..., labels=...) call; every "
-            "other term and gradient is the same. TRL's trainers never score that token; elsewhere set its label to "
-            "-100, pad on the right, or use attn_implementation='sdpa'."
+            f"left-padded row) give zero output, as SDPA's do on a boolean mask; {why}. So the loss term of the first "
+            "real token of a left-padded row, which the logits of the pad before it score, differs from a plain "
+            "model(..., labels=...) call; every other term and gradient is the same. TRL's trainers never score that "
+            f"token; elsewhere set its label to -100, {fix}."
         )
     for module in decoder.modules():
         for called in sorted(names_called(type(module)) & _WHOLE_SEQUENCE_CALLS.keys()):
@@ -175,6 +176,26 @@ def check_supported(
                 'plain model does: that memory is not saved, and the memory model behind "auto" and max-len does '
                 "not count it."
             )
+
+
+def _masked_rows_differ(config, layers: list[nn.Module]) -> tuple[str, str] | None:
+    """Why the plain model's attention gives a fully masked query row a non-zero output where the stream gives zero,
+    and the fixes: eager attention (a softmax of tied lowest-value scores) or a dynamic mask attention (Doge's finite
+    per-key bias on the masked positions, under any implementation); ``None`` where the two agree."""
+    if any(dynamic_mask_modules(layer) for layer in layers):
+        return (
+            "its dynamic mask adds a finite per-key bias to the masked positions, so under any attention "
+            "implementation the plain model takes a softmax over them there, a weighted average over the keys of the "
+            "row, later ones included",
+            "or pad on the right",
+        )
+    if getattr(config, "_attn_implementation", None) == "eager":
+        return (
+            "its eager attention instead takes the softmax of tied lowest-value scores there, an average over every "
+            "key of the row, later ones included (NaN in float64, where the scores overflow)",
+            "pad on the right, or use attn_implementation='sdpa'",
+        )
+    return None
 
 
 def _check_modules(lm: PreTrainedModel, layers: list[nn.Module]) -> None:
