@@ -24,14 +24,14 @@ import torch
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-from transformers.utils import logging
 
+from ..logs import get_logger
 from ..patching import original
 from .head_side import decode_for_head
 from .state import EngineState
 from .support import refuse
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 
 def sequence_classifier(lm: PreTrainedModel) -> bool:

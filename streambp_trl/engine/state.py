@@ -19,18 +19,18 @@ import dataclasses
 import torch
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.utils import logging
 
 from ..layers import DecoderCall, LayerPlan, StreamSettings
 from ..layers.kept import CheckpointOffload
 from ..layers.sharding import sharded_module
+from ..logs import get_logger
 from ..sizing.auto import AUTO, AutoChunks, head_form
 from ..sizing.layout import Layout
 from .model_parts import final_norm, named_decoder_layers
 from .options import StreamOptions
 from .support import refuse
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 _AGAIN = "call enable_streambp(model) again after changing the model, so that it streams the model as it is"
 

@@ -13,14 +13,14 @@ import inspect
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_rope_utils import dynamic_rope_update
-from transformers.utils import logging
 
 from ..layers.dynamic_mask import dynamic_mask_modules
 from ..layers.layer_args import CACHE_KWARGS, STATE_ARGUMENT
 from ..layers.traits import names_called, passes_keywords
+from ..logs import get_logger
 from .quantized import check_quantized
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 # Layer types whose token mixing a chunk receives through the cache: softmax attention (the prefix keys/values; for a
 # sparse indexed attention also the indexer keys of every position), the recurrent and convolution mixers of

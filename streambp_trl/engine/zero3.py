@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 
 from torch import nn
 
 from ..layers.sharding import partitioned
+from ..logs import get_logger
 from .model_parts import causal_lm, decoder_layers, find_decoder
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _zero3_params(params) -> list[nn.Parameter]:
