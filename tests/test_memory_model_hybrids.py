@@ -17,8 +17,11 @@ from zoo import batch, tiny_causal_lm, tiny_config
 
 from streambp_trl import enable_streambp
 from streambp_trl.bench.simulator import record_setup
+from streambp_trl.layers.carry import store as carry_store
 from streambp_trl.sizing import auto, layer_kinds, mixers
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.layout import Layout
+from streambp_trl.sizing.plan import Planner
 
 # family: (attention, Gated/Kimi DeltaNet, Mamba2, Mamba2 with attention, Mamba v1, Mamba v1 with attention, short
 # convolution, MLP-only, lightning attention) layers
@@ -475,3 +478,59 @@ def test_auto_names_what_its_memory_model_leaves_out(family, monkeypatch):
     said.clear()
     auto.AutoChunks(tiny_causal_lm("qwen3"), budget=None, offload=False)
     assert said == []
+
+
+# a family of each kind of layer whose captured keys/values and carries the memory model counts byte for byte (Gated
+# DeltaNet, Mamba2 beside MLP-only layers, short convolution, Mamba v1 with attention, Mamba2 with attention,
+# lightning attention), and DeepSeek-V3.2, whose latent attention keeps its compressed latent and indexer keys, fewer
+# bytes than the 2 kv_dim counted
+CAPTURED_EXACTLY = ["qwen3_5_text", "nemotron_h", "lfm2", "zamba", "falcon_h1", "minimax"]
+CAPTURED_AT_MOST = ["deepseek_v32"]
+
+
+@pytest.mark.parametrize("family", CAPTURED_EXACTLY + CAPTURED_AT_MOST)
+def test_capture_counts_what_each_layer_keeps(family, monkeypatch):
+    """With ``kv_mode="capture"`` each layer's forward keeps for its backward what a recompute would collect there:
+    an attention layer's keys/values (and a sparse indexed attention's indexer keys), a Gated DeltaNet, Mamba,
+    lightning or short-convolution layer the carry entering each chunk but the first, nothing for an MLP-only layer.
+    ``captured_bytes`` counts it per layer, exactly (one row, float32), or above it where the model counts a latent
+    attention's keys/values at their full width."""
+    kept = []
+    flat = carry_store.CarryStore.flat
+
+    def counted(self):
+        tensors = flat(self)
+        kept.append(sum(t.numel() * t.element_size() for t in tensors))
+        return tensors
+
+    monkeypatch.setattr(carry_store.CarryStore, "flat", counted)
+    model = tiny_causal_lm(family, dtype=torch.float32)
+    ids, mask, labels = (t[:1] for t in batch())
+    streamed = enable_streambp(model, stream_chunk_size=4, kv_mode="capture")
+    streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    counts = mm.captured_bytes(mm.ModelShape.from_model(model), ids.numel(), 4, 4)
+    assert len(kept) == len(counts) and any(kept)
+    if family in CAPTURED_EXACTLY:
+        assert tuple(kept) == counts
+    else:
+        assert all(k <= c for k, c in zip(kept, counts, strict=True))
+
+
+def test_a_hybrids_plan_counts_its_captured_carries():
+    """Qwen3.5 (two Gated DeltaNet layers under one attention layer) with ``kv_mode="capture"`` and a budget: the
+    plan predicts the carries its layers keep from the forward beside what a recompute holds (it predicted the same
+    as a recompute), and with offload their pinned host bytes."""
+    layer_types = ["linear_attention", "linear_attention", "full_attention"]
+    model = tiny_causal_lm("qwen3_5_text", dtype=torch.float32, num_hidden_layers=3, layer_types=layer_types)
+    ids, mask, labels = batch()
+    streamed = enable_streambp(model, stream_chunk_size=4, kv_mode="capture", memory_budget="1GiB", verify=False)
+    streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    plan = streamed._streambp.auto.last_plan
+    shape, n = mm.ModelShape.from_model(model), ids.numel()
+    planner = Planner(shape, db=4, chunk=4, pending_grads=True, kv_mode="capture")
+    recomputed = planner.estimate(n, 4, plan.layout, False)[0]
+    assert plan.capture and plan.activations == planner.estimate(n, 4, plan.layout, False, True)[0] > recomputed
+    captured = mm.captured_bytes(shape, n, 4, 4)
+    assert captured[0] == captured[1] > 0 and plan.activations - recomputed <= sum(captured)
+    host = [planner.estimate(n, 4, Layout(), True, capture)[1] for capture in (False, True)]
+    assert host[1] - host[0] == sum(captured)

@@ -66,7 +66,7 @@ def test_plans_capture_keys_values_where_they_fit():
     """Qwen3-8B, full fine-tuning, 78 GiB, gradients formed in backward: at 65,536 tokens the plan keeps every layer's
     keys/values from its forward (the backward then runs no key/value pass), in chunks of 16384 with every input
     kept; at 163,840 tokens they do not fit beside the inputs, and are recomputed; a fixed kv_mode is kept, and offload
-    plans recompute them (the memory model sizes capture without offload only)."""
+    plans recompute them (the plan has not timed capture beside offload's copies)."""
     shape = mm.ModelShape.from_name("qwen3-8b")
     static, budget = mm.static_bytes(shape, mm.StepSetup(pending_grads=True)), 78 * mm.GiB
     limit = budget - static - margin(budget)
@@ -84,8 +84,9 @@ def test_plans_capture_keys_values_where_they_fit():
     assert not long.capture and "keys/values" not in long.describe(163840, 36)
     assert planner.captures(offload=True, layout=Layout()) == [False]
     assert planner.captures(offload=False, layout=Layout(drop=1)) == [False]  # not traded for rebuilt inputs
-    indexed = Planner(dataclasses.replace(shape, index_heads=64), kv_mode=None)  # its indexer keys are not sized
-    assert indexed.captures(offload=False, layout=Layout()) == [False]
+    indexed = dataclasses.replace(shape, index_heads=64, index_head_dim=128)  # its indexer keys are counted too
+    assert Planner(indexed, kv_mode=None).captures(offload=False, layout=Layout()) == [False, True]
+    assert mm.captured_bytes(indexed, 1024, 512)[0] - mm.captured_bytes(shape, 1024, 512)[0] == 128 * 2 * 1024
     assert Planner(shape, kv_mode="capture").captures(offload=False, layout=Layout()) == [True]
 
 

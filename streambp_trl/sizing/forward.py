@@ -13,6 +13,8 @@ every backward moment of :func:`.memory_model.estimate_activation_bytes`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .layout import Layout
 from .mixers import indexer_scores_bytes
 from .model_shape import ModelShape
@@ -67,16 +69,25 @@ def first_chunk_token_bytes(shape: ModelShape, kind: str, db: int, lora: bool) -
 
 
 def forward_peak_bytes(
-    shape: ModelShape, n: int, chunk: int, db: int, *, lora: bool, layout: Layout = KEEP_ALL, offload: bool = False
+    shape: ModelShape,
+    n: int,
+    chunk: int,
+    db: int,
+    *,
+    lora: bool,
+    layout: Layout = KEEP_ALL,
+    offload: bool = False,
+    captured: Callable[[int], int] | None = None,
 ) -> int:
     """Peak activation bytes of a streamed forward, for ``n`` tokens in chunks of ``chunk``: the largest, over the
     kinds of layer (softmax attention, Gated DeltaNet, any other), of the top such layer's first chunk
     (:func:`first_chunk_token_bytes`) beside the layer inputs kept up to it (:func:`forward_inputs`, ``H db`` per
-    token each, times the hyper-connection streams) and, for softmax attention, the layer's full-length keys/values
-    ``2 kv db n`` and a sparse indexed attention's scores of the chunk against every position
-    (:func:`.mixers.indexer_scores_bytes`). The LM head's forward (the inputs of every layer, the last output and one
-    logit tile) is below its backward's moment, which the memory model counts; the token bookkeeping every moment
-    holds (rotary tables, ids) is the caller's to add."""
+    token each, times the hyper-connection streams), what ``captured`` says the layers below it keep for their
+    backward (``kv_mode="capture"``: bytes by layer index, :func:`.memory_model.captured_bytes`) and, for softmax
+    attention, the layer's full-length keys/values ``2 kv db n`` and a sparse indexed attention's scores of the chunk
+    against every position (:func:`.mixers.indexer_scores_bytes`). The LM head's forward (the inputs of every layer,
+    the last output and one logit tile) is below its backward's moment, which the memory model counts; the token
+    bookkeeping every moment holds (rotary tables, ids) is the caller's to add."""
     attention, linear = set(shape.plain_attention_layers), set(shape.linear_layers)
     groups = {
         "attention": attention,
@@ -89,6 +100,7 @@ def forward_peak_bytes(
             continue
         top = max(layers)
         held = forward_inputs(top, layout, offload, shape.layers) * shape.residual * db * n
+        held += captured(top) if captured is not None else 0
         if kind == "attention":  # its keys/values, and beside its first chunk any indexer's scores
             held += 2 * shape.kv_dim * db * n + indexer_scores_bytes(shape, n, min(chunk, n))
         peaks.append(held + min(chunk, n) * first_chunk_token_bytes(shape, kind, db, lora))

@@ -36,6 +36,11 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
     state, dW ``V H db`` and one float32 vocabulary tile of dW, then the hidden-state node with the last hidden
     state and its gradient ``2 H db N``, plus logit tiles.
 
+  With ``kv_mode="capture"`` every layer keeps from its forward to its backward what a recompute collects in its
+  own backward (:func:`captured_bytes`: keys/values, indexer keys, the carries of every chunk boundary), so each
+  moment also holds that of the layers below it (with offload, of the one layer whose copy may still run), and the
+  host holds every layer's.
+
 * ``hf-gc`` (Hugging Face gradient checkpointing, the model's own loss over full logits) and ``trl-default``
   (checkpointing + TRL's fused LM head): the saved layer inputs, and either the logits with their float32 copies
   and gradients (``hf-gc``) or one layer recomputed at full length with its gradients (``trl-default``).
@@ -50,6 +55,7 @@ it (``tests/test_memory_model.py``, ``benchmarks/sim_qwen3_bf16.jsonl``, ``bench
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from itertools import accumulate
 
 from ..logits.eager import eager_rows
 from .forward import forward_peak_bytes
@@ -91,6 +97,7 @@ __all__ = [
     "UNITS",
     "ModelShape",
     "StepSetup",
+    "captured_bytes",
     "dequantized_bytes",
     "estimate_activation_bytes",
     "estimate_host_bytes",
@@ -124,6 +131,25 @@ def _per_token_bytes(shape: ModelShape, db: int) -> int:
     """Token bookkeeping held through the step: rotary tables (cos, sin) and integer ids, labels, row indices; and
     the int32 top-k indices the layers hand the next one for a shared indexer (:attr:`ModelShape.shared_topk`)."""
     return 2 * (shape.rotary_dim or shape.head_dim) * db + 48 + 4 * shape.shared_topk * max(shape.layers - 1, 0)
+
+
+def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2) -> tuple[int, ...]:
+    """What each layer (by index) keeps from its forward to its backward with ``kv_mode="capture"``, for ``n`` tokens
+    (rows x length) in chunks of ``chunk``: a softmax-attention layer its keys/values of every position ``2 kv db n``
+    and, with a sparse indexed attention, its indexer keys ``index_head_dim db n``; a state-carrying layer
+    (:func:`.mixers.recurrent_kinds`: Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short convolution) the
+    carry entering each chunk but the first, ``boundaries x carry`` (:func:`.mixers.boundaries`,
+    :meth:`.mixers.RecurrentKind.carry`), beside its attention's keys/values where it runs attention too (Falcon-H1,
+    Zamba); a layer with no token mixer nothing. A recompute collects the same in each layer's backward, for that
+    layer alone, where the backward's moments count it."""
+    kv = 2 * shape.kv_dim * db * n
+    kept = [0] * shape.layers
+    for i in shape.plain_attention_layers:
+        kept[i] = kv + (shape.index_head_dim * db * n if shape.index_heads else 0)
+    for kind in recurrent_kinds(shape, db):
+        for i in kind.layers:
+            kept[i] = boundaries(n, chunk) * kind.carry(db) + (kv if kind.with_attention else 0)
+    return tuple(kept)
 
 
 def _saved_inputs(
@@ -182,12 +208,11 @@ def estimate_activation_bytes(
     inputs still kept below it), every one and the embedding's at the end; ``head_form``: the logit kernel's gradient
     form (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``:
     float32 LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
-    (:class:`.layout.Layout`); ``capture``: each softmax-attention layer keeps its keys/values ``2 kv db n`` from its
-    forward to its backward (``kv_mode="capture"``; a model of softmax-attention layers only, without a sparse indexed
-    attention's indexer or offload), so a
-    layer's forward and backward hold those of the attention layers below it, the head's backward every layer's. The
-    larger of the forward's peak (:func:`.forward.forward_peak_bytes`:
-    the top layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
+    (:class:`.layout.Layout`); ``capture``: each layer keeps what its backward reads of earlier positions from its
+    forward (``kv_mode="capture"``, :func:`captured_bytes`), so a layer's forward and backward hold those of the
+    layers below it and the head's backward every layer's (with offload: the one below it, whose copy to the host,
+    or back, may run beside it). The larger of the forward's peak (:func:`.forward.forward_peak_bytes`: the top
+    layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
     layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
     a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
     h, r, kv, d = shape.hidden, shape.residual, shape.kv_dim, shape.head_dim
@@ -199,12 +224,16 @@ def estimate_activation_bytes(
         layer_params = (shape.params - shape.embedding_params) // max(shape.layers, 1)
         layer_grad = (layer_params if layer_trained_params is None else layer_trained_params) * db
 
-    if capture and (offload or recurrent_kinds(shape, db) or shape.mlp_layers or shape.index_heads):
-        raise ValueError("capture is sized for softmax-attention layers only, without an indexer or offload.")
+    chunk_rows = min(chunk, n)
+    kept = captured_bytes(shape, n, chunk_rows, db) if capture else (0,) * shape.layers
+    below_sums = list(accumulate(kept, initial=0))
 
     def captured(below: int) -> int:
-        """Keys/values captured by the softmax-attention layers below layer ``below``."""
-        return sum(i < below for i in shape.plain_attention_layers) * 2 * kv * db * n if capture else 0
+        """What capture keeps on the device from the layers below layer ``below``: every one's, or with offload the
+        one just below's (its copy to the host in the forward, back in the backward)."""
+        if offload:
+            return kept[below - 1] if below >= 1 else 0
+        return below_sums[below]
 
     def common(among: Collection[int] | None) -> int:
         """The kept inputs, captured keys/values and token bookkeeping at the worst backward of a layer of ``among``
@@ -216,7 +245,6 @@ def estimate_activation_bytes(
         inputs = _saved_inputs(shape.layers, layout, offload, among, r * db * n, layer_grad, captured)
         return inputs + _per_token_bytes(shape, db) * n + head_grad
 
-    chunk_rows = min(chunk, n)
     # a layer's parameter gradient sums: in the parameters' dtype, an adapter's in float32 (setup.adapter_sums)
     adapters_trained = layer_trained_params is not None and adapter_sums(layer_trained_params, shape.layer_params)
     sum_bytes = max(db, 4) if adapters_trained else db
@@ -262,8 +290,10 @@ def estimate_activation_bytes(
         # layer's input gradient
         embedding = shape.vocab * h * db if head_trained and not shape.tied else 0
         peaks.append(head_grad + embedding + shape.layers * layer_grad + (r * db + _per_token_bytes(shape, db)) * n)
-    forward = _per_token_bytes(shape, db) * n + (captured(max(shape.plain_attention_layers)) if capture else 0)
-    forward += forward_peak_bytes(shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload)
+    forward = _per_token_bytes(shape, db) * n
+    forward += forward_peak_bytes(
+        shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload, captured=captured
+    )
     return max(*peaks, head, forward)
 
 
@@ -361,7 +391,12 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
 
 def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
     """Pinned host bytes the step holds: the offloaded layer inputs (the first input of every segment but the first,
-    which is rebuilt from the token ids; every layer's input but the first one's without ``keep_every`` or ``drop``);
-    0 without offload."""
-    kept = len(Layout(every=setup.keep_every, drop=setup.drop).segments(shape.layers)) - 1
-    return kept * shape.residual * setup.dtype_bytes * setup.rows * seq_len if setup.offload else 0
+    which is rebuilt from the token ids; every layer's input but the first one's without ``keep_every`` or ``drop``)
+    and, with ``capture``, what every layer keeps from its forward (:func:`captured_bytes`, at ``setup.chunk``, the
+    smallest chunk when ``None``); 0 without offload."""
+    if not setup.offload:
+        return 0
+    n, db = setup.rows * seq_len, setup.dtype_bytes
+    inputs = len(Layout(every=setup.keep_every, drop=setup.drop).segments(shape.layers)) - 1
+    captured = sum(captured_bytes(shape, n, min(setup.chunk or CHUNKS[0], n), db)) if setup.capture else 0
+    return inputs * shape.residual * db * n + captured

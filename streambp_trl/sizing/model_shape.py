@@ -57,7 +57,8 @@ class ModelShape:
     are :attr:`residual` wide.
 
     ``index_heads``: the heads of a sparse indexed attention's indexer (DeepSeek Sparse Attention's
-    ``index_n_heads``), which scores each query of a chunk against the indexer keys of every position in float32.
+    ``index_n_heads``), which scores each query of a chunk against the indexer keys of every position in float32;
+    ``index_head_dim``: the width of those keys (one per position and layer).
     (Qwen4-Exp's indexer, which scores pooled key blocks one query at a time, is not counted: it holds boolean
     chunk x T masks.)
     ``shared_topk``: the top-k key indices (int32) every layer returns beside its output for the next layer, whose
@@ -102,6 +103,7 @@ class ModelShape:
     mlp_layers: tuple[int, ...] = ()
     streams: int = 1
     index_heads: int = 0
+    index_head_dim: int = 0
     shared_topk: int = 0
 
     def __post_init__(self):
@@ -290,6 +292,7 @@ class ModelShape:
             rotary_dim=int(head_dim * partial) if partial < 1 else 0,
             streams=next((v for n in _STREAMS if (v := getattr(config, n, None))), 1),
             index_heads=getattr(config, "index_n_heads", None) or 0,
+            index_head_dim=getattr(config, "index_head_dim", None) or 0,
             shared_topk=(getattr(config, "index_topk", None) or 0) if getattr(config, "indexer_types", None) else 0,
         )
         return cls(**{**fields, **kinds})

@@ -20,8 +20,11 @@ The time model, per token of a step, relative to one that keeps every layer inpu
 * keys/values captured in the forward (``kv_mode="capture"``) save the backward's key/value collection pass,
   ``COLLECT_COST`` of the step: 0.160 s of 3.20 s on an H200 at 16,384 tokens (Qwen3-8B shapes,
   ``benchmarks/gpu_nvidia_h200_profile.md``); timed against recompute at the same chunk of 16384 it saved 4.1%, 3.5%
-  and 2.5% of the step at 16k, 32k and 64k tokens (``benchmarks/gpu_nvidia_h200_speed.md``). Capture is open where the
-  memory model sizes it: a model of softmax-attention layers only, without offload (or where the user fixed it).
+  and 2.5% of the step at 16k, 32k and 64k tokens (``benchmarks/gpu_nvidia_h200_speed.md``). A hybrid's
+  state-carrying layers collect their chunk carries by a whole no-grad chunked forward, which capture saves too: the
+  model counts them at the attention's saving, the least. The plan opens capture without offload (whose copies it
+  has not timed with capture), or keeps the user's ``kv_mode``; the memory model counts what capture keeps for every
+  kind of layer (:func:`.memory_model.captured_bytes`), with offload too.
 """
 
 from __future__ import annotations
@@ -116,20 +119,12 @@ class Planner:
     pending_grads: bool = False
     kv_mode: str | None = "recompute"
 
-    @property
-    def capture_sized(self) -> bool:
-        """Whether the memory model sizes captured keys/values for this model: softmax-attention layers only, without
-        a sparse indexed attention's indexer (whose captured indexer keys it does not count)."""
-        attention_only = set(self.shape.plain_attention_layers) == set(range(self.shape.layers))
-        return attention_only and not self.shape.index_heads
-
     def estimate(
         self, tokens: int, chunk: int, layout: Layout, offload: bool, capture: bool = False
     ) -> tuple[int, int]:
-        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model); a
-        ``capture`` the model does not size (a user's fixed ``kv_mode="capture"`` with offload, or on a hybrid) is
-        estimated as a recompute."""
-        capture = capture and self.capture_sized and not offload
+        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model), with
+        what ``capture`` keeps from the forward (:func:`.memory_model.captured_bytes`) on the device and, with
+        offload, on the host."""
         activations = mm.estimate_activation_bytes(
             self.shape,
             tokens,
@@ -146,7 +141,9 @@ class Planner:
             capture=capture,
         )
         mode = "stream+offload" if offload else "stream"
-        setup = mm.StepSetup(mode=mode, dtype_bytes=self.db, keep_every=layout.every, drop=layout.drop)
+        setup = mm.StepSetup(
+            mode=mode, dtype_bytes=self.db, chunk=chunk, keep_every=layout.every, drop=layout.drop, capture=capture
+        )
         return activations, mm.estimate_host_bytes(self.shape, setup, tokens)
 
     def choices(self, seq_len: int, rebuildable: bool, can_offload: bool) -> tuple[list, list[Layout], list[bool]]:
@@ -158,12 +155,12 @@ class Planner:
 
     def captures(self, offload: bool, layout: Layout) -> list[bool]:
         """Whether keys/values are captured, for a plan that offloads or not and keeps the layer inputs ``layout``
-        says: the user's ``kv_mode`` where fixed; else recomputed, or captured where the memory model sizes it (not
-        with offload) and every layer input is kept as well. A rebuilt input costs a layer forward, as much as the
-        key/value pass capture saves: trading one for the other gains nothing and holds more."""
+        says: the user's ``kv_mode`` where fixed; else recomputed, or captured where there is no offload and every
+        layer input is kept as well. A rebuilt input costs a layer forward, as much as the key/value pass capture
+        saves: trading one for the other gains nothing and holds more."""
         if self.kv_mode is not None:
             return [self.kv_mode == "capture"]
-        open_ = self.capture_sized and not offload and not layout.rebuilt(self.shape.layers)
+        open_ = not offload and not layout.rebuilt(self.shape.layers)
         return [False, True] if open_ else [False]
 
     def best(
