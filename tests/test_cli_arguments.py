@@ -140,7 +140,12 @@ def test_trl_default_bf16_on_a_cpu_names_the_flag():
 @pytest.mark.parametrize(
     "objective, config, says",
     [
-        ("sft", "dpo_tiny.yaml", "beta; the file looks like a DPO config: run `streambp-trl dpo`"),
+        # (every field of the tiny DPO file is a KTO field too)
+        (
+            "sft",
+            "dpo_tiny.yaml",
+            "beta; the file looks like a DPO or KTO config: run `streambp-trl dpo` or `streambp-trl kto`",
+        ),
         ("dpo", "sft_tiny.yaml", "assistant_only_loss; the file looks like an SFT config: run `streambp-trl sft`"),
         ("sft", "grpo_tiny.yaml", "; the file looks like a GRPO config: run `streambp-trl grpo`"),
     ],
@@ -150,8 +155,19 @@ def test_a_config_of_another_objective_names_its_command(objective, config, says
     with pytest.raises(UsageError) as error:
         parse_args(objective, ["--config", path])
     assert str(error.value).startswith(f"unknown field in {path}: ") and str(error.value).endswith(says)
-    with pytest.raises(UsageError, match=r"unknown option: --beta; DPO options: run `streambp-trl dpo`$"):
+    # a field several objectives take names each of them (it named DPO alone)
+    with pytest.raises(UsageError) as error:
         parse_args("sft", ["--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--beta", "0.2"])
+    assert str(error.value) == (
+        "unknown option: --beta; DPO, KTO, GRPO, RLOO or distillation options: run `streambp-trl dpo` or "
+        "`streambp-trl kto` or `streambp-trl grpo` or `streambp-trl rloo` or `streambp-trl distillation`"
+    )
+
+
+def test_a_misspelt_option_suggests_the_closest_of_its_family():
+    """``--lora_rank`` suggested ``--local_rank`` (closer as a string); the closest ``lora_*`` field comes first."""
+    with pytest.raises(UsageError, match=r"unknown option: --lora_rank \(did you mean --lora_r\?\)"):
+        parse_args("sft", ["--config", str(ROOT / "configs" / "sft_tiny.yaml"), "--lora_rank", "8"])
 
 
 def test_a_data_file_as_dataset_name_loads_by_its_extension(tmp_path):

@@ -206,30 +206,38 @@ class _Parser(TrlParser):
         hints = []
         for name in names:
             prefix = "--" if name.startswith("-") else ""
-            close = difflib.get_close_matches(name.lstrip("-"), fields, n=1)
+            field = name.lstrip("-")
+            # the closest among the fields of the same family first (``lora_rank``: ``lora_r``, not ``local_rank``)
+            family = [f for f in fields if f.split("_")[0] == field.split("_")[0]]
+            close = difflib.get_close_matches(field, family, n=1) or difflib.get_close_matches(field, fields, n=1)
             hints.append(f"{name} (did you mean {prefix}{close[0]}?)" if close else name)
         return UsageError(f"unknown {where}: {', '.join(hints)}; {hint or f'`{self.prog} --help` lists the options'}")
 
 
-def _other_objective(name: str, fields: list[str]) -> str | None:
-    """The other command whose config has every one of ``fields`` (``dpo`` for ``beta`` given to ``sft``), if any."""
+def _other_objectives(name: str, fields: list[str], context: list[str] = ()) -> list[str]:
+    """The other commands whose config has every one of ``fields``; of those, the ones whose config knows most of
+    ``context`` (every key of the file ``fields`` came from). ``dpo`` alone for a DPO config given to ``sft``;
+    ``dpo``, ``kto``, ``grpo``, ... for ``beta`` alone, which each of them takes."""
+    known = {}
     for other in _OBJECTIVES:
         config_cls, _ = _objective(other)
         script_cls = RewardScriptArguments if other in _RL else ScriptArguments
-        known = {f.name for cls in (config_cls, script_cls) for f in dataclasses.fields(cls)}
-        if other != name and fields and set(fields) <= known:
-            return other
-    return None
+        names = {f.name for cls in (config_cls, script_cls) for f in dataclasses.fields(cls)}
+        if other != name and fields and set(fields) <= names:
+            known[other] = len(names & set(context))
+    return [other for other, n in known.items() if n == max(known.values())]
 
 
-def _belongs(other: str | None, what: str) -> str:
-    """``what`` naming ``other``, and the command to run: ``the file looks like a DPO config: run `streambp-trl dpo```
-    for ``what`` = ``the file looks like {a} {label} config``; ``""`` without another command."""
-    if other is None:
+def _belongs(others: list[str], what: str) -> str:
+    """``what`` naming ``others``, and the command(s) to run: ``the file looks like a DPO config: run `streambp-trl
+    dpo``` for ``what`` = ``the file looks like {a} {label} config``; ``""`` without another command."""
+    if not others:
         return ""
-    label = other.upper() if len(other) <= 4 else other
+    labels = [other.upper() if len(other) <= 4 else other for other in others]
+    label = labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} or {labels[-1]}"
     article = "an" if label[0] in "AEFHILMNORSX" else "a"
-    return f"{what.format(a=article, label=label)}: run `streambp-trl {other}`"
+    commands = " or ".join(f"`streambp-trl {other}`" for other in others)
+    return f"{what.format(a=article, label=label)}: run {commands}"
 
 
 def _option(arg: str) -> str:
@@ -258,7 +266,7 @@ def parse_args(name: str, argv: list[str]) -> tuple:
         unknown = parser.set_defaults_with_config(**config)[::2]
         if unknown:
             names = [key.removeprefix("--") for key in unknown]
-            hint = _belongs(_other_objective(name, names), "the file looks like {a} {label} config")
+            hint = _belongs(_other_objectives(name, names, list(config)), "the file looks like {a} {label} config")
             raise parser.unknown(names, f"field in {path}", hint)
     elif not {"-h", "--help"} & set(argv) and "model_name_or_path" not in {_option(a) for a in argv}:
         raise UsageError(
@@ -278,7 +286,7 @@ def parse_args(name: str, argv: list[str]) -> tuple:
         raise UsageError(_one_line(error)) from error
     if remaining:
         options = [a for a in remaining if a.startswith("-")] or remaining
-        hint = _belongs(_other_objective(name, [_option(a) for a in options]), "{label} options")
+        hint = _belongs(_other_objectives(name, [_option(a) for a in options]), "{label} options")
         raise parser.unknown(options, "option", hint)
     model_args = parsed[2]
     if (model_args.load_in_4bit or model_args.load_in_8bit) and not model_args.use_peft:
