@@ -271,4 +271,4 @@ def test_auto_choosing_one_chunk_is_said_naming_auto(caplog):
         model(input_ids=ids, labels=ids).loss.backward()
     (said,) = _unstreamed(caplog)
     assert "a 40-token sequence is not streamed: stream_chunk_size='auto' chose one chunk of" in said
-    assert "set stream_chunk_size to fewer than 40 tokens to stream anyway" in said
+    assert "To stream, set stream_chunk_size to fewer than 40 tokens. (Said once" in said

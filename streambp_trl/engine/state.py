@@ -144,7 +144,7 @@ class EngineState:
                 f"stream_chunk_size='auto' chose one chunk of {chunk} tokens, as the memory model finds the whole "
                 "sequence fits memory_budget (or the free memory)"
             )
-            fix = f"set stream_chunk_size to fewer than {length} tokens to stream anyway"
+            fix = f"set stream_chunk_size to fewer than {length} tokens"
         else:
             why = f"it is no longer than stream_chunk_size={chunk}"
             fix = f"set stream_chunk_size below {length}, or train longer sequences (max_length)"
