@@ -293,3 +293,32 @@ def test_what_the_device_holds_beside_the_model_is_counted_and_planned_again(mon
         streamed.zero_grad(set_to_none=True)
         layouts.append(streamed._streambp.auto.last_plan.layout)
     assert layouts == [Layout(), Layout(drop=1)]
+
+
+def test_a_kept_plan_is_checked_against_the_room_each_call_has(monkeypatch):
+    """A plan is kept per shape and per whole GiB allocated, far coarser than a small budget's margin: a call that
+    finds less than a GiB more allocated reused the first call's plan, predicted over its room, and ran unchecked.
+    Each call now checks the kept plan against its own room: here it rebuilds an input the first call kept, and a call
+    with no room left is refused."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    shape = mm.ModelShape.from_model(model)
+    params = sum(p.numel() * 8 for p in model.parameters())
+    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
+    keep, drop = (planner.estimate(ids.numel(), CHUNK, layout, False)[0] for layout in (Layout(), Layout(drop=1)))
+    budget = params + keep
+    budget += margin(budget) + budget // 1024
+    streamed = enable_streambp(model, stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
+    assert auto.REPLAN_STEP == mm.GiB > budget
+    layouts = []
+    for allocated in (params // 2, params + (keep - drop) // 2):  # the weights alone, then with an optimizer's state
+        monkeypatch.setattr(auto, "allocated_bytes", lambda device, allocated=allocated: allocated)
+        streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        streamed.zero_grad(set_to_none=True)
+        plan = streamed._streambp.auto.last_plan
+        layouts.append(plan.layout)
+        assert max(params, allocated) + plan.activations <= budget - margin(budget)
+    assert layouts == [Layout(), Layout(drop=1)]
+    monkeypatch.setattr(auto, "allocated_bytes", lambda device: budget)
+    with pytest.raises(ValueError, match="fit in no way of running within memory_budget"):
+        streamed(input_ids=ids, attention_mask=mask, labels=labels)

@@ -17,7 +17,9 @@ from the moment the backward forms it (``pending_grads``: the top layer's backwa
 and its own, not every layer's); where some do, the missing ones are counted as held through the step. The two are
 planned apart (a micro-step after the first may take another plan). On a CUDA device what is allocated when the
 call starts counts too (with a budget, where it is more than the weights and gradients: optimizer state, a reference
-model's buffers), and a call that finds another whole number of GiB allocated is planned again.
+model's buffers), and a call that finds another whole number of GiB allocated is planned again. Whatever that
+granularity, a plan kept for a shape is checked against the room of each call before it is reused, and planned again
+where its predicted activations no longer fit (a small budget's margin is far below a GiB).
 * without any memory figure (another device type, or a model whose config lacks the usual size fields): the user's
   choices, else an eighth of the sequence clamped to [512, 4096] (:func:`rule_of_thumb`), every input kept.
 
@@ -183,8 +185,9 @@ class AutoChunks:
     def plan(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True) -> StepPlan:
         """The plan of a call on ``rows`` sequences of ``seq_len`` tokens (``rebuildable``: its layer inputs may be
         rebuilt in backward), chosen once per shape and logged once (at warning level where it rebuilds or offloads
-        inputs the user did not ask to, else at info level). Raises where a call with grad fits nowhere within a
-        known device figure (a budget, or a CUDA device's free memory)."""
+        inputs the user did not ask to, else at info level), and chosen again where its predicted activations no
+        longer fit the room this call has (:func:`fits`). Raises where a call with grad fits nowhere within a known
+        device figure (a budget, or a CUDA device's free memory)."""
         grad = torch.is_grad_enabled()
         model = self._model()
         pending = model is not None and _grads_pending(list(model.parameters()))
@@ -201,12 +204,13 @@ class AutoChunks:
             state[0] // REPLAN_STEP,
             state[1] > 0,
         )
-        if key not in self._chosen:
+        figure = self._room(model, device, pending, allocated, state)
+        plan = self._chosen.get(key)
+        if plan is None or not fits(plan, figure):
             if len(self._chosen) > 256:
                 self._chosen.clear()
                 self._latest.clear()
-            self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, allocated, state)
-        plan = self._chosen[key]
+            plan = self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, figure)
         self._latest[(rows, seq_len)] = self.last_plan = plan
         self.last = plan.chunk
         return plan
@@ -225,11 +229,10 @@ class AutoChunks:
         rebuildable: bool,
         grad: bool,
         pending: bool,
-        allocated: int | None,
-        state: tuple[int, int] = (0, 0),
+        figure: tuple[int, int, int] | None,
     ) -> StepPlan:
+        """The plan of a call within ``figure`` (:meth:`_room`; ``None``: no memory figure, the user's choices)."""
         model = self._model()
-        figure = self._room(model, device, pending, allocated, state)
         if figure is None or self.shape is None or model is None:
             return self._fixed(seq_len)
         room, held, total = figure
@@ -318,6 +321,13 @@ class AutoChunks:
             return None
         missing = (0 if pending else _missing_grad_bytes(params)) + unallocated
         return free - missing, held, free + held - missing
+
+
+def fits(plan: StepPlan, figure: tuple[int, int, int] | None) -> bool:
+    """Whether ``plan``'s predicted activations fit the room of ``figure`` (:meth:`AutoChunks._room`: room, held,
+    total) less its fragmentation margin, as a plan chosen within it must; any plan fits where no figure is known,
+    and one taken where nothing was predicted to fit (no grad: said at warning level) predicts nothing."""
+    return figure is None or plan.activations <= figure[0] - margin(figure[2])
 
 
 def offload_saves(device: torch.device) -> bool:
