@@ -1,15 +1,16 @@
 """Which causal LMs the stream engine trains exactly: :func:`classify` one model type of the installed transformers.
 
-Each model is a tiny random float64 build (:mod:`zoo`), compared with plain autograd
-on a batch of 2 x 23 tokens (labels -100 on padding and a prompt), right and left padded, in chunks of :data:`CHUNK`
-tokens (which do not divide 23). The bound is :data:`EXACT` relative, or :data:`FLOAT32_INTERNAL` where the model's
-own layer code computes in float32 inside the float64 model (norms, routers, sinks upcast to float32): the streamed
-backward then sums the same float32 terms in another order. That reason is not taken on trust: the float32
-arithmetic in the layers is detected (:func:`float32_ops_in_layers`) and the looser bound used only then. Where the
-float32 terms are amplified past that bound (the exponentials of a gated recurrence, summed over chunk boundaries in
-another order), on the padded batches or the packed row, both runs are repeated with the float32 arithmetic done in
-float64 (:class:`Float64Internals`) and held to :data:`EXACT`: how far the float32 rounding goes depends on the CPU's
-float32 kernels, so it decides which float32 verdict a model gets, never whether it is exact.
+Each model is a tiny random float64 build (:mod:`zoo`), compared with plain autograd on the model's own ``labels=``
+loss (:func:`own_loss`: the labels paired with the logits as the model pairs them) on a batch of 2 x 23 tokens (labels
+-100 on padding and a prompt), right and left padded, in chunks of :data:`CHUNK` tokens (which do not divide 23). The
+bound is :data:`EXACT` relative, or :data:`FLOAT32_INTERNAL` where the model's own layer code computes in float32
+inside the float64 model (norms, routers, sinks upcast to float32): the streamed backward then sums the same float32
+terms in another order. That reason is not taken on trust: the float32 arithmetic in the layers is detected
+(:func:`float32_ops_in_layers`) and the looser bound used only then. Where the float32 terms are amplified past that
+bound (the exponentials of a gated recurrence, summed over chunk boundaries in another order), on the padded batches or
+the packed row, both runs are repeated with the float32 arithmetic done in float64 (:class:`Float64Internals`) and held
+to :data:`EXACT`: how far the float32 rounding goes depends on the CPU's float32 kernels, so it decides which float32
+verdict a model gets, never whether it is exact.
 
 ``tests/test_every_causal_lm.py`` holds every model type to the status recorded in ``tests/causal_lm_support.json``,
 which ``scripts/model_support.py`` writes from :func:`classify`.
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from zoo import VOCAB, batch, tiny_causal_lm
@@ -102,10 +103,26 @@ class Float64Internals(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def plain_loss(model, ids, mask, labels):
-    """Plain autograd: the mean next-token cross-entropy over the full logits."""
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+def own_loss(model, **inputs) -> torch.Tensor:
+    """Plain autograd (``model`` not streamed): the model's own ``labels=`` loss, as its forward computes it from the
+    full logits, pairing labels and logits as it does (transformers' causal-LM loss shifts the labels; the decoders of
+    BART and the other encoder-decoder families do not), never a loss the test writes. Its loss function's float32
+    upcast (``logits.float()`` in transformers' ``ForCausalLMLoss``, which in a float64 model rounds the logits to
+    float32) computes in float64 (:class:`Float64Internals`), as the float64 model does everything else.
+    ``use_cache=False`` unless ``inputs`` say otherwise."""
+    function = model.loss_function
+
+    def in_float64(*args, **kwargs):
+        with Float64Internals():
+            return function(*args, **kwargs)
+
+    with mock.patch.object(model, "_loss_function", in_float64, create=True):  # what model.loss_function returns
+        return model(**{"use_cache": False, **inputs}).loss
+
+
+def plain_loss(model, ids, mask, labels) -> torch.Tensor:
+    """Plain autograd on one batch: the model's own loss (:func:`own_loss`)."""
+    return own_loss(model, input_ids=ids, attention_mask=mask, labels=labels)
 
 
 PACKED_LENGTHS = (7, 1, 9, 6)  # the documents of a packed row: 23 tokens, a one-token document among them
@@ -137,13 +154,17 @@ def packed_row(lengths: tuple[int, ...] = PACKED_LENGTHS, seed: int = 3) -> tupl
 
 
 def each_document_alone(model, docs: list[torch.Tensor]) -> torch.Tensor:
-    """Plain autograd's mean next-token loss over the documents, each run as its own sequence."""
+    """Plain autograd over the documents, each run as its own sequence and labelled as in :func:`packed_row` (-100 at
+    its first token): the mean of the model's own loss (:func:`own_loss`) of each, weighted by its labels that are
+    not -100 (the tokens it averages over, whether the model shifts the labels or not: the first label is -100)."""
     total, count = 0.0, 0
     for doc in docs:
-        if doc.shape[1] > 1:
-            logits = model(input_ids=doc, use_cache=False).logits
-            total = total + F.cross_entropy(logits[0, :-1], doc[0, 1:], reduction="sum")
-            count += doc.shape[1] - 1
+        labels = doc.clone()
+        labels[:, 0] = -100
+        scored = int((labels != -100).sum())
+        if scored:
+            total = total + own_loss(model, input_ids=doc, labels=labels) * scored
+            count += scored
     return total / count
 
 
@@ -235,8 +256,7 @@ def _packed_rows(model_type: str, reference, streamed, mode) -> dict:
     streamed.zero_grad()
     with mode():
         try:
-            logits = reference(**inputs).logits
-            ref_loss = F.cross_entropy(logits[0, :-1], labels[0, 1:], ignore_index=-100)
+            ref_loss = own_loss(reference, **inputs, labels=labels)
         except ValueError as error:
             if "packed sequences apart" not in str(error):
                 raise

@@ -1,9 +1,11 @@
 """Every causal LM of the installed transformers is either trained exactly by the stream engine or refused by
 ``enable_streambp`` itself, with the model class and the reason in the message. Any other outcome fails.
 
-Each model is a tiny random float64 build (``zoo``), compared with plain autograd on a batch of 2 x 23
-tokens (labels -100 on padding and a prompt), right and left padded, in chunks of 5 tokens (which do not divide 23),
-and on one packed row of four documents (TRL's padding-free descriptors; ``model_support.packed_row``).
+Each model is a tiny random float64 build (``zoo``), compared with plain autograd on the model's own ``labels=`` loss
+(``model_support.own_loss``; the decoders of BART and the other encoder-decoder families do not shift their labels)
+on a batch of 2 x 23 tokens (labels -100 on padding and a prompt), right and left padded, in chunks of 5 tokens
+(which do not divide 23), and on one packed row of four documents (TRL's padding-free descriptors;
+``model_support.packed_row``).
 The bound is 1e-10 relative, or 1e-5 where the model's own layer code computes in float32 inside the float64 model
 (norms, routers, sinks upcast to float32): the streamed backward then sums the same float32 terms in another order.
 That reason is not taken on trust: the test detects the float32 arithmetic in the layers and uses the looser bound

@@ -26,6 +26,7 @@ from ..logits import chunked_logprobs
 from ..patching import hooked_without_grad, original, temporarily, unpatched
 from .head_side import decode_for_head, kernel_head
 from .model_parts import lm_head_linear
+from .own_loss import check_unshifted_call, labels_shifted
 from .state import EngineState
 from .support import router_loss_refusal
 from .zero3 import zero3_gathered
@@ -192,14 +193,20 @@ def _loss_arguments(lm: PreTrainedModel, kwargs: dict) -> int:
 
 
 def _scored_rows(
-    hidden: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None, logits_to_keep
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    logits_to_keep,
+    shifted: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next-token labels of a call and, in the same shape, the rows of the flattened (batch x T, hidden) states
-    whose logits they score, as the model's own forward pairs them.
+    """The labels of a call and, in the same shape, the rows of the flattened (batch x T, hidden) states whose logits
+    they score, as the model's own forward pairs them.
 
     The model's own forward computes the logits of ``hidden[:, -k:]`` for an int ``logits_to_keep`` k (0: every
-    position) or ``hidden[:, idx]`` for a 1D tensor ``idx``, and scores them against ``labels`` of the same length
-    shifted by one (the last kept position has no label), or against ``shift_labels`` as they are.
+    position) or ``hidden[:, idx]`` for a 1D tensor ``idx``, and scores the i-th kept position against
+    ``labels[:, i + 1]`` of the same length (``shifted``: the last kept position has no label), or against
+    ``shift_labels[:, i]``; a model whose own loss does not shift its labels (``shifted=False``,
+    :func:`~.own_loss.labels_shifted`) against ``labels[:, i]``.
     """
     batch, seq_len = hidden.shape[:2]
     positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -218,7 +225,7 @@ def _scored_rows(
             f"{name} of shape {tuple(given.shape)} do not match the logits the model computes{kept}: pass {name} of "
             f"shape {tuple(rows.shape)}, one per position whose logits are kept."
         )
-    if shift_labels is None:
+    if shift_labels is None and shifted:
         given, rows = given[:, 1:], rows[:, :-1]
     return given.to(hidden.device), rows
 
@@ -269,6 +276,11 @@ def stream_forward(
             "Set the labels of the positions to skip to -100 instead (as TRL's GRPO does), and drop logits_to_keep."
         )
     ignore_index = _loss_arguments(self, kwargs)
+    # the labels paired as the model's own loss pairs them, or as TRL's fused head does (shifted, whatever the model)
+    shifted = fused_lm_head or labels_shifted(type(self))
+    if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)
+        check_unshifted_call(self, shift_labels, ignore_index)
+        num_items_in_batch = None  # ignored as the model ignores it (transformers' Trainer passes it)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
@@ -280,11 +292,13 @@ def stream_forward(
     head = kernel_head(self)
     # the final norm runs inside the logit kernel as decode_for_head decides (the decoder's last step, no hidden
     # states asked, no hook on it)
-    side = decode_for_head(self, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states"))
+    side = decode_for_head(
+        self, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states")
+    )
     decoded, hidden, norm = side.decoded, side.hidden, side.norm
     gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     hidden = hidden.to(head.weight.device)
-    labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep)
+    labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep, shifted)
     _check_labels(labels, head.weight.shape[0], ignore_index)
     mask = labels != ignore_index
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
