@@ -256,7 +256,7 @@ def test_the_worker_records_the_logit_form_it_ran_and_its_budget():
 
 def test_the_worker_records_the_plan_auto_chose():
     """A planned stream measurement (kept inputs and offload left to the plan, as the trainers leave them) records
-    the plan in words; with every choice fixed nothing is planned."""
+    the plan in words; with every choice fixed the plan only checks the budget, and runs the choices as fixed."""
     from streambp_trl.bench.worker import run_worker
 
     spec = dict(mode="stream", seq_len=64, model="qwen3-tiny", device="cpu", dtype="float32", stream_chunk_size=32)
@@ -269,7 +269,8 @@ def test_the_worker_records_the_plan_auto_chose():
         False,
     )
     fixed = run_worker(MeasureSpec(**spec, memory_budget="1GiB"))  # chunk, kept inputs, offload fixed
-    assert fixed["plan"] is None and (fixed["kv_mode"], fixed["captured"]) == ("recompute", False)
+    assert fixed["plan"] == "64 tokens: chunk 32, every layer input kept"
+    assert (fixed["kv_mode"], fixed["captured"]) == ("recompute", False)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from helpers import CopyingOffload, count_calls, loss_and_grads, reference_loss
 from models import batch, tiny_model
 from transformers.utils import logging as hf_logging
 
-from streambp_trl import enable_streambp
+from streambp_trl import StreamOptions, enable_streambp
 from streambp_trl.layers.call import backward, layer_call
 from streambp_trl.sizing import auto
 from streambp_trl.sizing import memory_model as mm
@@ -322,3 +322,26 @@ def test_a_kept_plan_is_checked_against_the_room_each_call_has(monkeypatch):
     monkeypatch.setattr(auto, "allocated_bytes", lambda device: budget)
     with pytest.raises(ValueError, match="fit in no way of running within memory_budget"):
         streamed(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_a_budget_is_checked_whatever_the_user_fixed():
+    """Every option fixed (chunk, keep_every=1, offload off, recompute): the budget was never checked, so the weights
+    plus 4 KiB ran, while with keep_every=1 alone fixed the same budget was refused. Both are refused now, by the one
+    check every plan makes; a budget they fit runs exactly the fixed choices, bit for bit as without a budget."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    params = sum(p.numel() * 8 for p in model.parameters())
+    fixed = dict(stream_chunk_size=CHUNK, keep_every=1, offload_checkpoints=False, kv_mode="recompute")
+    for options in (fixed, dict(stream_chunk_size=CHUNK, keep_every=1)):
+        streamed = enable_streambp(copy.deepcopy(model), memory_budget=f"{params + 4096}B", **options)
+        with pytest.raises(ValueError, match="fit in no way of running within memory_budget"):
+            streamed(input_ids=ids, attention_mask=mask, labels=labels)
+    assert not StreamOptions(**fixed).planned and StreamOptions(**fixed, memory_budget="1GiB").planned
+    loss, grads = loss_and_grads(enable_streambp(copy.deepcopy(model), **fixed), ids, mask, labels)
+    checked = enable_streambp(model, memory_budget="1GiB", **fixed)
+    loss_checked, grads_checked = loss_and_grads(checked, ids, mask, labels)
+    plan = checked._streambp.auto.last_plan
+    assert (plan.chunk, plan.layout, plan.offload, plan.capture) == (CHUNK, Layout(), False, False)
+    assert torch.equal(loss, loss_checked)
+    for name, g in grads.items():
+        assert torch.equal(g, grads_checked[name]), name

@@ -44,8 +44,7 @@ class StreamOptions:
         kv_mode: ``"recompute"`` or ``"capture"``: how a layer's backward gets its keys/values, recomputed from its
             saved input by a no-grad pass or kept from its forward (2 x kv_dim values per token per attention layer).
             ``None`` (default): each call's plan keeps them where they fit (:mod:`streambp_trl.sizing.plan`),
-            recomputes them otherwise, where no memory figure is known or where no plan is made (a fixed chunk,
-            ``keep_every`` and ``offload_checkpoints``).
+            recomputes them otherwise, where no memory figure is known or where no plan is made (:attr:`planned`).
         temperature: divides the logits of ``fused_lm_head=True`` calls (TRL's GRPO temperature).
         fused_outputs: fields of ``FusedCausalLMOutput`` computed by ``fused_lm_head=True`` calls, among
             ``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; ``log_probs`` is always
@@ -58,10 +57,11 @@ class StreamOptions:
             forward and backward, brought back one layer ahead (see :mod:`streambp_trl.layers.kept.offload`); a
             no-op on CPU. ``None`` (default): each call's plan decides (:mod:`streambp_trl.sizing.plan`), off where no
             memory figure is known.
-        memory_budget: the device memory the step may use, for ``"auto"`` chunk sizes: a size with its unit,
+        memory_budget: the device memory the step may use, for each call's plan: a size with its unit,
             ``"78GiB"``, ``"80GB"``, ``"512MiB"`` (``"4096B"`` for bytes; a bare number is refused, ``80`` being far
             more likely 80 GiB than 80 bytes), read into :attr:`memory_budget_bytes`; ``None``: the free memory of
-            the CUDA device when a call starts.
+            the CUDA device when a call starts. A call with grad whose predicted peak exceeds it is refused before
+            its step, whatever the other options fix (with every one fixed, the plan only checks it).
         keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
             other layers rebuild theirs in backward by one more chunked forward (see
             :mod:`streambp_trl.layers.kept.segments`). Not with ZeRO-3 or FSDP. ``None`` (default): each call's plan
@@ -134,7 +134,10 @@ class StreamOptions:
 
     @property
     def planned(self) -> bool:
-        """Whether anything is chosen per call: a chunk size, the kept layer inputs or checkpoint offload (and then
-        whether keys/values are kept from the forward, unless ``kv_mode`` is set)."""
-        # (kv_mode None is planned where a plan is made, and recompute where every other choice is fixed)
-        return self.auto or self.keep_every is None or self.offload_checkpoints is None
+        """Whether each call is planned (:mod:`streambp_trl.sizing.auto`): where anything is chosen per call (a chunk
+        size, the kept layer inputs or checkpoint offload, and then whether keys/values are kept from the forward,
+        unless ``kv_mode`` is set), or where a ``memory_budget`` is given, which every call is checked against
+        whatever the options fix."""
+        # (kv_mode None is planned where a plan is made, and recompute where no plan is made)
+        chosen = self.auto or self.keep_every is None or self.offload_checkpoints is None
+        return chosen or self.memory_budget is not None

@@ -113,32 +113,52 @@ class AutoChunks:
         self.last: int | None = None  # the latest chunk chosen (what the trainers log)
         self.last_plan: StepPlan | None = None
         # with a fixed chunk only the kept layer inputs and offload are planned: what the memory model cannot size is
-        # said at info level (every input is then kept, nothing offloaded, as without a plan)
-        say = logger.warning if chunk is None else logger.info
+        # said at info level (every input is then kept, nothing offloaded, as without a plan); with every choice fixed
+        # the plan only checks the user's memory_budget, and what it cannot check is said at warning level
+        checked_only = chunk is not None and keep_every is not None and offload is not None
+        say = logger.info if chunk is not None and not checked_only else logger.warning
+        name = type(model).__name__
         try:
             self.shape: mm.ModelShape | None = mm.ModelShape.from_model(model)
             Planner(self.shape).estimate(1024, 512, Layout(), False)  # a shape the memory model can size
         except (AttributeError, TypeError, ArithmeticError) as error:  # a config without the usual size fields
             self.shape = None
-            fallback = (
-                "a stream chunk takes an eighth of each sequence within [512, 4096] whatever the memory: pass "
-                "stream_chunk_size (tokens) to choose it yourself"
-                if chunk is None
-                else "every layer input is kept on the device unless stream_keep_every or offload_checkpoints is set"
-            )
-            who = '"auto" chunk sizes' if chunk is None else "StreamBP's per-call plan"
-            say(f"{who} cannot size {type(model).__name__} from its config ({error}), so {fallback}.")
+            if chunk is None:
+                say(
+                    f'"auto" chunk sizes cannot size {name} from its config ({error}), so a stream chunk takes an '
+                    "eighth of each sequence within [512, 4096] whatever the memory: pass stream_chunk_size (tokens) "
+                    "to choose it yourself."
+                )
+            elif checked_only:
+                say(
+                    f"StreamBP cannot size {name} from its config ({error}), so memory_budget is not checked: each "
+                    "call runs as configured whatever memory it takes."
+                )
+            else:
+                say(
+                    f"StreamBP's per-call plan cannot size {name} from its config ({error}), so every layer input is "
+                    "kept on the device unless stream_keep_every or offload_checkpoints is set."
+                )
             return
         config = model.config.get_text_config() if hasattr(model, "config") else None
         uncounted = _UNCOUNTED.get(getattr(config, "model_type", None))
-        if uncounted:
+        if uncounted is None:
+            return
+        if chunk is None:
             say(
-                f'"auto" chunk sizes size {type(model).__name__} without {uncounted}, which the memory model does not '
-                "count, so its chunks may take more memory than there is: pass stream_chunk_size and "
-                "logits_chunk_size (tokens) to choose them yourself."
-                if chunk is None
-                else f"StreamBP's per-call plan sizes {type(model).__name__} without {uncounted}, which the memory "
-                "model does not count: set stream_keep_every and offload_checkpoints to choose them yourself."
+                f'"auto" chunk sizes size {name} without {uncounted}, which the memory model does not count, so its '
+                "chunks may take more memory than there is: pass stream_chunk_size and logits_chunk_size (tokens) to "
+                "choose them yourself."
+            )
+        elif checked_only:
+            say(
+                f"StreamBP checks memory_budget for {name} without {uncounted}, which the memory model does not "
+                "count, so a call may take more memory than the budget: leave room for them in memory_budget."
+            )
+        else:
+            say(
+                f"StreamBP's per-call plan sizes {name} without {uncounted}, which the memory model does not count: "
+                "set stream_keep_every and offload_checkpoints to choose them yourself."
             )
 
     def __deepcopy__(self, memo) -> AutoChunks:

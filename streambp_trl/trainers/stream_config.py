@@ -38,8 +38,9 @@ class StreamArguments:
             one per layer, for host memory of layers x hidden x 2 bytes per token. `None`: each batch shape's plan
             turns it on where the layer inputs do not fit the GPU and the host has the memory.
         memory_budget (`str` or `None`, defaults to `None`):
-            GPU memory the step may use for `"auto"` chunk sizes, a size with its unit: `"78GiB"`, `"80GB"`,
-            `"512MiB"` (a bare number such as `80` is refused); `None`: the GPU's free memory.
+            GPU memory the step may use, for each batch shape's plan, a size with its unit: `"78GiB"`, `"80GB"`,
+            `"512MiB"` (a bare number such as `80` is refused); `None`: the GPU's free memory. A step predicted to
+            exceed it is refused before it runs, whatever the other options fix.
         stream_keep_every (`int` or `None`, defaults to `None`):
             Keep only the first input of every `stream_keep_every` consecutive decoder layers (on the GPU, or in host
             memory with `offload_checkpoints`); the layers between rebuild theirs in backward by one more chunked
