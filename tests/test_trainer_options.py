@@ -97,6 +97,26 @@ def test_activation_offloading_is_the_engines_checkpoint_offload(tmp_path, confi
     assert not trainer.args.activation_offloading and config.activation_offloading  # the caller's config unchanged
 
 
+@pytest.mark.parametrize(
+    "config_cls", [c for c in CONFIGS if "activation_offloading" in c.__dataclass_fields__], ids=lambda c: c.__name__
+)
+def test_offload_checkpoints_false_beside_activation_offloading_is_refused(tmp_path, config_cls):
+    """offload_checkpoints=False set beside TRL's activation_offloading=True (the engine's offload_checkpoints=True):
+    activation_offloading won, said at info level only. Refused now when the config is built, in one line naming both
+    settings and how to keep either; offload_checkpoints=True beside it, or unset, offloads."""
+    common = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", activation_offloading=True)
+    with pytest.raises(ValueError) as error:
+        config_cls(**common, offload_checkpoints=False)
+    message = str(error.value)
+    assert message.startswith("offload_checkpoints=False contradicts activation_offloading=True")
+    assert "\n" not in message
+    assert "set activation_offloading=False" in message and "leave offload_checkpoints unset" in message
+    for setting in (True, None):
+        assert config_cls(**common, offload_checkpoints=setting).to_options().offload_checkpoints
+    common["activation_offloading"] = False
+    assert config_cls(**common, offload_checkpoints=False).to_options().offload_checkpoints is False
+
+
 @pytest.mark.parametrize("setting, expected", [(None, False), (True, True), (False, False)])
 def test_ddp_does_not_search_for_unused_parameters_unless_asked(tmp_path, setting, expected):
     """transformers turns the search on when Hugging Face checkpointing is off, as the stream trainers turn it; a

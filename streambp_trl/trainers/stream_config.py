@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 
@@ -36,7 +35,8 @@ class StreamArguments:
             Keep each layer's saved input in pinned host memory between forward and backward (brought back one layer
             ahead, copies overlapped with compute): GPU memory then grows by a few hidden vectors per token instead of
             one per layer, for host memory of layers x hidden x 2 bytes per token. `None`: each batch shape's plan
-            turns it on where the layer inputs do not fit the GPU and the host has the memory.
+            turns it on where the layer inputs do not fit the GPU and the host has the memory. TRL's
+            `activation_offloading=True` turns it on; `False` beside it is refused as contradictory.
         memory_budget (`str` or `None`, defaults to `None`):
             GPU memory the step may use, for each batch shape's plan, a size with its unit: `"78GiB"`, `"80GB"`,
             `"512MiB"` (a bare number such as `80` is refused); `None`: the GPU's free memory. A step predicted to
@@ -128,7 +128,9 @@ class StreamArguments:
             stream_chunk_size=self.stream_chunk_size,
             logits_chunk_size=self.logits_chunk_size,
             kv_mode=self.stream_kv_mode,
-            offload_checkpoints=self.offload_checkpoints,
+            offload_checkpoints=checkpoint_offload(
+                getattr(self, "activation_offloading", False), self.offload_checkpoints
+            ),
             memory_budget=self.memory_budget,
             keep_every=self.stream_keep_every,
             **engine_options,
@@ -139,14 +141,25 @@ class StreamArguments:
 STREAM_FIELDS = tuple(f.name for f in fields(StreamArguments) if f.name not in TrainingArguments.__dataclass_fields__)
 
 
+def checkpoint_offload(activation_offloading: bool, offload_checkpoints: bool | None) -> bool | None:
+    """The engine's ``offload_checkpoints`` of a config: as set, or on where TRL's ``activation_offloading=True`` asks
+    for offload (the engine's: each layer's saved input, the only activation it keeps per layer, in host memory).
+    ``offload_checkpoints=False`` beside it is refused: neither setting can win without ignoring the other."""
+    if not activation_offloading:
+        return offload_checkpoints
+    if offload_checkpoints is False:
+        raise ValueError(
+            "offload_checkpoints=False contradicts activation_offloading=True (which is the stream engine's "
+            "offload_checkpoints=True): set activation_offloading=False to keep the layer inputs on the GPU, or leave "
+            "offload_checkpoints unset to offload them."
+        )
+    return True
+
+
 def stream_options(args, **engine_options) -> StreamOptions:
     """The engine options of a trainer's config as the user gave it: a ``Stream*Config``'s own, or the defaults for
-    TRL's configs; TRL's ``activation_offloading=True`` asks for the engine's checkpoint offload (each layer's saved
-    input, the only activation the engine keeps per layer, in host memory)."""
+    TRL's configs, with TRL's ``activation_offloading`` read by :func:`checkpoint_offload`."""
     if isinstance(args, StreamArguments):
-        options = args.to_options(**engine_options)
-    else:
-        options = StreamOptions(stream_chunk_size=AUTO, **engine_options)
-    if getattr(args, "activation_offloading", False):
-        options = dataclasses.replace(options, offload_checkpoints=True)
-    return options
+        return args.to_options(**engine_options)
+    offload = checkpoint_offload(getattr(args, "activation_offloading", False), None)
+    return StreamOptions(stream_chunk_size=AUTO, offload_checkpoints=offload, **engine_options)
