@@ -183,3 +183,32 @@ def test_a_decoder_replaced_after_enabling_is_refused_by_name():
     ids, mask, _ = batch()
     with pytest.raises(ValueError, match="decoder `model` was replaced"):
         streamed(input_ids=ids, attention_mask=mask)
+
+
+def test_router_logits_asked_in_the_config_after_enabling_are_refused():
+    """``config.output_router_logits = True`` after enabling (refused at enable): the plain call adds the
+    load-balancing loss (2.0 on the tiny Qwen3-MoE), which the streamed loss silently lacked; refused at the call,
+    with labels or without (the decoder's router logits would get no gradient)."""
+    _, streamed = _pair("qwen3_moe")
+    streamed.config.output_router_logits = True
+    ids, mask, labels = batch()
+    with pytest.raises(ValueError, match=r"config.output_router_logits=True.*keep config.output_router_logits=False"):
+        streamed(input_ids=ids, attention_mask=mask, labels=labels)
+    with pytest.raises(ValueError, match=r"load-balancing loss \(output_router_logits=True"):
+        streamed(input_ids=ids, attention_mask=mask)  # (the model's forward passes the config's value on)
+    with torch.no_grad():  # the decoder's router logits without grad are exact values
+        streamed.model(input_ids=ids, attention_mask=mask)
+
+
+def test_a_loss_function_set_on_the_model_is_refused():
+    """``model.loss_function = f`` (transformers' setter) changes the plain call's loss; the logit kernel computes
+    the causal-LM loss, so a streamed labels= call says so instead of ignoring it. TRL's fused head, whose loss is
+    TRL's, is not affected."""
+    reference, streamed = _pair()
+    streamed.loss_function = lambda logits, labels, vocab_size, **kwargs: logits.sum()
+    with pytest.raises(ValueError, match=r"not the loss_function set on the model.*del model._loss_function"):
+        _loss(streamed)
+    ids, mask, labels = batch()
+    streamed(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    del streamed._loss_function
+    assert_matches_plain(reference, streamed, ids, mask, labels)

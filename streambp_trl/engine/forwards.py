@@ -76,6 +76,8 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
             "(T x T) attention weights are never formed. Call the model in eval mode, or disable_streambp(model)."
         )
     state.check_layers()
+    if torch.is_grad_enabled():  # (router logits without grad are exact values)
+        _check_router_logits(decoder, kwargs, decoder.config)
     _packing_as_plain(decoder, args, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k not in CACHE_KWARGS}
     kwargs["use_cache"] = False
@@ -100,6 +102,24 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
         call.embeddings.watch(decoder) if call.inputs_rebuildable else contextlib.nullcontext(),
     ):
         return original(decoder, "forward")(*args, **kwargs)
+
+
+def _check_router_logits(model: nn.Module, kwargs: dict, config) -> None:
+    """Refuse a streamed call that asks for an MoE model's router logits (the call's ``output_router_logits``, else
+    its ``config``'s, which the user may have set after enabling): their load-balancing loss would be missing from
+    the streamed loss, or get no gradient (:func:`~.support.router_loss_refusal`)."""
+    asked = kwargs.get("output_router_logits")
+    if asked is None and getattr(config, "output_router_logits", False):
+        setting = "config.output_router_logits=True"
+    elif asked:
+        setting = "output_router_logits=True in the call"
+    else:
+        return
+    raise router_loss_refusal(
+        f"StreamBP cannot train {type(model).__name__} exactly",
+        setting,
+        "Call without output_router_logits and keep config.output_router_logits=False.",
+    )
 
 
 def _packing_as_plain(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -262,12 +282,7 @@ def stream_forward(
             return original(self, "forward")(*args, **kwargs)
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
-    if kwargs.get("output_router_logits"):
-        raise router_loss_refusal(
-            f"StreamBP cannot train {type(self).__name__} exactly",
-            "output_router_logits=True in the call",
-            "Call without output_router_logits (and keep config.output_router_logits=False).",
-        )
+    _check_router_logits(self, kwargs, self.config.get_text_config())
     logits_to_keep = kwargs.pop("logits_to_keep", 0)
     if fused_lm_head and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError(
@@ -278,6 +293,13 @@ def stream_forward(
     ignore_index = _loss_arguments(self, kwargs)
     # the labels paired as the model's own loss pairs them, or as TRL's fused head does (shifted, whatever the model)
     shifted = fused_lm_head or labels_shifted(type(self))
+    if not fused_lm_head and shifted and "_loss_function" in vars(self):  # set through transformers' setter
+        raise ValueError(
+            f"StreamBP computes the causal-LM loss of {type(self).__name__} with its logit kernel, not the "
+            f"loss_function set on the model ({getattr(self._loss_function, '__name__', self._loss_function)!r}), "
+            "which the plain call computes; compute it from full logits with disable_streambp(model), or remove it "
+            "(del model._loss_function) to train the causal-LM loss."
+        )
     if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)
         check_unshifted_call(self, shift_labels, ignore_index)
         num_items_in_batch = None  # ignored as the model ignores it (transformers' Trainer passes it)
