@@ -15,6 +15,7 @@ from models import batch, tiny_model
 from transformers.utils import logging as hf_logging
 
 from streambp_trl import StreamOptions, enable_streambp
+from streambp_trl.bench.plans import plan_rows, render_plans
 from streambp_trl.layers.call import backward, layer_call
 from streambp_trl.sizing import auto
 from streambp_trl.sizing import memory_model as mm
@@ -190,12 +191,13 @@ def test_the_users_choices_are_kept():
 
 def test_nothing_fits_is_refused_before_the_step_with_the_longest_lengths():
     """A budget below what any way of running needs: the first forward with grad raises, naming the longest length
-    each way would allow; the same call without grad (a reference model's pass) runs at the smallest chunk."""
+    each way would allow, or here, where the gradients alone exceed it, that no length fits; the same call without
+    grad (a reference model's pass) runs at the smallest chunk."""
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     ids, mask, labels = batch()
     params = sum(p.numel() * 8 for p in model.parameters())
     streamed = enable_streambp(model, stream_chunk_size="auto", memory_budget=f"{2 * params + 64}B")
-    with pytest.raises(ValueError, match=r"fit in no way of running .* Longest lengths per sequence that would fit"):
+    with pytest.raises(ValueError, match=r"fit in no way of running .* No length per sequence fits in any way"):
         streamed(input_ids=ids, attention_mask=mask, labels=labels)
     with torch.no_grad():
         streamed(input_ids=ids, attention_mask=mask, labels=labels)
@@ -345,3 +347,37 @@ def test_a_budget_is_checked_whatever_the_user_fixed():
     assert torch.equal(loss, loss_checked)
     for name, g in grads.items():
         assert torch.equal(g, grads_checked[name]), name
+
+
+def test_a_refusal_names_settings_and_lengths_that_fit():
+    """A refusal's longest lengths: below 1024 tokens the longest that fits (each was 0: "as configured: 0"); a way
+    only the plan takes, inputs rebuilt below the top layer, named by the setting that lets it, stream_keep_every
+    unset (it was offered as an option of its own, "1 layer input rebuilt in backward: 5,120"); keys/values the user
+    captures counted as configured, and recomputing them named where that reaches further (they were left out); where
+    nothing fits, one line saying so and what to give."""
+    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
+    ids, mask, labels = batch()
+    shape = mm.ModelShape.from_model(model)
+    params = sum(p.numel() * 8 for p in model.parameters())
+    least = Planner(shape, db=8, chunk=CHUNK, pending_grads=True).estimate(ids.numel(), CHUNK, Layout(drop=2), False)
+    budget = params + least[0] + margin(params + least[0]) - 1  # the call's tokens fit in no layout
+    streamed = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
+    with pytest.raises(ValueError, match="Longest lengths per sequence that would fit: as configured: ") as error:
+        streamed(input_ids=ids, attention_mask=mask, labels=labels)
+    ways = dict(way.rsplit(": ", 1) for way in str(error.value).split("would fit: ")[1].split(". ")[0].split("; "))
+    assert ways.keys() == {"as configured", "stream_keep_every unset (the plan's 2 layer inputs rebuilt in backward)"}
+    assert all(0 < int(tokens) < ids.shape[1] for tokens in ways.values())
+    fixed = dict(db=8, chunk=CHUNK, keep_every=1, offload=False, pending_grads=True)
+    recomputed = Planner(shape, **fixed).longest(2, least[0], None, True, False)
+    captured = Planner(shape, **fixed, kv_mode="capture").longest(2, least[0], None, True, False)
+    assert captured == {
+        "as configured": captured["as configured"],
+        "stream_kv_mode=recompute": recomputed["as configured"],
+    }
+    assert captured["as configured"] < recomputed["as configured"]
+    starved = enable_streambp(model, stream_chunk_size=CHUNK, memory_budget=f"{params + 4096}B")
+    refusal = r"margin\)\. No length per sequence fits in any way of running: give a larger memory_budget\.$"
+    with pytest.raises(ValueError, match=refusal):
+        starved(input_ids=ids, attention_mask=mask, labels=labels)
+    none = plan_rows(shape, mm.StepSetup(dtype_bytes=8, chunk=CHUNK), params, host=0)  # max-len's plans, likewise
+    assert none["longest"] == {} and "(at the smallest chunk): none fits any length." in render_plans(none)

@@ -43,7 +43,7 @@ def plan_rows(
         kv_mode=kv_mode,
     )
     longest = planner.longest(setup.rows, limit, host, rebuildable=True, can_offload=True)
-    reach = max(longest.values())
+    reach = max(longest.values(), default=0)
     if lengths is None:
         lengths = [n for n in (FIRST_LENGTH << k for k in range(20)) if n < reach] + ([reach] if reach else [])
     rows = []
@@ -82,6 +82,6 @@ def render_plans(result: dict[str, Any]) -> str:
         plan = row["plan"].split(": ", 1)[1]
         host = size_text(row["host_bytes"]) if row["offload"] else "-"
         lines.append(f"| {row['tokens']:,} | {plan} | {size_text(row['peak_bytes'])} | {host} |")
-    ways = "; ".join(f"{way}: {tokens:,}" for way, tokens in result["longest"].items())
+    ways = "; ".join(f"{way}: {tokens:,}" for way, tokens in result["longest"].items()) or "none fits any length"
     lines += ["", f"Longest length per sequence, each way of running (at the smallest chunk): {ways}."]
     return "\n".join(lines)

@@ -303,14 +303,20 @@ class AutoChunks:
             )
             return smallest
         longest = planner.longest(rows, limit, host, rebuildable, can_offload)
-        where = "memory_budget" if self.budget is not None else "the free device memory"
+        where, more = ("memory_budget", "a larger memory_budget")
+        if self.budget is None:
+            where, more = "the free device memory", "more free device memory"
+        fix = (
+            "Longest lengths per sequence that would fit: "
+            + "; ".join(f"{way}: {tokens:,}" for way, tokens in longest.items())
+            + f". Shorten max_length, or set the option named, or give {more}."
+            if longest
+            else f"No length per sequence fits in any way of running: give {more}."
+        )
         raise ValueError(
             f"StreamBP: {rows} x {seq_len:,} tokens fit in no way of running within {where} ({size_text(room)} "
             f"for activations beside {size_text(held)} of weights, gradients and optimizer state, less a "
-            f"{size_text(margin(total))} "
-            "margin). Longest lengths per sequence that would fit: "
-            + "; ".join(f"{way}: {tokens:,}" for way, tokens in longest.items())
-            + ". Shorten max_length, or set the option named, or a larger memory_budget."
+            f"{size_text(margin(total))} margin). {fix}"
         )
 
     def _room(

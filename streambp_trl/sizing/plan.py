@@ -187,28 +187,37 @@ class Planner:
     def longest(
         self, rows: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
     ) -> dict[str, int]:
-        """The longest length per sequence (a multiple of 1024) that fits ``limit`` (and ``host_room``) at the
-        smallest chunk open, for each way of running: as configured (every input kept, or the user's layout, without
-        offload), with the layout that reaches furthest, with offload, and with both; keyed by what a user would set
-        (a way that is not open, or reaches no further than one before it, is left out)."""
+        """The longest length per sequence that fits ``limit`` (and ``host_room``) at the smallest chunk open (a
+        multiple of 1024, or below 1024 the longest at all), for each way of running: as configured (every input
+        kept, or the user's layout; the user's offload, else none; keys/values captured where the user's ``kv_mode``
+        says so), with the layout that reaches furthest, with offload, and with both; and, where the user captures
+        keys/values, with them recomputed. Keyed by what a user would set (a layout no option sets, some inputs
+        rebuilt below the top layer, is the plan's with ``stream_keep_every`` unset); a way that is not open, fits no
+        length, or reaches no further than one before it is left out (so none, where nothing fits)."""
         chunks, layout_choices, offloads = self.choices(1 << 30, rebuildable, can_offload)
-        layers, chunk = self.shape.layers, min(chunks)
+        layers, chunk, captured = self.shape.layers, min(chunks), self.kv_mode == "capture"
 
-        def longest(layout: Layout, offload: bool) -> int:
+        def longest(layout: Layout, offload: bool, capture: bool = captured) -> int:
             def fits(tokens: int) -> bool:
-                activations, host = self.estimate(rows * tokens, chunk, layout, offload)
+                activations, host = self.estimate(rows * tokens, chunk, layout, offload, capture)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
-            return longest_fitting(fits)
+            return longest_fitting(fits) or longest_fitting(fits, step=1)
 
         def name(layout: Layout, offload: bool) -> str:
-            kept = f"stream_keep_every={layout.every}" if layout.every > 1 else layout.describe(layers)
+            kept = f"stream_keep_every={layout.every}"
+            if layout.every == 1:
+                kept = f"stream_keep_every unset (the plan's {layout.describe(layers)})"
             return " + ".join([kept] * bool(layout.rebuilt(layers)) + ["offload_checkpoints=True"] * offload)
 
-        ways = {"as configured": longest(layout_choices[0], False)}
+        ways = {"as configured": longest(layout_choices[0], offloads[0])}
         for offload in sorted(set(offloads)):
             reach = {layout: longest(layout, offload) for layout in layout_choices}
             best = max(reach, key=lambda layout: (reach[layout], -layout.rebuilt(layers)))
             if reach[best] > max(ways.values()):
                 ways[name(best, offload)] = reach[best]
-        return ways
+        if captured:
+            recomputed = longest(layout_choices[0], offloads[0], capture=False)
+            if recomputed > max(ways.values()):
+                ways["stream_kv_mode=recompute"] = recomputed
+        return {way: tokens for way, tokens in ways.items() if tokens}
