@@ -246,3 +246,25 @@ def test_unknown_reward_function_fails_before_training(tmp_path):
     out = _cli("grpo", "--config", "configs/grpo_tiny.yaml", "--output_dir", str(tmp_path), "--reward_funcs", "nope")
     assert out.returncode != 0 and "Unknown reward function 'nope'" in out.stderr
     assert "'loss'" not in out.stdout + out.stderr
+
+
+def test_a_step_that_fits_no_plan_is_one_line_naming_the_shape_and_the_lengths(tmp_path):
+    """A memory_budget no way of running fits: the command exits with status 1 and one line naming the batch shape,
+    the budget, the longest length each way allows and what one sequence per step fits; no traceback."""
+    out = _sft_tiny(tmp_path, "--max_steps", "1", "--memory_budget", "4MiB")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("streambp-trl sft: error: StreamBP: 8 x "), last
+    assert "fit in no way of running within memory_budget" in last
+    assert "Longest lengths per sequence that would fit: as configured: " in last
+    assert "(one sequence per step, a per-device batch size of 1, fits up to " in last
+
+
+def test_the_plan_shows_at_log_level_info(tmp_path):
+    """``--log_level info`` shows each new batch shape's plan in one line (above the progress bar)."""
+    out = _sft_tiny(tmp_path, "--max_steps", "1", "--log_level", "info")
+    assert out.returncode == 0, out.stderr[-3000:]
+    plans = [line for line in out.stderr.splitlines() if "StreamBP plan for " in line]
+    assert len(plans) == 1 and "chunk 32, every layer input kept" in plans[0], out.stderr[-3000:]
+    quiet = _sft_tiny(tmp_path, "--max_steps", "1")
+    assert "StreamBP plan for " not in quiet.stderr

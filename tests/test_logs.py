@@ -32,3 +32,19 @@ def test_the_plan_prints_at_transformers_verbosity(verbosity, capsys, level):
     plans = [line for line in err.splitlines() if line.startswith("StreamBP plan for")]
     assert len(plans) == (1 if level == logging.INFO else 0), err
     assert "is not streamed" in err  # a warning prints at either verbosity
+
+
+def test_a_call_with_every_choice_fixed_says_how_it_runs(verbosity, capsys):
+    """Where nothing is planned (every option fixed, no budget), the INFO line still says how each new call shape
+    runs, and that it is not checked against memory."""
+    verbosity(logging.INFO)
+    fixed = dict(stream_chunk_size=4, keep_every=1, offload_checkpoints=False, kv_mode="recompute")
+    model = enable_streambp(tiny_model("llama"), **fixed)
+    ids, mask, labels = batch()
+    for _ in range(2):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    plans = [line for line in capsys.readouterr().err.splitlines() if line.startswith("StreamBP plan for")]
+    assert plans == [
+        "StreamBP plan for 46 tokens: chunk 4, every layer input kept, as configured (no memory_budget: not checked "
+        "against memory)."
+    ]

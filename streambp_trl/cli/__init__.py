@@ -6,7 +6,8 @@ TRL's script, model and dataset arguments and the objective's ``Stream*Config``,
 teacher model) are looked up next to the config file first, so a config runs from any directory. A mistake in the
 command or its config (an unknown field, a missing file, a model that is neither a directory nor reachable on the
 Hub, a launch that would not train the processes it started) ends the command with one line naming it and the fix,
-before any model or data is loaded.
+before any model or data is loaded; so does a step that fits no way of running within its memory (naming the
+longest length each way allows), before that step.
 ``streambp-trl max-len --model NAME [...]`` (plain argparse) gives the longest sequence a step fits, per mode.
 ``streambp-trl --version`` prints the versions of the package, torch, transformers and TRL.
 
@@ -20,6 +21,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from ..sizing.auto import NoPlanFits
 from .arguments import RewardScriptArguments, UsageError, parse_args, read_config, reward_functions
 from .run import train
 
@@ -118,5 +120,5 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown command {argv[0]!r}; choose from {', '.join(COMMANDS)}")
     try:
         COMMANDS[argv[0]][1](argv[1:])
-    except UsageError as error:
+    except (UsageError, NoPlanFits) as error:  # a mistake, or a step that fits no way of running: one line
         sys.exit(f"streambp-trl {argv[0]}: error: {error}")

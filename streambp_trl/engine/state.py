@@ -26,6 +26,7 @@ from ..layers.sharding import sharded_module
 from ..logs import get_logger
 from ..sizing.auto import AUTO, AutoChunks, head_form
 from ..sizing.layout import Layout
+from ..sizing.plan import StepPlan
 from .model_parts import final_norm, named_decoder_layers
 from .options import StreamOptions
 from .support import refuse
@@ -66,6 +67,7 @@ class EngineState:
     # where a plan offloads checkpoints the options do not: the model's one offloader
     offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
     unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
+    fixed_said: set = dataclasses.field(default_factory=set, compare=False)  # the call shapes _say_fixed said
 
     def final_norm(self) -> nn.Module | None:
         """The final norm the decoder holds now, where the probe found its final norm to be its last step and the
@@ -114,6 +116,8 @@ class EngineState:
         fixed = self.options.stream_chunk_size
         fixed = None if fixed == AUTO else fixed
         if self.auto is None or inputs is None or inputs.dim() < 2:
+            if inputs is not None and inputs.dim() >= 2:
+                self._say_fixed(tuple(inputs.shape[:2]))
             return DecoderCall(chunk_size=fixed, inputs_rebuildable=rebuildable)
         # a planned layout needs each layer's parameters whole here (not ZeRO-3 or FSDP) and the layers it counts
         counted = self.auto.shape is not None and self.auto.shape.layers == len(self.layers)
@@ -129,6 +133,23 @@ class EngineState:
             settings = dataclasses.replace(self.settings, offload=offload, kv_mode=capture)
         return DecoderCall(
             chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings
+        )
+
+    def _say_fixed(self, shape: tuple[int, int]) -> None:
+        """At info level, once per call shape (rows, T): how a call runs where every choice is fixed and no budget
+        is given (nothing planned, nothing checked against memory), in the words of a plan."""
+        if shape in self.fixed_said:
+            return
+        self.fixed_said.add(shape)
+        fixed = StepPlan(
+            chunk=self.options.stream_chunk_size,  # (an int: "auto" is planned)
+            layout=Layout(every=self.settings.keep_every),
+            offload=self.settings.offload is not None,
+            capture=self.settings.kv_mode == "capture",
+        )
+        logger.info(
+            f"StreamBP plan for {fixed.describe(shape[0] * shape[1], len(self.layers))}, as configured (no "
+            "memory_budget: not checked against memory)."
         )
 
     def say_if_unstreamed(self, inputs: torch.Tensor | None, chunk: int | None) -> None:

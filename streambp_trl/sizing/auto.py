@@ -78,6 +78,12 @@ _FALLBACK = (512, 4096)
 REPLAN_STEP = GiB
 
 
+class NoPlanFits(ValueError):
+    """A call with grad that fits no way of running within its memory (a budget, or a CUDA device's free memory):
+    one line naming the shape, the memory and the longest length each way of running allows. Raised before the
+    call's step; the CLI prints it as its one-line error."""
+
+
 def _gone() -> None:
     return None
 
@@ -306,14 +312,18 @@ class AutoChunks:
         where, more = ("memory_budget", "a larger memory_budget")
         if self.budget is None:
             where, more = "the free device memory", "more free device memory"
+        single = max(planner.longest(1, limit, host, rebuildable, can_offload).values(), default=0) if rows > 1 else 0
+        fewer = (
+            f" (one sequence per step, a per-device batch size of 1, fits up to {single:,} tokens)" if single else ""
+        )
         fix = (
             "Longest lengths per sequence that would fit: "
             + "; ".join(f"{way}: {tokens:,}" for way, tokens in longest.items())
-            + f". Shorten max_length, or set the option named, or give {more}."
+            + f". Shorten max_length, or set the option named, or give {more}{fewer}."
             if longest
-            else f"No length per sequence fits in any way of running: give {more}."
+            else f"No length per sequence fits in any way of running: give {more}{fewer}."
         )
-        raise ValueError(
+        raise NoPlanFits(
             f"StreamBP: {rows} x {seq_len:,} tokens fit in no way of running within {where} ({size_text(room)} "
             f"for activations beside {size_text(held)} of weights, gradients and optimizer state, less a "
             f"{size_text(margin(total))} margin). {fix}"

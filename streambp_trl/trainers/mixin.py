@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
@@ -20,9 +19,10 @@ from ..engine import (
 )
 from ..engine.forwards import logit_transform
 from ..engine.support import router_loss_refusal
+from ..logs import get_logger
 from .stream_config import stream_options
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def take_over_checkpointing(args):
