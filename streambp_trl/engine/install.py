@@ -212,7 +212,7 @@ def chunk_sizes(model: nn.Module) -> tuple[int | None, int | None]:
 
 def last_plan(model: nn.Module) -> StepPlan | None:
     """The plan of the latest streamed call of a streaming ``model`` (:mod:`streambp_trl.sizing.plan`), or ``None``
-    (nothing planned: every choice fixed, or not streaming)."""
+    (nothing planned: every choice fixed without a memory_budget, or not streaming)."""
     state = getattr(causal_lm(model), "_streambp", None)
     return None if state is None or state.auto is None else state.auto.last_plan
 
@@ -221,7 +221,8 @@ def count_optimizer(model: nn.Module, optim: object, owner: object) -> bool:
     """Make the per-call plan of a streaming ``model`` count the state of the optimizer ``optim`` names
     (``TrainingArguments.optim``) from the first step, ``owner`` holding the optimizer once built
     (:meth:`~streambp_trl.sizing.auto.AutoChunks.count_optimizer`). ``False`` where nothing is planned (every choice
-    fixed, or not streaming). Raises ``ValueError`` for an optimizer the memory model does not size."""
+    fixed without a memory_budget, or not streaming). Raises ``ValueError`` for an optimizer the memory model does
+    not size."""
     state = getattr(causal_lm(model), "_streambp", None)
     if state is None or state.auto is None:
         return False
