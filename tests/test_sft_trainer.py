@@ -126,8 +126,11 @@ def test_plain_sft_config_gets_default_stream_options(tmp_path):
     )
     assert not trainer.args.gradient_checkpointing  # the engine owns checkpointing: layers are not wrapped twice
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    # "auto" on the CPU: rows this short take the smallest chunk
+    # "auto" on the CPU: rows this short take the smallest chunk, so nothing streams; the plan's fields say so
     assert logs[0]["stream_chunk_size"] == logs[0]["logits_chunk_size"] == 512
+    assert logs[0]["stream_streamed"] == 0.0 and logs[0]["stream_inputs_rebuilt"] == 0
+    assert logs[0]["stream_offload"] in (0.0, 1.0) and logs[0]["stream_kv_capture"] in (0.0, 1.0)
+    assert logs[0]["stream_predicted_peak_gib"] > 0
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 * :mod:`.options`: :class:`StreamOptions`, the engine's options, validated once;
 * :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`,
-  :func:`count_optimizer`, :func:`last_head_form`, :func:`last_plan`, :func:`packed_rows_refusal`;
+  :func:`count_optimizer`, :func:`last_head_form`, :func:`last_plan`, :func:`plan_fields`,
+  :func:`packed_rows_refusal`;
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
 * :mod:`.head_side`: :func:`decode_for_head`, the decoder call every head side makes (the LM head's, the score
@@ -23,6 +24,7 @@ from .install import (
     last_head_form,
     last_plan,
     packed_rows_refusal,
+    plan_fields,
 )
 from .model_parts import lm_head_linear
 from .options import StreamOptions
@@ -39,6 +41,7 @@ __all__ = [
     "enable_streambp",
     "last_head_form",
     "last_plan",
+    "plan_fields",
     "is_streaming",
     "packed_rows_refusal",
     "lm_head_linear",

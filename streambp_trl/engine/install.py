@@ -217,6 +217,30 @@ def last_plan(model: nn.Module) -> StepPlan | None:
     return None if state is None or state.auto is None else state.auto.last_plan
 
 
+def plan_fields(model: nn.Module) -> dict[str, float]:
+    """The latest streamed call of a streaming ``model`` as a Trainer's log fields: ``stream_chunk_size`` (fixed, or
+    what the plan chose) and, where a plan was made, whether that call streamed at all (``stream_streamed``: its
+    sequence longer than one chunk), the layer inputs it rebuilt in backward (``stream_inputs_rebuilt``), whether it
+    offloaded them (``stream_offload``) and kept the keys/values from the forward (``stream_kv_capture``), and its
+    predicted device peak (``stream_predicted_peak_gib``, where a memory figure is known). Empty before any call or
+    without StreamBP."""
+    state = getattr(causal_lm(model), "_streambp", None)
+    stream, _ = (None, None) if state is None else state.last_chunk_sizes()
+    fields = {} if stream is None else {"stream_chunk_size": stream}
+    plan = last_plan(model)
+    if plan is None:
+        return fields
+    fields.update(
+        stream_streamed=float(plan.chunk < state.auto.last_shape[1]),
+        stream_inputs_rebuilt=plan.layout.rebuilt(len(state.layers)),
+        stream_offload=float(plan.offload),
+        stream_kv_capture=float(plan.capture),
+    )
+    if state.auto.last_peak is not None:
+        fields["stream_predicted_peak_gib"] = round(state.auto.last_peak / 2**30, 3)
+    return fields
+
+
 def count_optimizer(model: nn.Module, optim: object, owner: object) -> bool:
     """Make the per-call plan of a streaming ``model`` count the state of the optimizer ``optim`` names
     (``TrainingArguments.optim``) from the first step, ``owner`` holding the optimizer once built

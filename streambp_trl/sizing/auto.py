@@ -118,6 +118,8 @@ class AutoChunks:
         self._latest: dict[tuple[int, int], StepPlan] = {}
         self.last: int | None = None  # the latest chunk chosen (what the trainers log)
         self.last_plan: StepPlan | None = None
+        self.last_shape: tuple[int, int] | None = None  # (rows, seq_len) of the latest plan's call
+        self.last_peak: int | None = None  # its predicted device peak (held + activations), where a figure is known
         # with a fixed chunk only the kept layer inputs and offload are planned: what the memory model cannot size is
         # said at info level (every input is then kept, nothing offloaded, as without a plan); with every choice fixed
         # the plan only checks the user's memory_budget, and what it cannot check is said at warning level
@@ -238,7 +240,8 @@ class AutoChunks:
                 self._latest.clear()
             plan = self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, figure)
         self._latest[(rows, seq_len)] = self.last_plan = plan
-        self.last = plan.chunk
+        self.last, self.last_shape = plan.chunk, (rows, seq_len)
+        self.last_peak = None if figure is None else figure[1] + plan.activations
         return plan
 
     def _fixed(self, seq_len: int) -> StepPlan:

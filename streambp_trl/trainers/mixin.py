@@ -15,6 +15,7 @@ from ..engine import (
     count_optimizer,
     enable_streambp,
     mark_zero3_leaves,
+    plan_fields,
     zero3_enabled,
 )
 from ..engine.forwards import logit_transform
@@ -227,11 +228,10 @@ class StreamTrainerMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self.model.training and "loss" in logs:
-            stream, logits = chunk_sizes(self.model)  # those of the last streamed call ("auto" chooses per shape)
-            if stream is not None:
-                logs["stream_chunk_size"] = stream
-                if self.logits_tiled:
-                    logs["logits_chunk_size"] = logits
+            fields = plan_fields(self.model)  # those of the last streamed call ("auto" chooses per shape)
+            logs.update(fields)
+            if fields and self.logits_tiled:
+                logs["logits_chunk_size"] = chunk_sizes(self.model)[1]
         super().log(logs, *args, **kwargs)
 
 
