@@ -169,7 +169,7 @@ def test_stream_chunk_size_is_an_int_or_auto():
     hints = typing.get_type_hints(StreamArguments)
     assert hints["stream_chunk_size"] == int | str and hints["logits_chunk_size"] == int | str | None
     text = {f.name: f.metadata["help"] for f in dataclasses.fields(StreamArguments)}["stream_chunk_size"]
-    assert "an int, or 'auto' (default): per batch shape, the largest chunk" in text
+    assert "an int, or 'auto' (default): per batch shape, the plan of least predicted time" in text
     assert "fits memory_budget (or the GPU's free memory, or on the CPU the host memory available)" in text
 
 

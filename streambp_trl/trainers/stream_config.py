@@ -59,8 +59,8 @@ class StreamArguments:
         default=AUTO,
         metadata={
             "help": "Tokens per chunk of each streamed decoder layer: an int, or 'auto' (default): per batch shape, "
-            "the largest chunk whose estimated peak memory fits memory_budget (or the GPU's free memory, or on the "
-            "CPU the host memory available)."
+            "the plan of least predicted time (chunk, kept layer inputs, offload, keys/values) whose predicted peak "
+            "fits memory_budget (or the GPU's free memory, or on the CPU the host memory available)."
         },
     )
     logits_chunk_size: int | str | None = field(
