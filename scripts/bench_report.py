@@ -186,7 +186,8 @@ def plot_bench(series, meta, out: Path, what: str) -> Path | None:
 def plot_objectives(files: list[dict[str, Any]], out: Path) -> Path | None:
     if not files:
         return None
-    fig, ax = new_axes("One DPO / GRPO step (2 sequences per step), measured on CPU", "peak memory above models (MiB)")
+    title = "One step per objective (2 sequences per step), measured on CPU"
+    fig, ax = new_axes(title, "peak memory above models (MiB)")
     for f in files:
         by_mode = defaultdict(dict)
         for r in f["records"]:
@@ -243,7 +244,8 @@ def _describe(files: list[dict[str, Any]]) -> list[str]:
     first = files[0]["meta"]
     versions = ", ".join(f"{k} {v}" for k, v in first.get("versions", {}).items())
     cores = f", {first['cpu_cores']} cores, {first.get('torch_threads')} torch threads" if "cpu_cores" in first else ""
-    lines.append(f"- device: {first.get('device_name', first['device'])} ({first['device']}{cores})")
+    names = sorted({f["meta"].get("device_name", f["meta"]["device"]) for f in files})
+    lines.append(f"- device: {', '.join(names)} ({first['device']}{cores})")
     lines.append(f"- versions: {versions}")
     lines.append(f"- memory: {first.get('memory', 'peak above the loaded model')}")
     lines.append("- commands (from the records' metadata; git commit and date of each run):")
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append("No CPU records (run `scripts/bench_bp.py ... --out cpu_qwen3_4l_fp32`).")
     if objectives:
         obj = plot_objectives(objectives, out_dir / "cpu_objectives_memory.png")
-        lines += ["", "### DPO and GRPO steps", "", f"![DPO and GRPO step memory, CPU]({_rel(obj, report)})", ""]
+        heading = "### DPO, GRPO, reward and distillation steps"
+        lines += ["", heading, "", f"![step memory per objective, CPU]({_rel(obj, report)})", ""]
         lines += _describe(objectives)
 
     lines += ["", "## Simulated CUDA memory (`../shared/cudasim`, not a GPU run)", ""]
@@ -333,7 +336,11 @@ def main(argv: list[str] | None = None) -> None:
             lines += [f"![{stem} memory]({_rel(mem, report)})", "", f"![{stem} time]({_rel(time, report)})", ""]
             lines += _describe([f])
     else:
-        lines.append("No GPU records yet (`scripts/bench_bp.py --device cuda ...` on a GPU writes them).")
+        lines.append(
+            "No `scripts/bench_bp.py --device cuda` records. The GPU records of `scripts/gpu_bench.py`, "
+            "`scripts/gpu_profile.py` and `scripts/gpu_long_context.py` (`gpu_*.md`, each with its device, versions "
+            "and commands) are quoted in `docs/benchmarks.md`."
+        )
     report.write_text("\n".join(lines) + "\n")
     print(f"wrote {report}")
 
