@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write the offline assets for the "embedded default" SFT run: three tiny data sets, a tokenizer and a tiny model.
+"""Write the offline assets for the tiny default SFT run: three tiny data sets, a tokenizer and a tiny model.
 
 Everything is generated locally (nothing is downloaded) and deterministically, so re-running the script rewrites
 the same files:
