@@ -23,8 +23,9 @@ class StreamArguments:
     Parameters:
         stream_chunk_size (`int` or `"auto"`, defaults to `"auto"`):
             Tokens per chunk of each decoder layer's streamed forward and backward. `"auto"` chooses, for each batch
-            shape, the largest chunk whose estimated peak memory fits `memory_budget` (or the GPU's free memory),
-            from the engine's memory model (`streambp_trl.sizing`); on the CPU the host memory available.
+            shape, the chunk of the plan of least predicted time (chunk, kept layer inputs, offload, keys/values)
+            whose predicted peak fits `memory_budget` (or the GPU's free memory), from the engine's memory model
+            (`streambp_trl.sizing`); on the CPU the host memory available.
         logits_chunk_size (`int`, `"auto"` or `None`, defaults to `None`):
             Tokens per tile of the chunked logit kernel; `None` or `"auto"` uses the stream chunk size.
         stream_kv_mode (`str` or `None`, defaults to `None`):
