@@ -18,6 +18,7 @@ longest length each way allows), before that step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -103,8 +104,19 @@ def versions() -> str:
     )
 
 
+def _cpu_for_deepspeed() -> None:
+    """On a machine without an accelerator, tell DeepSpeed (when installed: the ``dev`` extra brings it, and
+    transformers imports it) that the CPU is meant, through its own switch ``DS_ACCELERATOR=cpu``: it would choose
+    the CPU anyway, with a warning on every run that it found no GPU. A value the user set is kept."""
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and torch.accelerator.current_accelerator() is None:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    _cpu_for_deepspeed()
     parser = argparse.ArgumentParser(
         prog="streambp-trl",
         description="Fine-tune with TRL trainers whose backpropagation streams along the sequence (StreamBP). "
