@@ -246,8 +246,9 @@ def test_a_row_of_0_says_why(capsys):
     )
 
 
-def test_the_hub_name_of_a_named_shape_needs_no_network(capsys, monkeypatch):
-    """``Qwen/Qwen3-0.6B`` raised an OSError offline while ``qwen3-0.6b`` worked."""
+@pytest.fixture
+def no_hub(monkeypatch):
+    """Any config lookup (the Hub, or a local directory) fails the test."""
     import transformers
 
     def no_hub(*args, **kwargs):
@@ -255,13 +256,46 @@ def test_the_hub_name_of_a_named_shape_needs_no_network(capsys, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
     monkeypatch.setattr(plans, "host_room", lambda: 20 * 2**30)  # (the host memory available moves between calls)
+
+
+@pytest.mark.parametrize(
+    ("hub_name", "named"),
+    [
+        ("Qwen/Qwen3-0.6B", "qwen3-0.6b"),
+        ("Qwen/Qwen3-8B", "qwen3-8b"),
+        ("qwen/qwen3-8b-base", "qwen3-8b"),
+        ("Qwen/Qwen3.5-9B", "qwen3.5-9b"),
+        ("QWEN/QWEN3.5-27B", "qwen3.5-27b"),
+    ],
+)
+def test_the_hub_name_of_a_named_shape_needs_no_network(hub_name, named, capsys, no_hub):
+    """``Qwen/Qwen3-0.6B`` raised an OSError offline while ``qwen3-0.6b`` worked; ``Qwen/Qwen3.5-9B`` (a Hub
+    checkpoint whose causal LM, as AutoModelForCausalLM builds it, is the named text decoder) still needed the network.
+    Every spelling of a named shape's Hub name, in any case, prints the named shape's table without a lookup."""
     tables = []
-    for name in ("Qwen/Qwen3-0.6B", "qwen3-0.6b"):
-        cli.main(["max-len", "--model", name, "--gpu-memory", "78GiB"])
+    for name in (hub_name, named):
+        cli.main(["max-len", "--model", name, "--lora", "--gpu-memory", "78GiB", "--mode", "trl-default", "stream"])
         tables.append(capsys.readouterr().out.split("\n", 1)[1])
     assert tables[0] == tables[1] and "| 0 |" not in tables[0]
-    assert build_config("Qwen/Qwen3-0.6B").num_hidden_layers == 28  # the measured path's config
-    assert canonical_model_name("Qwen/qwen3-tiny") == "Qwen/qwen3-tiny"  # our own test shapes are not Hub names
+    assert build_config(hub_name).num_hidden_layers == build_config(named).num_hidden_layers  # the measured path's
+
+
+def test_our_test_shapes_are_not_hub_names():
+    assert canonical_model_name("Qwen/qwen3-tiny") == "Qwen/qwen3-tiny"
+    assert canonical_model_name("Qwen/Qwen3-8B-FP8") == "Qwen/Qwen3-8B-FP8"  # another storage: not the shape's
+    assert canonical_model_name("someone/Qwen3-8B") == "someone/Qwen3-8B"
+
+
+@pytest.mark.parametrize("name", ["qwen3-7b", "llama-8b", "./no/such/dir"])
+def test_an_unknown_name_is_one_line_listing_the_named_shapes_without_asking_the_hub(name, no_hub):
+    """``qwen3-7b`` (a typo) was reported as a network error: a name that is neither a named shape, a local
+    directory nor a Hub id (org/name) is refused with the named shapes, and no config is looked up."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["max-len", "--model", name, "--gpu", "h100"])
+    assert str(info.value) == (
+        f"streambp-trl max-len: error: unknown model {name!r}; named shapes: {', '.join(NAMED_MODELS)} (or their "
+        "Hub names, e.g. Qwen/Qwen3-8B), a local directory with a config.json, or a Hub id (org/name)."
+    )
 
 
 def test_an_unknown_hub_name_offline_is_one_line():
@@ -270,12 +304,13 @@ def test_an_unknown_hub_name_offline_is_one_line():
         cli.main(["max-len", "--model", "nobody-here/unknown-model", "--gpu-memory", "78GiB"])
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("max-len: cannot read the config of --model 'nobody-here/unknown-model' (")
-    assert message.endswith(
-        f"Give a local directory with its config.json, a named shape ({', '.join(NAMED_MODELS)}), "
-        "or run with access to the Hub."
+    assert message.startswith(
+        "streambp-trl max-len: error: cannot read the config of --model 'nobody-here/unknown-model' ("
     )
-    assert "qwen3-tiny, " in message and "qwen3-8b, " in message
+    assert message.endswith(
+        f"Give a local directory with its config.json, one of the named shapes: {', '.join(NAMED_MODELS)} (or their "
+        "Hub names, e.g. Qwen/Qwen3-8B), or run with access to the Hub."
+    )
 
 
 def test_offload_in_an_estimate_says_it_changes_nothing(fake_model, capsys):

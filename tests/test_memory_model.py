@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from models import tiny_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from streambp_trl import enable_streambp
 from streambp_trl.bench.models import build_config
@@ -179,12 +179,17 @@ def test_forward_peak_of_long_lora_steps():
 
 def test_named_hybrid_shapes():
     """The Qwen3.5 shapes build their own config (Gated DeltaNet beside full attention) and count their parameters
-    as the model holds them; a Hub name does not stand for them (the Hub's Qwen3.5 configs hold a vision tower)."""
+    as the model holds them. Their Hub names stand for them: the Hub's Qwen3.5 configs hold a vision tower as well,
+    but AutoModelForCausalLM (what the trainers load) builds the text decoder alone, as transformers' own Qwen3.5
+    config (the 9B's) shows."""
     config = build_config("qwen3.5-9b")
     assert config.model_type == "qwen3_5_text" and config.layer_types.count("full_attention") == 8
     assert round(mm.ModelShape.from_name("qwen3.5-9b").params / 1e9, 2) == 8.95
     assert round(mm.ModelShape.from_name("qwen3.5-27b").params / 1e9, 2) == 26.9
-    assert canonical_model_name("Qwen/Qwen3.5-9B") == "Qwen/Qwen3.5-9B"
+    assert canonical_model_name("Qwen/Qwen3.5-9B") == "qwen3.5-9b"
+    with torch.device("meta"):
+        causal_lm = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5"))
+    assert mm.ModelShape.from_model(causal_lm) == mm.ModelShape.from_name("Qwen/Qwen3.5-9B")
 
 
 @pytest.mark.slow

@@ -26,8 +26,9 @@ the forward+backward alone; ``--offload-optimizer``: in host memory), LoRA adapt
 length, one line says so and gives the lengths of what would fit instead (8-bit AdamW, the optimizer state in host
 memory, LoRA, QLoRA).
 
-``--model``: a named shape of :data:`~streambp_trl.sizing.shapes.NAMED_MODELS` (or the Hub name of one, e.g.
-``Qwen/Qwen3-0.6B``: no network), a local config directory, or a Hub name (its config only).
+``--model``: a named shape of :data:`~streambp_trl.sizing.shapes.NAMED_MODELS` (or the Hub name of one in any case,
+e.g. ``Qwen/Qwen3-8B`` or ``Qwen/Qwen3.5-9B``: no network), a local config directory, or a Hub id ``org/name`` (its
+config only). Any other name is refused in one line listing the named shapes, without asking the Hub.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.auto import AUTO
 from streambp_trl.sizing.lengths import max_len
-from streambp_trl.sizing.shapes import NAMED_MODELS
+from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
 
 from .max_len_output import render
 from .max_len_rows import (
@@ -86,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="The longest sequence one training step fits, per mode: measured on a GPU (or on the CPU "
         "against --budget), or estimated from the memory model (no GPU, or --gpu-memory).",
     )
-    p.add_argument("--model", required=True, help="a size (qwen3-4b, qwen3-8b, 8b, ...), a Hub name or a local dir")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a named shape (qwen3-8b, 8b, qwen3.5-9b, ...) or its Hub name (Qwen/Qwen3-8B), another Hub id "
+        "(org/name: its config), or a local directory",
+    )
     p.add_argument("--objective", choices=mm.OBJECTIVES, default="sft")
     p.add_argument(
         "--lora", "--use-peft", "--use_peft", action="store_true", help="LoRA (r 16, all linear layers) instead of "
@@ -191,17 +199,32 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------------------------------------
 
 
+PROG = "streambp-trl max-len"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hub spells a repository
+
+
+def _fail(message: str) -> NoReturn:
+    """Exit with status 1 and one line, ``streambp-trl max-len: error: ...`` (as the CLI's other mistakes)."""
+    raise SystemExit(f"{PROG}: error: {message}")
+
+
 def _shape(name: str) -> mm.ModelShape | None:
-    """The memory model's shape of ``--model`` (:meth:`~memory_model.ModelShape.from_name`). Exits with one line
-    when its config cannot be read; None when it reads but is not a decoder shape the memory model knows."""
+    """The memory model's shape of ``--model`` (:meth:`~memory_model.ModelShape.from_name`): a named shape or the
+    Hub name of one (no network), a local directory, or a Hub id (``org/name``: its config). Exits with one line
+    for a name that is none of these (without asking the Hub) and when a config cannot be read; None when it reads
+    but is not a decoder shape the memory model knows."""
+    shapes = f"named shapes: {', '.join(NAMED_MODELS)} (or their Hub names, e.g. Qwen/Qwen3-8B)"
+    local = os.path.isdir(name) or os.path.isfile(name)
+    if canonical_model_name(name) not in NAMED_MODELS and not local and not _HUB_ID.fullmatch(name):
+        _fail(f"unknown model {name!r}; {shapes}, a local directory with a config.json, or a Hub id (org/name).")
     try:
         return mm.ModelShape.from_name(name)
     except (OSError, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SystemExit(
-            f"max-len: cannot read the config of --model {name!r} ({reason}). Give a local directory with its "
-            f"config.json, a named shape ({', '.join(NAMED_MODELS)}), or run with access to the Hub."
-        ) from None
+        _fail(
+            f"cannot read the config of --model {name!r} ({reason}). Give a local directory with its config.json, "
+            f"one of the {shapes}, or run with access to the Hub."
+        )
     except (AttributeError, TypeError):
         return None
 
@@ -371,9 +394,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = _shape(args.model)
     if device == "estimate":
         if shape is None:
-            raise SystemExit(
-                f"max-len: the memory model does not know the shape of --model {args.model!r} (a decoder with "
-                "hidden_size, intermediate_size, attention heads); measure it on a GPU instead."
+            _fail(
+                f"the memory model does not know the shape of --model {args.model!r} (a decoder with hidden_size, "
+                "intermediate_size, attention heads); measure it on a GPU instead."
             )
         budget = args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY)
         result = estimate(args, shape, modes, budget)

@@ -76,18 +76,24 @@ NAMED_MODELS: dict[str, dict[str, Any]] = {
     "qwen3.5-9b": _qwen3_5(32, 4096, 12288, 16, 4, 32),
     "qwen3.5-27b": _qwen3_5(64, 5120, 17408, 24, 4, 48),
 }
-# shapes a Hub name does not stand for: our own test shapes, and the Qwen3.5 text decoders (the Hub's Qwen3.5
-# checkpoints are vision-language models whose config holds a vision tower as well)
-_NOT_ON_THE_HUB = ("qwen3-tiny", "qwen3-cpu-bench", "qwen3-1k-bench", "qwen3.5-9b", "qwen3.5-27b")
+# shapes no Hub name stands for: our own test shapes. (The Hub's Qwen3.5 checkpoints are vision-language models, but
+# AutoModelForCausalLM, what the trainers load, builds their text decoder alone: the named Qwen3.5 shape.)
+_NOT_ON_THE_HUB = ("qwen3-tiny", "qwen3-cpu-bench", "qwen3-1k-bench")
+# Hub names of the same shape as the one they extend: the pretrained (base) checkpoint beside the post-trained one
+_HUB_SUFFIXES = ("", "-base")
 
 
 def canonical_model_name(name: str) -> str:
-    """``8b`` / ``Qwen3-8B`` / the Hub name ``Qwen/Qwen3-8B`` -> ``qwen3-8b`` when that is a named size (the
-    published shape, so a Hub name of one needs no network); anything else unchanged."""
+    """``8b`` / ``Qwen3-8B`` / a Hub name of a named shape (``Qwen/Qwen3-8B``, ``Qwen/Qwen3.5-9B``,
+    ``Qwen/Qwen3-8B-Base``; any case) -> its named shape (``qwen3-8b``, ``qwen3.5-9b``), so a Hub name of one needs no
+    network; anything else unchanged."""
     low = name.lower()
     org, _, repo = low.rpartition("/")
-    candidates = (low, f"qwen3-{low}") if not org else (repo,) if org == "qwen" and repo not in _NOT_ON_THE_HUB else ()
-    for candidate in candidates:
-        if candidate in NAMED_MODELS:
-            return candidate
-    return name
+    if not org:
+        candidates: tuple[str, ...] = (low, f"qwen3-{low}")
+    elif org == "qwen":
+        candidates = tuple(repo.removesuffix(suffix) for suffix in _HUB_SUFFIXES if repo.endswith(suffix))
+        candidates = tuple(c for c in candidates if c not in _NOT_ON_THE_HUB)
+    else:
+        candidates = ()
+    return next((candidate for candidate in candidates if candidate in NAMED_MODELS), name)
