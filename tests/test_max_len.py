@@ -14,6 +14,7 @@ from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.lengths import max_len
+from streambp_trl.sizing.plan import StepPlan
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
 
 
@@ -112,10 +113,19 @@ def fake_model(monkeypatch):
     def longest(shape, setup, budget_bytes, step=1024):
         return max(0, (budget_bytes - FAKE_BASE) // FAKE_PER_TOKEN[setup.mode] // step * step)
 
+    def stream_row(shape, setup, budget, host_bytes, offload, keep_every=None, step=1024):
+        calls["setups"].append(setup)
+        calls["stream_rows"].append((setup.mode, host_bytes, offload, keep_every, step))
+        n = longest(shape, setup, budget, step)
+        plan = StepPlan(512, Layout(every=keep_every or 1), offload, FAKE_PER_TOKEN[setup.mode] * n, host(0, setup, n))
+        return {"max_len": n, "plan": plan, "peak_bytes": peak(shape, setup, n), "host_bytes": plan.host or None}
+
+    calls["stream_rows"] = []
     monkeypatch.setattr(mm.ModelShape, "from_name", classmethod(from_name))
     monkeypatch.setattr(mm, "estimate_peak_bytes", peak)
     monkeypatch.setattr(mm, "estimate_host_bytes", host)
     monkeypatch.setattr(ml, "max_len", longest)
+    monkeypatch.setattr(ml, "stream_row", stream_row)
     return calls
 
 
@@ -135,6 +145,11 @@ def test_estimate_table(fake_model, capsys, tmp_path):
     assert rows["stream+offload"].endswith(f"| {288 * 2**10 * lengths['stream+offload'] / 2**30:.2f} |")
     assert rows["stream"].endswith("| - |")
     assert fake_model["shapes"] == ["qwen3-8b"]
+    # the stream rows are the planner's, offload within the host memory the engine allows itself (faked: 16 GiB)
+    assert fake_model["stream_rows"] == [
+        ("stream", 16 * 2**30, False, None, 1024),
+        ("stream+offload", 16 * 2**30, True, None, 1024),
+    ]
     saved = json.loads(out_file.read_text())
     assert saved["kind"] == "estimated" and [r["mode"] for r in saved["rows"]] == list(ml.ROWS)
 
@@ -237,12 +252,13 @@ def test_a_row_of_0_says_why(capsys):
     cli.main(["max-len", "--model", "qwen3-8b", *argv])
     out = capsys.readouterr().out
     shape, setup = mm.ModelShape.from_name("qwen3-8b"), mm.StepSetup(lora=True, pending_grads=True)
-    peak, static = mm.estimate_peak_bytes(shape, setup, 1024), mm.static_bytes(shape, mm.StepSetup(lora=True))
-    assert static < 15.9 * 2**30 < peak
+    peak, static = plans.least_peak_bytes(shape, setup, 1024, False), mm.static_bytes(shape, mm.StepSetup(lora=True))
+    # the least of any plan (some inputs rebuilt), below every input kept, above the budget less the planner's margin
+    assert static < 15.9 * 2**30 - 254.4 * 2**20 < peak < mm.estimate_peak_bytes(shape, setup, 1024)
     assert (
         f"Fits at no length: 1,024 tokens need {peak / 2**30:.2f} GiB (the weights and gradients: "
-        f"{static / 2**30:.2f} GiB), above the budget of 15.90 GiB. Instead (the longest length streamed, with TRL's "
-        "default in brackets): " in out
+        f"{static / 2**30:.2f} GiB), above the budget of 15.90 GiB less 254.40 MiB kept for fragmentation. Instead "
+        "(the longest length streamed, with TRL's default in brackets): " in out
     )
 
 
@@ -326,7 +342,10 @@ def test_offload_in_an_estimate_says_it_changes_nothing(fake_model, capsys):
 
 
 @pytest.mark.parametrize("k", [2, 6])
-def test_keep_every_with_offload_says_why_it_fits_less(k, capsys):
+def test_keep_every_with_offload_says_why_it_fits_less(k, capsys, monkeypatch):
+    """With host memory to spare (1 TiB), offload keeping every k-th input fits less than keeping every input: the
+    note says why. Within 16 GiB of host memory keeping every input fits less, and the note is not printed."""
+    monkeypatch.setattr(plans, "host_room", lambda: 2**40)
     shape, budget = mm.ModelShape.from_name("qwen3-8b"), 78 * 2**30
     one, every_k = (mm.StepSetup(mode="stream+offload", keep_every=j) for j in (1, k))
     assert max_len(shape, every_k, budget) < max_len(shape, one, budget)
@@ -335,12 +354,19 @@ def test_keep_every_with_offload_says_why_it_fits_less(k, capsys):
         k + 1,
         2,
     )
-    cli.main(["max-len", "--model", "qwen3-8b", "--gpu-memory", "78GiB", "--keep-every", str(k)])
-    assert (
+    argv = ["max-len", "--model", "qwen3-8b", "--gpu-memory", "78GiB", "--keep-every", str(k)]
+    cli.main(argv)
+    note = (
         f"With offload, keep_every={k} fits less than offload alone: a segment's backward holds its {k} layer "
         f"inputs (the kept one and {k - 1} rebuilt) and the prefetched input of the segment below, {k + 1} on the "
-        f"GPU against 2; what it saves is host memory (about 1/{k})." in capsys.readouterr().out.splitlines()
+        f"GPU against 2; what it saves is host memory (about 1/{k})."
     )
+    out = capsys.readouterr().out
+    assert note in out.splitlines()
+    (row,) = [line for line in out.splitlines() if line.startswith(f"| {ml.ROWS['stream+offload'][1]}, ")]
+    assert row.startswith(f"| {ml.ROWS['stream+offload'][1]}, keep_every={k} |")  # the label says so
+    cli.main([*argv, "--host-memory", "16GiB"])
+    assert "With offload" not in capsys.readouterr().out
 
 
 @pytest.fixture
@@ -406,3 +432,41 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
         assert (plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.capture) == (
             row["chunk"], row["layout"]["every"], row["layout"]["drop"], row["offload"], row["capture"]
         ), tokens  # fmt: skip
+
+
+def test_the_offload_row_pins_at_most_the_host_memory_given_or_the_engines_own(monkeypatch, capsys):
+    """The offload row ignored --host-memory (200GiB: still 1,474,560 tokens with 393.75 GiB of host memory) and by
+    default assumed 394-499 GiB of pinned host memory. It now pins at most --host-memory, by default what the engine
+    allows itself (:func:`streambp_trl.sizing.auto.host_room`, here faked: 16 GiB), and says which."""
+    from streambp_trl.sizing import auto
+
+    assert plans.host_room is auto.host_room  # the engine's own rule
+    monkeypatch.setattr(plans, "host_room", lambda: 16 * 2**30)
+    argv = ["--model", "Qwen/Qwen3-8B", "--lora", "--objective", "dpo", "--gpu", "h100"]
+    said = {
+        16: "offload pins at most 16.00 GiB of host memory: three quarters of this machine's available memory, as the "
+        "engine allows itself (--host-memory for another machine's).",
+        200: "offload pins at most 200.00 GiB of host memory (--host-memory).",
+    }
+    lengths = []
+    for gib, extra in ((16, []), (200, ["--host-memory", "200GiB"])):
+        result = ml.main([*argv, *extra])
+        out = capsys.readouterr().out
+        (row,) = [row for row in result["rows"] if row["mode"] == "stream+offload"]
+        assert said[gib] in out and result["plans"]["host_bytes"] == gib * 2**30
+        assert 0 < row["host_bytes"] <= gib * 2**30
+        assert f"| {row['max_len']:,} | {row['peak_bytes'] / 2**30:.2f} | {row['host_bytes'] / 2**30:.2f} |" in out
+        lengths.append(row["max_len"])
+        stream = next(row["max_len"] for row in result["rows"] if row["mode"] == "stream")
+        no_further = "Offload reaches no further than the stream row within 16.00 GiB of host memory (--host-memory "
+        assert (no_further in out) == (row["max_len"] <= stream) == (gib == 16)
+    assert lengths[0] < lengths[1]
+
+
+def test_an_estimates_stream_lengths_are_multiples_of_the_step(monkeypatch, capsys):
+    """--step: the stream rows, the plans and their footer name multiples of it, as the other rows do."""
+    monkeypatch.setattr(plans, "host_room", lambda: 16 * 2**30)
+    result = ml.main(["--model", "qwen3-8b", "--lora", "--gpu", "h100", "--step", "4096"])
+    capsys.readouterr()
+    lengths = [row["max_len"] for row in result["rows"]] + list(result["plans"]["longest"].values())
+    assert all(n > 0 and n % 4096 == 0 for n in lengths), lengths

@@ -4,6 +4,7 @@ rule max-len counts it by; once allocated it is counted as allocated, never twic
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 from helpers import args, load_model, load_tokenizer, tiny_dataset
@@ -158,3 +159,36 @@ def test_the_plan_of_a_lora_model_is_max_len_s(monkeypatch, capsys):
         layout = rows[n]["layout"]
         expected = rows[n]["chunk"], layout["every"], layout["drop"], rows[n]["offload"], rows[n]["capture"]
         assert _plan_key(counted.plan(1, n, meta)) == expected, n
+
+
+def test_max_len_s_stream_rows_are_the_longest_the_trainers_plan(monkeypatch, capsys):
+    """``max-len --model Qwen/Qwen3-8B --lora --objective dpo --gpu h100`` gave several answers: a stream row of
+    109,568 (the memory model at the smallest chunk, no fragmentation margin), a footer "as configured: 107,520"
+    (nothing was configured) and plans that went on to 325,632 keeping every 5th layer input. Each stream row is now
+    the trainers' planner's answer (AutoChunks on Qwen3-8B with LoRA, its AdamW state counted, 78 GiB, 16 GiB of host
+    memory): it plans the row's length as the row says, with the layout its label names, and refuses one step more;
+    the footer and the plan table end at the same figures."""
+    peft = pytest.importorskip("peft")
+    monkeypatch.setattr(auto, "host_room", lambda: 16 * GiB)
+    monkeypatch.setattr(plans, "host_room", lambda: 16 * GiB)
+    result = ml.main(["--model", "Qwen/Qwen3-8B", "--lora", "--objective", "dpo", "--gpu", "h100"])
+    out = capsys.readouterr().out
+    rows = {row["mode"]: row for row in result["rows"]}
+    longest, planned = result["plans"]["longest"], {row["tokens"]: row for row in result["plans"]["rows"]}
+    assert "as configured" not in out and "every layer input kept: " in out.splitlines()[-1]
+    assert rows["stream"]["max_len"] == max(tokens for way, tokens in longest.items() if "offload" not in way)
+    assert max(planned) == max(longest.values()) == max(row["max_len"] for row in rows.values())
+    assert {rows["stream"]["max_len"], rows["stream+offload"]["max_len"]} <= planned.keys()
+    model = peft.get_peft_model(
+        _qwen3_8b_on_meta(), peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
+    ).base_model.model
+    meta = torch.device("meta")
+    for mode, offload in (("stream", False), ("stream+offload", True)):
+        engine = auto.AutoChunks(model, budget=78 * GiB, offload=offload, keep_every=None)
+        engine.count_optimizer("adamw_torch_fused", _Owner())
+        n = rows[mode]["max_len"]
+        plan = engine.plan(2, n, meta)  # (DPO: the chosen and the rejected sequence)
+        assert plan.describe(n, 36) == rows[mode]["plan"], mode
+        assert plan.layout.describe(36) in rows[mode]["label"] and plan.layout.rebuilt(36), mode
+        with pytest.raises(auto.NoPlanFits):
+            engine.plan(2, n + 1024, meta)

@@ -18,7 +18,6 @@ from streambp_trl.bench import max_len as ml
 from streambp_trl.bench import plans
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing import optimizers
-from streambp_trl.sizing.lengths import max_len
 
 GiB = 2**30
 QWEN3_8B = mm.ModelShape.from_name("qwen3-8b")
@@ -173,7 +172,8 @@ def test_max_len_counts_trls_default_optimizer_by_default(monkeypatch, capsys):
     alone, out = _estimate(["--mode", "stream", "--optimizer", "none"], monkeypatch, capsys)
     assert "no optimizer state" in out.splitlines()[0]
     setup = mm.StepSetup(optimizer="adamw_torch_fused", pending_grads=True)
-    assert _row(default, "stream") == max_len(QWEN3_8B, setup, 78 * GiB) < _row(alone, "stream")
+    assert _row(default, "stream") == plans.stream_row(QWEN3_8B, setup, 78 * GiB, 0, False)["max_len"]
+    assert _row(default, "stream") < _row(alone, "stream")
     lora, _ = _estimate(["--mode", "stream", "--lora"], monkeypatch, capsys)
     lora_alone, _ = _estimate(["--mode", "stream", "--lora", "--optim", "none"], monkeypatch, capsys)
     assert _row(lora, "stream") < _row(lora_alone, "stream")  # the adapters' AdamW state
@@ -191,6 +191,7 @@ def test_qlora_reaches_past_342k_on_an_80gb_card_and_past_1m_with_100gib_of_host
     without = max(tokens for way, tokens in longest.items() if "offload" not in way)
     with_offload = max(tokens for way, tokens in longest.items() if "offload" in way)
     assert without > 342_000 and with_offload > 1_000_000
+    assert (_row(qlora, "stream"), _row(qlora, "stream+offload")) == (without, with_offload)  # the rows say the same
     assert qlora["plans"]["host_bytes"] == 100 * GiB
     assert any(row["tokens"] >= 1 << 20 and row["offload"] for row in qlora["plans"]["rows"])
     setups = {s.quantized for s in (ml.row_setup(m, ml.build_parser().parse_args(["--model", "x", "--load-in-4bit"]))
@@ -229,7 +230,7 @@ def test_a_recipe_that_fits_at_no_length_names_what_fits_instead(monkeypatch, ca
     }
     for key, setup in expected.items():
         (found,) = [i for i in result["instead"] if i["recipe"].startswith(key)]
-        assert found["stream"] == max_len(shape, setup, budget) > 0
+        assert found["stream"] == plans.stream_row(shape, setup, budget, 0, False)["max_len"] > 0
         assert f"{found['recipe']}: {found['stream']:,} ({found['trl-default']:,})" in lines[0]
     assert "8-bit AdamW (--optimizer adamw_8bit): none either" in lines[0]
     assert "configs/accelerate/zero3_offload.yaml" in lines[0]

@@ -11,9 +11,13 @@ Two ways, and the output says which one it used:
   for a card (``--gpu h200``, default ``h100``) its stated memory less 2 GiB for the CUDA context (78 GiB of an 80 GB
   card, 139 of an H200's 141), or for the memory ``--gpu-memory`` says the step may use.
 
-The stream rows' chunk sizes default to ``"auto"``: a measured row runs what a trainer with
-``stream_chunk_size="auto"`` runs (the engine's own policy, :mod:`streambp_trl.sizing.auto`); an estimate takes the
-smallest chunk, where ``"auto"`` ends up at the longest lengths.
+The stream rows' chunk sizes default to ``"auto"``. A measured row runs what a trainer with
+``stream_chunk_size="auto"`` runs (the engine's own policy, :mod:`streambp_trl.sizing.auto`) with every layer input
+kept (or ``--keep-every``). An estimate's stream row is what ``"auto"`` runs with ``offload_checkpoints`` as the row
+says (:func:`.plans.stream_row`): the longest length the engine's planner finds a plan for within the budget less its
+fragmentation margin, its layer inputs kept or rebuilt as the plan chooses (the label names a layout that rebuilds
+some), offload within ``--host-memory`` or, by default, the host memory the engine allows itself
+(:func:`streambp_trl.sizing.auto.host_room`); the plans under it and their footer are the same planner's.
 
 One row per mode: Hugging Face gradient checkpointing, TRL's default (checkpointing + its fused LM head), stream,
 and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it trials up to a
@@ -44,6 +48,7 @@ from typing import Any, NoReturn
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.auto import AUTO
 from streambp_trl.sizing.lengths import max_len
+from streambp_trl.sizing.plan import margin
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
 
 from .max_len_output import render
@@ -65,7 +70,7 @@ from .max_len_rows import (
 )
 from .measure import bisect_max_len, measure
 from .metadata import environment
-from .plans import plan_rows
+from .plans import describe_layout, host_bytes, least_peak_bytes, plan_rows, stream_row
 from .spec import MeasureSpec, Mode
 
 
@@ -140,12 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to measure")
     p.add_argument("--budget", type=_size_arg, help="measured runs: the most the peak may reach (cpu: required)")
     p.add_argument("--chunk", type=_positive, help="stream_chunk_size (default: auto, as the trainers)")
-    p.add_argument("--logits-chunk", type=_positive, help="logits_chunk_size (default: the chunk)")
+    p.add_argument(
+        "--logits-chunk",
+        type=_positive,
+        help="measured runs: logits_chunk_size (default: the chunk; an estimate plans it as the chunk, as the engine)",
+    )
     p.add_argument(
         "--keep-every",
         type=_positive,
-        help="stream rows: keep only every k-th layer's input (default: 1 in the rows, chosen by the plan in the "
-        "plans of an estimate)",
+        help="stream rows: keep only every k-th layer's input (default: chosen by the plan in an estimate, 1 in a "
+        "measured row)",
     )
     p.add_argument(
         "--lengths",
@@ -157,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-memory",
         type=_size_arg,
-        help="an estimate's plans: host memory offload may pin (default: 3/4 of this machine's available memory, "
-        "as the engine allows itself)",
+        help="an estimate's offload row and plans: host memory offload may pin (default: 3/4 of this machine's "
+        "available memory, as the engine allows itself; the output states it)",
     )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), help="default bfloat16 (float32 on the CPU)")
     p.add_argument(
@@ -229,10 +238,13 @@ def _shape(name: str) -> mm.ModelShape | None:
         return None
 
 
-def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step: int) -> str:
-    """Why not even ``step`` tokens fit in ``budget``: the weights, gradients and optimizer state alone (the
-    gradients counted whether or not the backward forms them: every one is there at its end), or the step's peak at
-    ``step`` tokens."""
+def _why_none_fits(
+    shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step: int, kept: int = 0, peak: int | None = None
+) -> str:
+    """Why not even ``step`` tokens fit in ``budget`` (less ``kept`` bytes for fragmentation: a stream row's, as the
+    planner keeps): the weights, gradients and optimizer state alone (the gradients counted whether or not the
+    backward forms them: every one is there at its end), or the step's ``peak`` at ``step`` tokens (``None``: the
+    memory model's for ``setup``)."""
     static = max(
         mm.static_bytes(shape, dataclasses.replace(setup, pending_grads=False)), mm.optimizer_step_bytes(shape, setup)
     )
@@ -241,26 +253,48 @@ def _why_none_fits(shape: mm.ModelShape, setup: mm.StepSetup, budget: int, step:
     if static > budget:
         params = f"{shape.params / 1e9:.2f}B parameters"
         return f"{held} alone need {human(static)} ({params}), above the budget of {human(budget)}"
-    peak = mm.estimate_peak_bytes(shape, setup, step)
-    return f"{step:,} tokens need {human(peak)} ({held}: {human(static)}), above the budget of {human(budget)}"
+    peak = mm.estimate_peak_bytes(shape, setup, step) if peak is None else peak
+    less = f" less {human(kept)} kept for fragmentation" if kept else ""
+    return f"{step:,} tokens need {human(peak)} ({held}: {human(static)}), above the budget of {human(budget)}{less}"
+
+
+def _stream_row(
+    args: argparse.Namespace, shape: mm.ModelShape, mode: str, budget: int, host: int
+) -> tuple[str, dict[str, Any], str | None]:
+    """A stream row of an estimate (:func:`.plans.stream_row`): its label (naming the layer inputs its plan rebuilds,
+    where the plan chose them), its figures with the plan in words, and why it is 0 (``None`` where it fits)."""
+    setup = row_setup(mode, args)
+    row = stream_row(shape, setup, budget, host, setup.offload, args.keep_every, args.step)
+    plan = row.pop("plan")
+    planned = "" if args.keep_every else describe_layout(plan, shape.layers)  # (a fixed one: in row_label)
+    label = ", ".join(filter(None, [row_label(mode, args), planned]))
+    if plan is not None:
+        return label, {**row, "plan": plan.describe(row["max_len"], shape.layers)}, None
+    least = least_peak_bytes(shape, setup, args.step, setup.offload, args.keep_every)
+    return label, {**row, "plan": None}, _why_none_fits(shape, setup, budget, args.step, margin(budget), least)
 
 
 def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], budget: int) -> dict[str, Any]:
+    """The estimate's rows: per mode the longest length (a multiple of ``--step``) and the peak there; the stream
+    rows what ``stream_chunk_size="auto"`` runs (:func:`_stream_row`: the engine's planner, its room, the host memory
+    of ``--host-memory`` or the engine's own), the others the memory model's peak within the whole budget."""
+    host = host_bytes(args.host_memory)
     rows = []
     for mode in modes:
-        setup = row_setup(mode, args)
-        length = max_len(shape, setup, budget, step=args.step)
-        rows.append(
-            {
-                "mode": mode,
-                "label": row_label(mode, args),
-                "max_len": length,
-                "peak_bytes": mm.estimate_peak_bytes(shape, setup, length) if length else None,
-                "host_bytes": mm.estimate_host_bytes(shape, setup, length) if length and setup.offload else None,
-                "why": None if length else _why_none_fits(shape, setup, budget, args.step),
-            }
-        )
-    result = {"kind": "estimated", "budget_bytes": budget, "rows": rows}
+        if ROWS[mode][0].streams:
+            label, row, why = _stream_row(args, shape, mode, budget, host)
+        else:
+            setup = row_setup(mode, args)
+            length, label = max_len(shape, setup, budget, step=args.step), row_label(mode, args)
+            peak = mm.estimate_peak_bytes(shape, setup, length) if length else None
+            row = {"max_len": length, "peak_bytes": peak, "host_bytes": None}
+            why = None if length else _why_none_fits(shape, setup, budget, args.step)
+        rows.append({"mode": mode, "label": label, **row, "why": why})
+    result = {"kind": "estimated", "budget_bytes": budget, "margin_bytes": margin(budget), "host_bytes": host,
+              "host_given": args.host_memory is not None, "rows": rows}  # fmt: skip
+    if (args.keep_every or 1) > 1 and OFFLOAD_ROW in modes:  # what the offload row fits with every input kept
+        alone = stream_row(shape, row_setup(OFFLOAD_ROW, args), budget, host, True, 1, args.step)
+        result["offload_alone"] = alone["max_len"]
     if not any(row["max_len"] for row in rows):
         result["instead"] = instead(args, shape, budget)
     return result
@@ -401,7 +435,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         budget = args.gpu_memory or mm.parse_size(DEFAULT_GPU_MEMORY)
         result = estimate(args, shape, modes, budget)
         setup = row_setup(Mode.STREAM.memory_model_mode, args)
-        result["plans"] = plan_rows(shape, setup, budget, args.host_memory, args.lengths, args.keep_every)
+        also = tuple(row["max_len"] for row in result["rows"] if ROWS[row["mode"]][0].streams)
+        result["plans"] = plan_rows(
+            shape, setup, budget, result["host_bytes"], args.lengths, args.keep_every, also=also, step=args.step
+        )
     else:
         if not args.offload and args.mode is None:
             modes = [m for m in modes if m != OFFLOAD_ROW]

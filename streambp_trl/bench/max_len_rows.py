@@ -10,6 +10,7 @@ from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing import optimizers
 from streambp_trl.sizing.lengths import max_len
 
+from .plans import stream_row
 from .spec import Mode
 
 _LABELS = {
@@ -113,12 +114,12 @@ def human(n_bytes: float) -> str:
 
 
 def instead(args: argparse.Namespace, shape: mm.ModelShape, budget: int) -> list[dict[str, Any]]:
-    """Where no mode fits: each other recipe (:func:`alternatives`) with the longest length it fits
-    by the same memory model, streamed and with TRL's default."""
+    """Where no mode fits: each other recipe (:func:`alternatives`) with the longest length it fits by the same
+    memory model, streamed (the stream row's: what ``stream_chunk_size="auto"`` runs without offload) and with TRL's
+    default."""
     found = []
     for words, other in alternatives(args):
-        lengths = {
-            mode: max_len(shape, row_setup(mode, other), budget, step=args.step) for mode in ("stream", "trl-default")
-        }
-        found.append({"recipe": words, **lengths})
+        streamed = stream_row(shape, row_setup("stream", other), budget, 0, False, other.keep_every, args.step)
+        trl = max_len(shape, row_setup("trl-default", other), budget, step=args.step)
+        found.append({"recipe": words, "stream": streamed["max_len"], "trl-default": trl})
     return found

@@ -44,6 +44,7 @@ COLLECT_COST = 0.05
 # kept free below a device's room for the allocator's fragmentation: a real H200 capped at 78 GiB failed to allocate
 # with 77.58 GiB allocated (0.42 GiB lost); at most 1/64 of the room (a small budget keeps a small margin)
 MARGIN = GiB
+CONFIGURED = "as configured"  # Planner.longest's name of the way the user's fixed choices run
 
 
 def margin(room: int) -> int:
@@ -185,15 +186,15 @@ class Planner:
         return best
 
     def longest(
-        self, rows: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
+        self, rows: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool, step: int = 1024
     ) -> dict[str, int]:
         """The longest length per sequence that fits ``limit`` (and ``host_room``) at the smallest chunk open (a
-        multiple of 1024, or below 1024 the longest at all), for each way of running: as configured (every input
-        kept, or the user's layout; the user's offload, else none; keys/values captured where the user's ``kv_mode``
-        says so), with the layout that reaches furthest, with offload, and with both; and, where the user captures
-        keys/values, with them recomputed. Keyed by what a user would set (a layout no option sets, some inputs
-        rebuilt below the top layer, is the plan's with ``stream_keep_every`` unset); a way that is not open, fits no
-        length, or reaches no further than one before it is left out (so none, where nothing fits)."""
+        multiple of ``step``, or below ``step`` the longest at all), for each way of running: as configured (every
+        input kept, or the user's layout; the user's offload, else none; keys/values captured where the user's
+        ``kv_mode`` says so), with the layout that reaches furthest, with offload, and with both; and, where the user
+        captures keys/values, with them recomputed. Keyed by what a user would set (a layout no option sets, some
+        inputs rebuilt below the top layer, is the plan's with ``stream_keep_every`` unset); a way that is not open,
+        fits no length, or reaches no further than one before it is left out (so none, where nothing fits)."""
         chunks, layout_choices, offloads = self.choices(1 << 30, rebuildable, can_offload)
         layers, chunk, captured = self.shape.layers, min(chunks), self.kv_mode == "capture"
 
@@ -202,7 +203,7 @@ class Planner:
                 activations, host = self.estimate(rows * tokens, chunk, layout, offload, capture)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
-            return longest_fitting(fits) or longest_fitting(fits, step=1)
+            return longest_fitting(fits, step) or longest_fitting(fits, step=1)
 
         def name(layout: Layout, offload: bool) -> str:
             kept = f"stream_keep_every={layout.every}"
@@ -210,7 +211,7 @@ class Planner:
                 kept = f"stream_keep_every unset (the plan's {layout.describe(layers)})"
             return " + ".join([kept] * bool(layout.rebuilt(layers)) + ["offload_checkpoints=True"] * offload)
 
-        ways = {"as configured": longest(layout_choices[0], offloads[0])}
+        ways = {CONFIGURED: longest(layout_choices[0], offloads[0])}
         for offload in sorted(set(offloads)):
             reach = {layout: longest(layout, offload) for layout in layout_choices}
             best = max(reach, key=lambda layout: (reach[layout], -layout.rebuilt(layers)))
