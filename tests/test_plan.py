@@ -273,10 +273,9 @@ def test_a_micro_step_holding_gradients_takes_its_own_plan(caplog):
         assert torch.equal(p.grad, q.grad), name
 
 
-def test_what_the_device_holds_beside_the_model_is_counted_and_planned_again(monkeypatch):
-    """On a CUDA device what is allocated when a call starts counts beside the weights where it is more (the
-    optimizer's state, allocated by the first optimizer step): under the same budget, a call that finds more allocated
-    is planned again within what is left, here rebuilding an input the first call kept."""
+def _keep_budget():
+    """A tiny Qwen3, its batch, its weights' bytes, the activations predicted with every layer input kept and with
+    one rebuilt, and a budget that fits the weights and every input kept, just."""
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     ids, mask, labels = batch()
     shape = mm.ModelShape.from_model(model)
@@ -285,6 +284,14 @@ def test_what_the_device_holds_beside_the_model_is_counted_and_planned_again(mon
     keep, drop = (planner.estimate(ids.numel(), CHUNK, layout, False)[0] for layout in (Layout(), Layout(drop=1)))
     budget = params + keep
     budget += margin(budget) + budget // 1024  # (the margin of the larger budget is a little larger)
+    return model, (ids, mask, labels), params, keep, drop, budget
+
+
+def test_what_the_device_holds_beside_the_model_is_counted_and_planned_again(monkeypatch):
+    """On a CUDA device what is allocated when a call starts counts beside the weights where it is more (the
+    optimizer's state, allocated by the first optimizer step): under the same budget, a call that finds more allocated
+    is planned again within what is left, here rebuilding an input the first call kept."""
+    model, (ids, mask, labels), params, keep, drop, budget = _keep_budget()
     assert budget - margin(budget) - (params + (keep - drop) // 2) < keep
     streamed = enable_streambp(model, stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
     monkeypatch.setattr(auto, "REPLAN_STEP", 1)
@@ -302,14 +309,7 @@ def test_a_kept_plan_is_checked_against_the_room_each_call_has(monkeypatch):
     finds less than a GiB more allocated reused the first call's plan, predicted over its room, and ran unchecked.
     Each call now checks the kept plan against its own room: here it rebuilds an input the first call kept, and a call
     with no room left is refused."""
-    model = tiny_model("qwen3", num_hidden_layers=LAYERS)
-    ids, mask, labels = batch()
-    shape = mm.ModelShape.from_model(model)
-    params = sum(p.numel() * 8 for p in model.parameters())
-    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
-    keep, drop = (planner.estimate(ids.numel(), CHUNK, layout, False)[0] for layout in (Layout(), Layout(drop=1)))
-    budget = params + keep
-    budget += margin(budget) + budget // 1024
+    model, (ids, mask, labels), params, keep, drop, budget = _keep_budget()
     streamed = enable_streambp(model, stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
     assert auto.REPLAN_STEP == mm.GiB > budget
     layouts = []
