@@ -250,12 +250,16 @@ def test_unknown_reward_function_fails_before_training(tmp_path):
 
 
 def test_a_step_that_fits_no_plan_is_one_line_naming_the_shape_and_the_lengths(tmp_path):
-    """A memory_budget no way of running fits: the command exits with status 1 and one line naming the batch shape,
-    the budget, the longest length each way allows and what one sequence per step fits; no traceback."""
+    """A memory_budget no way of running fits: before any step, the command exits with status 1 and one line naming
+    the longest batch the config allows, the budget, the longest length each way allows and what one sequence per
+    step fits; no traceback."""
     out = _sft_tiny(tmp_path, "--max_steps", "1", "--memory_budget", "4MiB")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("streambp-trl sft: error: StreamBP: 8 x "), last
+    assert last.startswith(
+        "streambp-trl sft: error: StreamSFTTrainer, the longest batch of this config (per_device_train_batch_size=8, "
+        "max_length=256): StreamBP: 8 x 256 tokens "
+    ), last
     assert "fit in no way of running within memory_budget" in last
     assert "Longest lengths per sequence that would fit: as configured: " in last
     assert "(one sequence per step, a per-device batch size of 1, fits up to " in last

@@ -16,6 +16,7 @@
 
 from .head_side import HeadSide, decode_for_head, kernel_head, logit_gradient_form, logits_tile
 from .install import (
+    check_fits,
     chunk_sizes,
     count_optimizer,
     disable_streambp,
@@ -33,6 +34,7 @@ from .zero3 import mark_zero3_leaves, zero3_enabled
 __all__ = [
     "HeadSide",
     "StreamOptions",
+    "check_fits",
     "chunk_sizes",
     "count_optimizer",
     "decode_for_head",

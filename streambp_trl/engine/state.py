@@ -119,10 +119,7 @@ class EngineState:
             if inputs is not None and inputs.dim() >= 2:
                 self._say_fixed(tuple(inputs.shape[:2]))
             return DecoderCall(chunk_size=fixed, inputs_rebuildable=rebuildable)
-        # a planned layout needs each layer's parameters whole here (not ZeRO-3 or FSDP) and the layers it counts
-        counted = self.auto.shape is not None and self.auto.shape.layers == len(self.layers)
-        layouts = rebuildable and counted and sharded_module(self.decoder) is None
-        plan = self.auto.plan(inputs.shape[0], inputs.shape[1], inputs.device, layouts)
+        plan = self.auto.plan(inputs.shape[0], inputs.shape[1], inputs.device, self._layouts_open(rebuildable))
         sizes = None
         if plan.layout != Layout(every=self.settings.keep_every):
             sizes = plan.layout.sizes(len(self.layers))
@@ -134,6 +131,18 @@ class EngineState:
         return DecoderCall(
             chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings
         )
+
+    def _layouts_open(self, rebuildable: bool) -> bool:
+        """Whether a plan may rebuild layer inputs: the call keeps no hidden states (``rebuildable``), each layer's
+        parameters are whole here (not ZeRO-3 or FSDP) and the memory model counts the layers the engine streams."""
+        counted = self.auto is not None and self.auto.shape is not None and self.auto.shape.layers == len(self.layers)
+        return rebuildable and counted and sharded_module(self.decoder) is None
+
+    def check_fits(self, rows: int, seq_len: int, device: torch.device) -> None:
+        """Raise :class:`~streambp_trl.sizing.auto.NoPlanFits` where a training call on ``rows`` x ``seq_len``
+        tokens fits no plan in the memory its first step would have (nothing planned: nothing checked)."""
+        if self.auto is not None:
+            self.auto.check(rows, seq_len, device, self._layouts_open(True))
 
     def _say_fixed(self, shape: tuple[int, int]) -> None:
         """At info level, once per call shape (rows, T): how a call runs where every choice is fixed and no budget

@@ -244,6 +244,18 @@ class AutoChunks:
         self.last_peak = None if figure is None else figure[1] + plan.activations
         return plan
 
+    def check(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True) -> None:
+        """Raise :class:`NoPlanFits` where a training call (with grad, before the first optimizer step) on ``rows``
+        sequences of ``seq_len`` tokens would fit no way of running within the memory :meth:`plan` would give it; a
+        check before training (a trainer's longest batch), which neither logs nor keeps a plan."""
+        model = self._model()
+        if model is None or self.shape is None:
+            return
+        pending = _grads_pending(list(model.parameters()))
+        figure = self._room(model, device, pending, allocated_bytes(device), self.optimizer_state())
+        if figure is not None:
+            self._decide(rows, seq_len, device, rebuildable, True, pending, figure, announce=False)
+
     def _fixed(self, seq_len: int) -> StepPlan:
         """The plan without a memory figure: the user's choices, else the rule of thumb and every input kept."""
         chunk = self.chunk if self.chunk is not None else rule_of_thumb(seq_len)
@@ -259,8 +271,10 @@ class AutoChunks:
         grad: bool,
         pending: bool,
         figure: tuple[int, int, int] | None,
+        announce: bool = True,
     ) -> StepPlan:
-        """The plan of a call within ``figure`` (:meth:`_room`; ``None``: no memory figure, the user's choices)."""
+        """The plan of a call within ``figure`` (:meth:`_room`; ``None``: no memory figure, the user's choices),
+        logged where ``announce``."""
         model = self._model()
         if figure is None or self.shape is None or model is None:
             return self._fixed(seq_len)
@@ -294,6 +308,8 @@ class AutoChunks:
         limit = room - margin(total)
         host = host_room() if can_offload and self.offload is not False else None
         plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
+        if plan is not None and not announce:
+            return plan
         if plan is not None:
             plan = dataclasses.replace(plan, offload=True) if on_cpu else plan
             planned = (plan.layout.rebuilt(layers) and self.keep_every is None) or (plan.offload and not self.offload)

@@ -18,6 +18,7 @@ class StreamDPOTrainer(StreamTrainerMixin, DPOTrainer):
     """
 
     config_class = StreamDPOConfig
+    rows_per_example = 2  # TRL stacks each example's chosen and rejected completions in one call
 
     def __init__(self, model, ref_model=None, args=None, *pos, **kwargs):
         super().__init__(model, ref_model, self._stream_args(args, model), *pos, **kwargs)

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..engine import (
     StreamOptions,
+    check_fits,
     chunk_sizes,
     count_optimizer,
     enable_streambp,
@@ -21,6 +22,7 @@ from ..engine import (
 from ..engine.forwards import logit_transform
 from ..engine.support import router_loss_refusal
 from ..logs import get_logger
+from ..sizing.auto import NoPlanFits
 from .stream_config import stream_options
 
 logger = get_logger(__name__)
@@ -119,6 +121,7 @@ class StreamTrainerMixin:
     """
 
     config_class: type  # the trainer's Stream*Config, built when no config is given
+    rows_per_example = 1  # rows an example takes in a training call (2: its chosen and rejected completions)
     stream_options: StreamOptions | None = None  # the policy's, once installed
     logits_tiled = True  # the model's loss reads the logit kernel, whose tile (logits_chunk_size) is logged
     _given_options: StreamOptions | None = None  # read from the config as given (see _stream_args)
@@ -195,6 +198,7 @@ class StreamTrainerMixin:
         _say_where_trl_differs(self)
         enable_streambp(self.model, policy)
         self._count_optimizer_state()
+        self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
             enable_streambp(self.accelerator.unwrap_model(ref_model), options)
@@ -215,6 +219,36 @@ class StreamTrainerMixin:
             count_optimizer(self.model, self.args.optim, self)
         except ValueError as error:
             logger.info(f"StreamBP's plan counts the optimizer state once allocated, not before: {error}")
+
+    def _longest_batch(self) -> tuple[tuple[int, int], str] | None:
+        """``((rows, tokens), why)``: the longest training call this config lets TRL's collator build, and the
+        settings that bound it; ``None`` where the config bounds no length (``max_length=None``). Each of
+        ``per_device_train_batch_size`` examples takes :attr:`rows_per_example` rows of at most ``max_length`` tokens
+        (rounded up to ``pad_to_multiple_of``)."""
+        length = getattr(self.args, "max_length", None)
+        if not length:
+            return None
+        multiple = getattr(self.args, "pad_to_multiple_of", None)
+        if isinstance(multiple, int) and multiple > 1:
+            length = -(-length // multiple) * multiple
+        batch = self.args.per_device_train_batch_size
+        why = f"per_device_train_batch_size={batch}, max_length={self.args.max_length}"
+        if self.rows_per_example > 1:
+            why += f", {self.rows_per_example} rows per example (chosen and rejected)"
+        return (batch * self.rows_per_example, length), why
+
+    def _check_longest_batch(self) -> None:
+        """Refuse at construction a config whose longest batch (:meth:`_longest_batch`) fits no way of running within
+        the memory_budget (or the CUDA device's free memory), rather than at the first step that reaches it. Not under
+        DeepSpeed or FSDP, whose partitioned state the plan counts only once allocated."""
+        longest = self._longest_batch()
+        if longest is None or getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
+            return
+        (rows, tokens), why = longest
+        try:
+            check_fits(self.model, rows, tokens)
+        except NoPlanFits as error:
+            raise NoPlanFits(f"{type(self).__name__}, the longest batch of this config ({why}): {error}") from None
 
     def training_step(self, *args, **kwargs):
         cuda = torch.cuda.is_available() and self.args.device.type == "cuda"

@@ -22,6 +22,7 @@ class StreamRewardTrainer(StreamTrainerMixin, RewardTrainer):
     logits_tiled = False
 
     config_class = StreamRewardConfig
+    rows_per_example = 2  # TRL stacks each example's chosen and rejected completions in one call
 
     def __init__(self, model, args=None, *pos, **kwargs):
         super().__init__(model, self._stream_args(args, model), *pos, **kwargs)

@@ -26,6 +26,15 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: {refusal}")
 
+    def _longest_batch(self) -> tuple[tuple[int, int], str] | None:
+        """Padding-free batches (``padding_free``, or ``packing`` with the "bfd" strategies) are one row of every
+        example's tokens: per_device_train_batch_size x max_length at most."""
+        longest = super()._longest_batch()
+        if longest is None or not self.padding_free:
+            return longest
+        (rows, tokens), why = longest
+        return (1, rows * tokens), why + ", padding-free: one row"
+
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy", "is_top1")
 
