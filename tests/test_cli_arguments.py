@@ -10,10 +10,9 @@ import torch
 from helpers import ROOT
 
 from streambp_trl.cli import UsageError, parse_args
-from streambp_trl.cli.arguments import _objective, _Parser
+from streambp_trl.cli.arguments import _Parser
+from streambp_trl.trainers.objectives import OBJECTIVES
 from streambp_trl.trainers.stream_config import STREAM_FIELDS
-
-OBJECTIVES = ("sft", "dpo", "kto", "grpo", "rloo", "reward", "distillation")
 
 
 def _script_examples(objective: str) -> list[list[str]]:
@@ -86,7 +85,7 @@ def test_a_config_value_is_overridden_by_a_bare_or_valued_flag():
 
 
 def _help(objective: str) -> str:
-    config_cls, _ = _objective(objective)
+    config_cls = OBJECTIVES[objective].config
     return _Parser((config_cls,), prog=f"streambp-trl {objective}").format_help()
 
 
@@ -112,7 +111,7 @@ def test_every_option_of_trl_is_an_option_of_ours():
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     theirs = TrlParser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig))._option_string_actions
-    config_cls, _ = _objective("sft")
+    config_cls = OBJECTIVES["sft"].config
     ours = _Parser((ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig))._option_string_actions
     assert set(theirs) <= set(ours)
 

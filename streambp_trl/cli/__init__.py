@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 
 from ..sizing.auto import NoPlanFits
+from ..trainers.objectives import OBJECTIVES
 from .arguments import RewardScriptArguments, UsageError, parse_args, read_config, reward_functions
 from .run import train
 
@@ -52,37 +53,9 @@ def _max_len(argv: list[str]) -> None:
     main(argv)
 
 
-# name -> (one-line help, entry point taking the remaining arguments)
+# name -> (one-line help, entry point taking the remaining arguments): one command per objective, and max-len
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], None]]] = {
-    "sft": (
-        "Supervised fine-tuning with StreamSFTTrainer (TRL's `trl sft` arguments plus the stream options).",
-        _command("sft"),
-    ),
-    "dpo": (
-        "Preference training with StreamDPOTrainer (TRL's `trl dpo` arguments plus the stream options).",
-        _command("dpo"),
-    ),
-    "kto": (
-        "Unpaired preference training with StreamKTOTrainer (TRL's `trl kto` arguments plus the stream options).",
-        _command("kto"),
-    ),
-    "grpo": (
-        "Online RL with StreamGRPOTrainer (TRL's `trl grpo` arguments, `reward_funcs`, the stream options).",
-        _command("grpo"),
-    ),
-    "rloo": (
-        "Online RL with StreamRLOOTrainer (TRL's `trl rloo` arguments, `reward_funcs`, the stream options).",
-        _command("rloo"),
-    ),
-    "reward": (
-        "Reward modelling with StreamRewardTrainer (TRL's `trl reward` arguments plus the stream options).",
-        _command("reward"),
-    ),
-    "distillation": (
-        "Distillation from a teacher with StreamDistillationTrainer (TRL's `trl distillation` arguments, "
-        "`teacher_model_name_or_path`, the stream options).",
-        _command("distillation"),
-    ),
+    **{name: (objective.help, _command(name)) for name, objective in OBJECTIVES.items()},
     "max-len": (
         "The longest sequence a training step fits, per mode: measured on a GPU, or estimated (--gpu-memory).",
         _max_len,

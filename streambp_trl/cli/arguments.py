@@ -17,9 +17,8 @@ from pathlib import Path
 
 from trl import ScriptArguments, TrlParser
 
-_OBJECTIVES = ("sft", "dpo", "kto", "grpo", "rloo", "reward", "distillation")
-# objectives whose trainers score generated completions with reward functions
-_RL = ("grpo", "rloo")
+from ..trainers.objectives import OBJECTIVES, Objective
+
 # config fields that name inputs, and those of each `datasets:` entry: looked up next to the config file first
 _INPUT_FIELDS = (
     "model_name_or_path",
@@ -84,12 +83,9 @@ def reward_functions(script_args: RewardScriptArguments) -> list:
     return rewards
 
 
-def _objective(name: str) -> tuple[type, type]:
-    """The (config, trainer) classes of an objective."""
-    from .. import trainers
-
-    upper = {"reward": "Reward", "distillation": "Distillation"}.get(name, name.upper())
-    return getattr(trainers, f"Stream{upper}Config"), getattr(trainers, f"Stream{upper}Trainer")
+def script_arguments(objective: Objective) -> type:
+    """TRL's script arguments of ``objective``'s command, with its rewards where its trainer scores generations."""
+    return RewardScriptArguments if objective.rewards else ScriptArguments
 
 
 def _next_to(value, base: Path):
@@ -219,10 +215,8 @@ def _other_objectives(name: str, fields: list[str], context: list[str] = ()) -> 
     ``context`` (every key of the file ``fields`` came from). ``dpo`` alone for a DPO config given to ``sft``;
     ``dpo``, ``kto``, ``grpo``, ... for ``beta`` alone, which each of them takes."""
     known = {}
-    for other in _OBJECTIVES:
-        config_cls, _ = _objective(other)
-        script_cls = RewardScriptArguments if other in _RL else ScriptArguments
-        names = {f.name for cls in (config_cls, script_cls) for f in dataclasses.fields(cls)}
+    for other, objective in OBJECTIVES.items():
+        names = {f.name for cls in (objective.config, script_arguments(objective)) for f in dataclasses.fields(cls)}
         if other != name and fields and set(fields) <= names:
             known[other] = len(names & set(context))
     return [other for other, n in known.items() if n == max(known.values())]
@@ -250,9 +244,10 @@ def parse_args(name: str, argv: list[str]) -> tuple:
     values of the ``--config`` file (:func:`read_config`) as defaults and the command line over them."""
     from trl import DatasetMixtureConfig, ModelConfig
 
-    config_cls, _ = _objective(name)
-    script_cls = RewardScriptArguments if name in _RL else ScriptArguments
-    parser = _Parser((script_cls, config_cls, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}")
+    objective = OBJECTIVES[name]
+    parser = _Parser(
+        (script_arguments(objective), objective.config, ModelConfig, DatasetMixtureConfig), prog=f"streambp-trl {name}"
+    )
     argv = list(argv)
     if "--config" in argv:
         at = argv.index("--config")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from .arguments import _RL, UsageError, _check_launch, _objective, _one_line, reward_functions
+from ..trainers.objectives import OBJECTIVES
+from .arguments import UsageError, _check_launch, _one_line, reward_functions
 
 
 def _model_path(name: str, revision: str | None, field_name: str) -> str:
@@ -137,23 +138,24 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
     """Train as ``trl <objective>`` does, with the objective's ``Stream*Trainer``; returns the output directory."""
     from trl import get_peft_config, get_quantization_config
 
-    _, trainer_cls = _objective(objective)
+    how = OBJECTIVES[objective]
     _check_launch(training_args)
-    if objective == "reward" and model_args.use_peft and model_args.lora_task_type != "SEQ_CLS":
+    if how.classifier and model_args.use_peft and model_args.lora_task_type != "SEQ_CLS":
         raise UsageError(
-            f"reward trains a sequence classifier: set `lora_task_type: SEQ_CLS` (got {model_args.lora_task_type!r}), "
-            "so that PEFT trains its new score head in full (modules_to_save) besides the LoRA adapters"
+            f"{objective} trains a sequence classifier: set `lora_task_type: SEQ_CLS` (got "
+            f"{model_args.lora_task_type!r}), so that PEFT trains its new score head in full (modules_to_save) "
+            "besides the LoRA adapters"
         )
     if not model_args.model_name_or_path:
         raise UsageError("Give the model to train: `model_name_or_path` (a Hub name or a local directory).")
     revision = model_args.model_revision
     model_args.model_name_or_path = _model_path(model_args.model_name_or_path, revision, "model_name_or_path")
-    if objective in _RL and script_args.reward_model_name_or_path:
+    if how.rewards and script_args.reward_model_name_or_path:
         script_args.reward_model_name_or_path = _model_path(
             script_args.reward_model_name_or_path, None, "reward_model_name_or_path"
         )
-    rewards = {"reward_funcs": reward_functions(script_args)} if objective in _RL else {}
-    teacher = {"teacher_model": _teacher(training_args, model_args)} if objective == "distillation" else {}
+    rewards = {"reward_funcs": reward_functions(script_args)} if how.rewards else {}
+    teacher = {"teacher_model": _teacher(training_args, model_args)} if how.teacher else {}
 
     model_init_kwargs = {
         "revision": revision,
@@ -173,7 +175,7 @@ def train(objective: str, script_args, training_args, model_args, dataset_args) 
                 "test split to the dataset, or set `eval_strategy: 'no'`."
             )
         eval_dataset = dataset[split]
-    trainer = trainer_cls(
+    trainer = how.trainer(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
