@@ -4,10 +4,13 @@ Runs :func:`classify` of ``tests/model_support.py`` (a tiny random float64 model
 ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, streamed and compared with plain autograd on the model's own ``labels=`` loss)
 and writes
 
-* ``tests/causal_lm_support.json``: the status ``tests/test_every_causal_lm.py`` then holds every model type to, and
-* the model-support table of ``docs/support.md`` (between its ``model-support`` markers).
+* ``tests/causal_lm_support/transformers-X.Y.json`` (X.Y: the installed release): the status
+  ``tests/test_every_causal_lm.py`` then holds every model type to on that release, and
+* the model-support table of ``docs/support.md`` (between its ``model-support`` markers), with what differs on the
+  other tested releases (the other files there).
 
-    python scripts/model_support.py            # about a minute on a CPU
+    python scripts/model_support.py              # the sweep: some minutes on a CPU
+    python scripts/model_support.py --docs-only  # the page from the recorded table
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the sweep lives in tests/: zoo/, model_support.py
-SUPPORT_TABLE = ROOT / "tests" / "causal_lm_support.json"  # what tests/test_every_causal_lm.py holds each type to
 START, END = "<!-- model-support:start -->", "<!-- model-support:end -->"
 
 
@@ -72,11 +74,49 @@ def _table(results: dict[str, dict]) -> str:
                 by_reason[r["packed_reason"]].add(r["class"])
         for reason, classes in sorted(by_reason.items()):
             lines.append(f"| {kind}: {reason} ({len(classes)}) | {', '.join(sorted(classes))} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _other_releases(results))
 
 
-def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+def _verdict(row: dict | None) -> str:
+    if row is None:
+        return "not a model type there"
+    if row["status"] == "refused":
+        return f"refused ({row['reason']})"
+    return "exact"
+
+
+def _other_releases(results: dict[str, dict]) -> list[str]:
+    """What differs on each other tested release (its table beside this one's): model types exact on one and refused
+    on the other, or present on one only."""
+    import transformers
+    from model_support import SUPPORT_TABLES, support_table_path
+
+    here = support_table_path().stem.removeprefix("transformers-")
+    lines = []
+    for path in sorted(SUPPORT_TABLES.glob("transformers-*.json")):
+        release = path.stem.removeprefix("transformers-")
+        if release == here:
+            continue
+        other = json.loads(path.read_text())
+        rows = []
+        for model_type in sorted(set(results) | set(other)):
+            mine, theirs = results.get(model_type), other.get(model_type)
+            if _verdict(mine) != _verdict(theirs):
+                name = (mine or theirs)["class"]
+                rows.append(f"| {model_type} ({name}) | {_verdict(mine)} | {_verdict(theirs)} |")
+        lines += [
+            "",
+            f"Where transformers {release} differs (its sweep: `{path.relative_to(ROOT)}`):",
+            "",
+            f"| model type | {transformers.__version__} | {release} |",
+            "|---|---|---|",
+            *rows,
+        ]
+    return lines
+
+
+def _sweep() -> dict[str, dict]:
+    """:func:`classify` of every model type of the installed transformers, printed as it goes."""
     import transformers
     from model_support import NOT_BUILDABLE, classify
     from zoo import ZOO_TYPES
@@ -94,13 +134,30 @@ def main(argv: list[str] | None = None) -> None:
     bad = {t: r for t, r in results.items() if "inexact" in (r["status"], r.get("packed"))}
     if bad:
         raise SystemExit(f"inexact models: {bad}")
-    SUPPORT_TABLE.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--docs-only", action="store_true", help="rewrite docs/support.md from the recorded table, without the sweep"
+    )
+    args = parser.parse_args(argv)
+    from model_support import support_table, support_table_path
+
+    table = support_table_path()
+    if args.docs_only:
+        results = support_table()
+    else:
+        results = _sweep()
+        table.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     page = ROOT / "docs" / "support.md"
     text = page.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     page.write_text(f"{head}{START}\n{_table(results)}\n{END}{tail}")
-    print(f"wrote {SUPPORT_TABLE.relative_to(ROOT)} and the table in {page.relative_to(ROOT)}")
+    wrote = "" if args.docs_only else f"{table.relative_to(ROOT)} and "
+    print(f"wrote {wrote}the table in {page.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

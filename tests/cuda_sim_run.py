@@ -26,6 +26,7 @@ import fakecuda  # noqa: E402, F401  (before torch)
 import sim  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from model_support import streamed_here  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 from transformers.masking_utils import causal_mask_function  # noqa: E402
@@ -111,6 +112,8 @@ CASES = {
     "bug-cpu-mask": ("mistral", "bfloat16", {}, 1, 0, "cpu_mask"),
     "bug-math-attention": ("qwen3", "float32", {}, 1, 0, "math_attention"),
 }
+# a family the installed transformers has changed so that the engine refuses it runs no case
+CASES = {name: case for name, case in CASES.items() if case[0] not in ZOO_FAMILIES or streamed_here(case[0])}
 SEQ_LEN, CHUNK = 160, 64
 
 

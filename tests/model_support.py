@@ -12,17 +12,21 @@ the packed row, both runs are repeated with the float32 arithmetic done in float
 to :data:`EXACT`: how far the float32 rounding goes depends on the CPU's float32 kernels, so it decides which float32
 verdict a model gets, never whether it is exact.
 
-``tests/test_every_causal_lm.py`` holds every model type to the status recorded in ``tests/causal_lm_support.json``,
-which ``scripts/model_support.py`` writes from :func:`classify`.
+``tests/test_every_causal_lm.py`` holds every model type to the status recorded for the installed transformers in
+``tests/causal_lm_support/transformers-X.Y.json`` (:func:`support_table`), which ``scripts/model_support.py`` writes
+from :func:`classify`, one file per tested release.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
+from pathlib import Path
 from unittest import mock
 
 import torch
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.modeling_layers import GradientCheckpointingLayer
 from zoo import VOCAB, batch, tiny_causal_lm
@@ -31,6 +35,27 @@ from streambp_trl import enable_streambp
 
 EXACT, FLOAT32_INTERNAL = 1e-10, 1e-5
 CHUNK = 5
+SUPPORT_TABLES = Path(__file__).with_name("causal_lm_support")  # one file per tested transformers release
+
+
+def support_table_path(version: str | None = None) -> Path:
+    """The support table of transformers ``version`` (default: the installed one), by its release ``X.Y``."""
+    release = ".".join((version or transformers.__version__).split(".")[:2])
+    return SUPPORT_TABLES / f"transformers-{release}.json"
+
+
+def support_table(version: str | None = None) -> dict:
+    """The status of each model type as recorded for transformers ``version`` (default: the installed one); empty
+    where that release has no table (:func:`support_table_path`)."""
+    path = support_table_path(version)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def streamed_here(model_type: str) -> bool:
+    """Whether the engine streams ``model_type`` on the installed transformers, as its support table records (a
+    family can change between releases: transformers 5.24's Inkling 2 passes block states between its layers)."""
+    return support_table().get(model_type, {}).get("status", "refused") != "refused"
+
 
 # Models that cannot be built or run at all here, with the reason; each is still covered where it can be.
 NOT_BUILDABLE = {

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import model_support
 import pytest
 import torch
 import transformers
@@ -435,7 +436,7 @@ def test_every_streamed_model_type_has_a_shape():
     config and from the sweep's tiny one. A heterogeneous config (per-layer head dims: Gemma 4) is read as its widest
     layer; Gemma 3n's four AltUp streams are its layers' width. BLT alone (a byte encoder and decoder around a patch
     transformer) has none, and "auto" says so at enable."""
-    table = json.loads((Path(__file__).resolve().parent / "causal_lm_support.json").read_text())
+    table = model_support.support_table()
     exact = sorted(t for t, row in table.items() if row["status"] != "refused")
     shapeless = []
     for model_type in exact:

@@ -11,9 +11,8 @@ against plain autograd on the model's own loss (``model_support.own_loss``), eve
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
+import model_support
 import pytest
 import torch
 import transformers
@@ -109,7 +108,7 @@ def test_the_rule_reads_the_forward():
     """Among the causal LMs the engine serves (the support table's exact ones), the forwards read as not shifting
     are the eight families' decoders; a subclass that wraps a transformers forward keeps its pairing; a class from
     outside transformers (remote code) is taken to shift, as transformers' causal-LM loss does."""
-    table = json.loads(Path(__file__).with_name("causal_lm_support.json").read_text())
+    table = model_support.support_table()
     served = {t: getattr(transformers, r["class"]) for t, r in table.items() if r["status"] != "refused"}
     assert sorted(t for t, cls in served.items() if not labels_shifted(cls)) == sorted(UNSHIFTED)
 

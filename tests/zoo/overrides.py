@@ -24,6 +24,15 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     # recurrent depth: num_hidden_layers counts cache slots = num_layers_per_stack * H_cycles * (L_cycles + 1)
     "hrm_text": {"num_layers_per_stack": 1, "H_cycles": 2, "L_cycles": 1, "L_bp_cycles": [1], "num_hidden_layers": 4},
+    # input, recurrent (looped n_recurrent_loops times) and output layers, which must add up to num_hidden_layers;
+    # its layer types one per layer (a config's own list pairs each with "mlp", and the counts are then halved)
+    "dory": {
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
     # qk_dim / v_dim round up to multiples of 64: below that the cache and the projections disagree
     "xlstm": {"hidden_size": 128, "embedding_dim": 128, "chunk_size": 64},
     "dots1": {
