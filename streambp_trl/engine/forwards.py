@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
+from .. import families
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
 from ..layers.layer_args import CACHE_KWARGS, cache_argument
@@ -170,7 +171,7 @@ def logit_transform(config) -> tuple[float | None, float]:
     scale = next((s for s in scales if s is not None), None)
     scaling = getattr(config, "logits_scaling", None)
     if scale is None and scaling is not None:
-        scale = scaling if config.model_type == "hyperclovax" else 1.0 / scaling
+        scale = scaling if families.logits_scaling_multiplies(config) else 1.0 / scaling
     softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "output_logit_soft_cap", None)
     return softcap, 1.0 if scale is None else float(scale)
 

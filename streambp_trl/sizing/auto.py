@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
+from .. import families
 from . import memory_model as mm
 from . import optimizers
 from .layout import Layout
@@ -61,17 +62,6 @@ from .units import GiB, size_text
 logger = logging.get_logger(__name__)
 
 AUTO = "auto"
-# what the memory model leaves out of a model type it sizes, tensors the streamed step holds (said at enable, never
-# silent; by the text config's model type)
-_UNCOUNTED = {
-    "deepseek_v4": "its compressed attention's carried entries",
-    "doge": "its dynamic mask's blocks",
-    "gemma3n_text": "its per-layer inputs and the keys/values its last layers share",
-    "gemma4_text": "its per-layer inputs and the keys/values its last layers share (where it has them)",
-    "inkling2_text": "its relative-position bias and attention sinks",
-    "zaya": "its float32 residual stream, its router stream and its CCA convolutions",
-    "xlstm": "its mLSTM layers (their chunk backward and carried states)",
-}
 _FALLBACK = (512, 4096)
 # a call that finds another multiple of this allocated on its CUDA device than the call its plan was made for is
 # planned again (the optimizer's state appears at the first optimizer step)
@@ -149,7 +139,7 @@ class AutoChunks:
                 )
             return
         config = model.config.get_text_config() if hasattr(model, "config") else None
-        uncounted = _UNCOUNTED.get(getattr(config, "model_type", None))
+        uncounted = families.uncounted(config)
         if uncounted is None:
             return
         if chunk is None:
