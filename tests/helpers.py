@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -37,6 +38,19 @@ MODEL = ROOT / "configs" / "tiny_model"
 DATA = ROOT / "configs" / "data"
 CHUNK = 8  # the stream trainers' chunk in args(): far below the sequence lengths, so every layer really streams
 EXACT = 1e-10  # relative bound of a float64 streamed loss and gradients against plain autograd
+CUDASIM = ROOT.parent / "shared" / "cudasim"  # the CUDA peak-memory simulator, beside the checkout
+
+
+def cudasim_missing() -> str | None:
+    """Why the CUDA simulator cannot run here, or ``None``: it must be beside the checkout, compiles a small fake
+    CUDA library with g++, and fakes CUDA on a CPU build of torch (a CUDA build without a GPU looks for the driver)."""
+    if not (CUDASIM / "fakecuda.py").is_file():
+        return f"the CUDA simulator is not at {CUDASIM}"
+    if shutil.which("g++") is None:
+        return "g++ is missing: the CUDA simulator compiles a small fake-CUDA library"
+    if torch.version.cuda is not None and not torch.cuda.is_available():
+        return f"torch {torch.__version__} is a CUDA build without a GPU: the CUDA simulator fakes CUDA on a CPU build"
+    return None
 
 
 # -- the tiny checkpoint, its data and its trainer config ---------------------------------------------------------

@@ -11,23 +11,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import CUDASIM, cudasim_missing
 from model_support import streamed_here
 
 pytestmark = pytest.mark.slow  # every case runs under ../shared/cudasim
 
-CUDASIM = Path(__file__).parents[2] / "shared" / "cudasim"
 RUNNER = Path(__file__).with_name("cuda_sim_run.py")
 
-if not (CUDASIM / "fakecuda.py").is_file():
-    pytest.skip(f"the CUDA simulator is not at {CUDASIM}", allow_module_level=True)
-if shutil.which("g++") is None:
-    pytest.skip("g++ is missing: the CUDA simulator compiles a small fake-CUDA library", allow_module_level=True)
+if cudasim_missing():
+    pytest.skip(cudasim_missing(), allow_module_level=True)
 
 
 def _run(*args: str) -> list[dict]:

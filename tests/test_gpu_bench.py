@@ -220,9 +220,11 @@ def test_cpu_run(tmp_path):
     against 24 MiB."""
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model", "qwen3-tiny", "--seq-len", "256", "512"]
     cmd += ["--mode", "checkpoint+chunked-loss", "stream", "stream+offload", "--chunk", "128", "--step", "256"]
-    cmd += ["--warmup-seq-len", "128", "--budget", "24MiB", "--out-dir", str(tmp_path), "--time-budget", "120"]
+    # (a time budget a loaded machine does not spend: with two other test suites running beside it, 120 s cut these
+    # measurements short)
+    cmd += ["--warmup-seq-len", "128", "--budget", "24MiB", "--out-dir", str(tmp_path), "--time-budget", "400"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # quicker on a busy machine
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "cpu_fallback.json").read_text())
     status = {(r["mode"], r["seq_len"]): r["status"] for r in result["records"]}

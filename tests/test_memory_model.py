@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import subprocess
 import sys
 import types
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CUDASIM, cudasim_missing
 from models import tiny_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -28,7 +28,6 @@ from streambp_trl.sizing.shapes import canonical_model_name
 ROOT = Path(__file__).resolve().parents[1]
 RECORDS = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
 HYBRID_RECORDS = ROOT / "benchmarks" / "sim_qwen3_5.json"
-CUDASIM = ROOT.parent / "shared" / "cudasim"
 
 
 def _records() -> list[dict]:
@@ -193,7 +192,7 @@ def test_named_hybrid_shapes():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not CUDASIM.is_dir() or shutil.which("g++") is None, reason="needs ../shared/cudasim and g++")
+@pytest.mark.skipif(cudasim_missing() is not None, reason=str(cudasim_missing()))
 def test_auto_chunks_stay_within_the_budget_under_the_simulator():
     budget = 700 * 2**20
     out = subprocess.run(

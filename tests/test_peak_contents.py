@@ -15,21 +15,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import CUDASIM, cudasim_missing
 
 pytestmark = pytest.mark.slow  # runs under ../shared/cudasim
 
 ROOT = Path(__file__).parents[1]
-CUDASIM = ROOT.parent / "shared" / "cudasim"
 SEQ_LEN, VOCAB, HIDDEN = 32768, 151936, 4096
 
-if not (CUDASIM / "fakecuda.py").is_file() or shutil.which("g++") is None:
-    pytest.skip(f"needs the CUDA simulator at {CUDASIM} and g++", allow_module_level=True)
+if cudasim_missing():
+    pytest.skip(cudasim_missing(), allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
