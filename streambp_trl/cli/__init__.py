@@ -6,8 +6,9 @@ TRL's script, model and dataset arguments and the objective's ``Stream*Config``,
 teacher model) are looked up next to the config file first, so a config runs from any directory. A mistake in the
 command or its config (an unknown field, a missing file, a model that is neither a directory nor reachable on the
 Hub, a launch that would not train the processes it started) ends the command with one line naming it and the fix,
-before any model or data is loaded; so does a step that fits no way of running within its memory (naming the
-longest length each way allows), before that step.
+before any model or data is loaded; so does a config whose longest batch fits no way of running within its memory
+(naming the longest length each way allows), when the trainer is built, and any other step that fits none, before
+it runs.
 ``streambp-trl max-len --model NAME [...]`` (plain argparse) gives the longest sequence a step fits, per mode.
 ``streambp-trl --version`` prints the versions of the package, torch, transformers and TRL.
 
