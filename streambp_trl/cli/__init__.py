@@ -84,7 +84,8 @@ def _cpu_for_deepspeed() -> None:
     the CPU anyway, with a warning on every run that it found no GPU. A value the user set is kept."""
     import torch
 
-    if "DS_ACCELERATOR" not in os.environ and torch.accelerator.current_accelerator() is None:
+    # (a CUDA build names an accelerator type without any device of it: is_available, not current_accelerator)
+    if "DS_ACCELERATOR" not in os.environ and not torch.accelerator.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
