@@ -267,40 +267,11 @@ def stream_forward(
     on every call: PEFT's ``modules_to_save`` may switch it with the active adapter."""
     has_labels = labels is not None or shift_labels is not None
     if not fused_lm_head and not (self.training and has_labels):
-        for name, value in (
-            ("labels", labels),
-            ("shift_labels", shift_labels),
-            ("num_items_in_batch", num_items_in_batch),
-        ):
-            if value is not None:
-                kwargs[name] = value
-        # the model's own forward, whose decoder call streams as decoder_streams says: masks the model builds around
-        # the decoder (a vision-language model's, before its language model) are then the stream's too
-        streams = decoder_streams(state.decoder.training, state, kwargs)
-        if streams:
-            state.check_decoder(self)
-        with streaming(state.configs) if streams else contextlib.nullcontext():
-            return original(self, "forward")(*args, **kwargs)
+        given = {"labels": labels, "shift_labels": shift_labels, "num_items_in_batch": num_items_in_batch}
+        return _model_forward(self, state, args, {**kwargs, **{k: v for k, v in given.items() if v is not None}})
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
-    _check_router_logits(self, kwargs, self.config.get_text_config())
-    logits_to_keep = kwargs.pop("logits_to_keep", 0)
-    if fused_lm_head and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
-        raise ValueError(
-            f"logits_to_keep={logits_to_keep!r} has no meaning with fused_lm_head=True: the fused head (TRL's and "
-            "StreamBP's) scores every position whose label is not -100, with outputs of shape (batch, seq_len - 1). "
-            "Set the labels of the positions to skip to -100 instead (as TRL's GRPO does), and drop logits_to_keep."
-        )
-    ignore_index = _loss_arguments(self, kwargs)
-    # the labels paired as the model's own loss pairs them, or as TRL's fused head does (shifted, whatever the model)
-    shifted = fused_lm_head or labels_shifted(type(self))
-    if not fused_lm_head and shifted and "_loss_function" in vars(self):  # set through transformers' setter
-        raise ValueError(
-            f"StreamBP computes the causal-LM loss of {type(self).__name__} with its logit kernel, not the "
-            f"loss_function set on the model ({getattr(self._loss_function, '__name__', self._loss_function)!r}), "
-            "which the plain call computes; compute it from full logits with disable_streambp(model), or remove it "
-            "(del model._loss_function) to train the causal-LM loss."
-        )
+    logits_to_keep, ignore_index, shifted = _loss_call(self, kwargs, fused_lm_head)
     if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)
         check_unshifted_call(self, shift_labels, ignore_index)
         num_items_in_batch = None  # ignored as the model ignores it (transformers' Trainer passes it)
@@ -312,23 +283,81 @@ def stream_forward(
     if state.decoder_keywords is not None:  # the model's forward hands its decoder these alone (the rest: its loss)
         kwargs = {k: v for k, v in kwargs.items() if k in state.decoder_keywords}
     decoder = state.decoder
-    head = kernel_head(self)
+    head = kernel_head(self)  # (looked up per call: PEFT's modules_to_save may switch it with the active adapter)
     # the final norm runs inside the logit kernel as decode_for_head decides (the decoder's last step, no hidden
     # states asked, no hook on it)
     side = decode_for_head(
         self, lambda: decoder(*args, return_dict=True, **kwargs), kwargs.get("output_hidden_states")
     )
-    decoded, hidden, norm = side.decoded, side.hidden, side.norm
-    gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
-    hidden = hidden.to(head.weight.device)
+    hidden = side.hidden.to(head.weight.device)
     labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep, shifted)
     _check_labels(labels, head.weight.shape[0], ignore_index)
     mask = labels != ignore_index
     if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
         raise ValueError(f"Every label is {ignore_index} (ignored): there is no token to compute the loss on.")
+    per_token = _kernel_scores(self, state, head, hidden, side.norm, labels, scored[mask], mask, fused_lm_head)
+    denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -per_token["log_probs"].sum() / denominator
+    if fused_lm_head:  # the fields of TRL's own fused head
+        out = FusedCausalLMOutput(loss=loss, label_mask=mask, **per_token)
+    else:
+        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=side.decoded.get("hidden_states"))
+    return out if return_dict else out.to_tuple()
+
+
+def _model_forward(self, state: EngineState, args: tuple, kwargs: dict):
+    """The model's own forward (no loss of ours: eval mode, or no labels), whose decoder call streams as
+    :func:`decoder_streams` says: masks the model builds around the decoder (a vision-language model's, before its
+    language model) are then the stream's too."""
+    streams = decoder_streams(state.decoder.training, state, kwargs)
+    if streams:
+        state.check_decoder(self)
+    with streaming(state.configs) if streams else contextlib.nullcontext():
+        return original(self, "forward")(*args, **kwargs)
+
+
+def _loss_call(self, kwargs: dict, fused_lm_head: bool) -> tuple[int, int, bool]:
+    """``(logits_to_keep, ignore_index, shifted)`` of a call whose loss the logit kernel computes, taken out of
+    ``kwargs``; ``shifted``: the labels paired as the model's own loss pairs them, or as TRL's fused head does
+    (shifted, whatever the model). Refuses what the kernel cannot serve: router logits, ``logits_to_keep`` with the
+    fused head, a ``loss_function`` set on the model."""
+    _check_router_logits(self, kwargs, self.config.get_text_config())
+    logits_to_keep = kwargs.pop("logits_to_keep", 0)
+    if fused_lm_head and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        raise ValueError(
+            f"logits_to_keep={logits_to_keep!r} has no meaning with fused_lm_head=True: the fused head (TRL's and "
+            "StreamBP's) scores every position whose label is not -100, with outputs of shape (batch, seq_len - 1). "
+            "Set the labels of the positions to skip to -100 instead (as TRL's GRPO does), and drop logits_to_keep."
+        )
+    ignore_index = _loss_arguments(self, kwargs)
+    shifted = fused_lm_head or labels_shifted(type(self))
+    if not fused_lm_head and shifted and "_loss_function" in vars(self):  # set through transformers' setter
+        raise ValueError(
+            f"StreamBP computes the causal-LM loss of {type(self).__name__} with its logit kernel, not the "
+            f"loss_function set on the model ({getattr(self._loss_function, '__name__', self._loss_function)!r}), "
+            "which the plain call computes; compute it from full logits with disable_streambp(model), or remove it "
+            "(del model._loss_function) to train the causal-LM loss."
+        )
+    return logits_to_keep, ignore_index, shifted
+
+
+def _kernel_scores(
+    self,
+    state: EngineState,
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    norm: nn.Module | None,
+    labels: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor,
+    fused_lm_head: bool,
+) -> dict:
+    """The logit kernel's per-token outputs at the labelled positions ``mask`` (zeros elsewhere): the decoded
+    ``hidden`` states' ``rows`` (the labelled positions as rows of the (batch x length, hidden) states: no gathered
+    copy) through ``norm`` (where the kernel applies the final norm) and ``head``, with the model's own logit
+    transform."""
+    gathered = zero3_gathered([head.weight, head.bias, *(norm.parameters() if norm is not None else ())])
     softcap, scale = logit_transform(self.config.get_text_config())
-    # the labelled positions as rows of the (batch x length, hidden) states: no gathered copy
-    rows = scored[mask]
     tile = state.logits_tile(hidden)
     # without fused_lm_head the loss is ours, a token mean: the gradient may be formed in the forward
     token_mean = not fused_lm_head or state.options.token_mean_loss
@@ -350,11 +379,4 @@ def stream_forward(
         gradient_in_forward=form == "eager",
     )
     # masked_scatter keeps the outputs connected to the graph even when no label is valid
-    per_token = {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}
-    denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    loss = -per_token["log_probs"].sum() / denominator
-    if fused_lm_head:  # the fields of TRL's own fused head
-        out = FusedCausalLMOutput(loss=loss, label_mask=mask, **per_token)
-    else:
-        out = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=decoded.get("hidden_states"))
-    return out if return_dict else out.to_tuple()
+    return {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}

@@ -111,26 +111,40 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         baseline = probe.baseline(lm, decoder, logits, functools.partial(refuse, lm), norm)
     if baseline is not None and not baseline.norm_last:
         norm_name = None
+    state = _engine_state(lm, decoder, layers, options, norm_name)
+    _install(lm, state)
+    if baseline is not None:
+        try:
+            streamed = functools.partial(streamed_decoder_call, state, chunk_size=probe.PROBE_CHUNK)
+            probe.check_streamed(lm, decoder, baseline, streamed, functools.partial(refuse, lm))
+        except ValueError:
+            disable_streambp(lm)
+            raise
+    return model
+
+
+def _engine_state(
+    lm: PreTrainedModel, decoder: nn.Module, layers: list[nn.Module], options: StreamOptions, norm_name: str | None
+) -> EngineState:
+    """What the engine runs ``lm`` with: its layers' settings and plans, the per-call plan policy where anything is
+    planned (:class:`~streambp_trl.sizing.auto.AutoChunks`), and where the decoder and its final norm are."""
     settings = StreamSettings(
         kv_mode=options.kv_mode or "recompute",  # (None: planned per call, recompute where no plan says)
         offload=CheckpointOffload() if options.offload_checkpoints else None,
         keep_every=options.keep_every or 1,
     )
     chunk = options.stream_chunk_size
-    fixed = None if chunk == AUTO else chunk
-    auto = (
-        AutoChunks(
+    auto = None
+    if options.planned:
+        auto = AutoChunks(
             lm,
             options.memory_budget_bytes,
             options.offload_checkpoints,
             options.keep_every,
-            chunk=fixed,
+            chunk=None if chunk == AUTO else chunk,
             kv_mode=options.kv_mode,
         )
-        if options.planned
-        else None
-    )
-    state = EngineState(
+    return EngineState(
         options=options,
         decoder=decoder,
         layers=layers,
@@ -142,15 +156,6 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         auto=auto,
         decoder_keywords=decoder_keywords(lm, decoder),
     )
-    _install(lm, state)
-    if baseline is not None:
-        try:
-            streamed = functools.partial(streamed_decoder_call, state, chunk_size=probe.PROBE_CHUNK)
-            probe.check_streamed(lm, decoder, baseline, streamed, functools.partial(refuse, lm))
-        except ValueError:
-            disable_streambp(lm)
-            raise
-    return model
 
 
 def _install(lm: PreTrainedModel, state: EngineState) -> None:

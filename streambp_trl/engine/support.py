@@ -158,6 +158,14 @@ def check_supported(
             "Set config.output_router_logits=False.",
         )
     _check_modules(lm, layers)
+    _say_what_is_not_saved(lm, decoder, layers)
+
+
+def _say_what_is_not_saved(lm: PreTrainedModel, decoder: nn.Module, layers: list[nn.Module]) -> None:
+    """Warn where a served model differs from the plain call or keeps whole-sequence memory: fully masked query rows
+    (left padding) that give zero output, and masks or biases its decoder builds on the whole sequence outside the
+    streamed layers."""
+    config = lm.config.get_text_config()
     padded = _masked_rows_differ(config, layers)
     if padded is not None:
         why, fix = padded
