@@ -298,16 +298,15 @@ class AutoChunks:
         limit = room - margin(total)
         host = host_room() if can_offload and self.offload is not False else None
         plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
-        if plan is not None and not announce:
-            return plan
         if plan is not None:
             plan = dataclasses.replace(plan, offload=True) if on_cpu else plan
-            planned = (plan.layout.rebuilt(layers) and self.keep_every is None) or (plan.offload and not self.offload)
-            say = logger.warning if planned else logger.info
-            say(
-                f"StreamBP plan for {plan.describe(n, layers, held, room)} (less {size_text(margin(total))} kept "
-                "for the allocator's fragmentation)."
-            )
+            if announce:
+                rebuilt = plan.layout.rebuilt(layers) and self.keep_every is None
+                say = logger.warning if rebuilt or (plan.offload and not self.offload) else logger.info
+                say(
+                    f"StreamBP plan for {plan.describe(n, layers, held, room)} (less {size_text(margin(total))} kept "
+                    "for the allocator's fragmentation)."
+                )
             return plan
         chunks, layout_choices, offloads = planner.choices(seq_len, rebuildable, can_offload)
         smallest = StepPlan(chunks[0], layout_choices[0], offloads[0] or on_cpu, capture=self.kv_mode == "capture")
