@@ -54,7 +54,7 @@ def distillation(seq_len: int) -> dict:
     with fake, tracker, sim.Oracle():
         divergence, _ = chunked_divergence(
             hidden, head.weight, None, teacher_hidden, teacher_weight, None, beta=0.5, token_chunk=2048,
-            fused_backward=form == "fused",
+            form=form,
         )  # fmt: skip
         divergence.sum().backward()
     live = [[round(b / 2**30, 3), *(i[1:] if i else ["?"])] for b, i in tracker.live_at_peak.get("cuda", [])]

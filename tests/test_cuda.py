@@ -426,8 +426,8 @@ def test_peak_memory_within_5_percent_of_the_model(model_name, seq_len, chunk):
     form = last_head_form(model)  # the logit kernel's gradient form the engine chose for the free memory
     plan = last_plan(model)  # (kept keys/values where the free memory holds them)
     assert plan.layout == Layout() and not plan.offload, plan  # what the estimate sizes: every input on the device
-    capture = plan.capture
-    estimate = mm.estimate_peak_bytes(shape, dataclasses.replace(setup, head_form=form, capture=capture), seq_len)
+    capture = plan.kv_mode == "capture"
+    estimate = mm.estimate_peak_bytes(shape, dataclasses.replace(setup, head_form=form, kv_mode=plan.kv_mode), seq_len)
     error = abs(peak - estimate) / peak
     _report(test="memory_model", model=model_name, seq_len=seq_len, chunk=chunk, head_form=form, capture=capture,
             peak_gib=mm.gib(peak), estimate_gib=mm.gib(estimate), error=error,

@@ -163,8 +163,8 @@ def test_a_second_backward_gets_one_clear_message(keep_every, offload):
     keep_every=1 (2), or 'a segment layer's graph was freed' (3)."""
     _, streamed = _pair(keep_every, offload_checkpoints=offload)
     if offload:  # the copy path runs on the CPU too, as in test_offload
-        streamed._streambp.settings.offload.offloads = lambda t: True
-        streamed._streambp.settings.offload.pin_memory = False
+        streamed._streambp.offloader.offloads = lambda t: True
+        streamed._streambp.offloader.pin_memory = False
     loss = streamed(input_ids=batch()[0], attention_mask=batch()[1], labels=batch()[2]).loss
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="decoder layer 3 .* asked for twice .* Run the forward again"):

@@ -30,8 +30,8 @@ def _plain(h, w, b, t, temperature, softcap, scale):
 
 FORMS = {
     "fused": {},
-    "two-node": {"fused_backward": False},
-    "eager": {"gradient_in_forward": True},  # the loss below weights rows unequally: the eager node recomputes
+    "two-node": {"form": "two-node"},
+    "eager": {"form": "eager"},  # the loss below weights rows unequally: the eager node recomputes
 }
 
 
@@ -102,7 +102,7 @@ def test_fused_and_two_node_backward_agree(dtype):
             outputs=("log_probs", "entropy"),
             token_chunk=4,
             vocab_chunk=16,
-            fused_backward=fused,
+            form="fused" if fused else "two-node",
         )
         loss = (out["log_probs"].float() * wts).sum() + 0.5 * out["entropy"].float().sum()
         grads.append(torch.autograd.grad(loss, [h, w, b, norm.weight]))
@@ -149,7 +149,7 @@ def test_gradient_in_forward_float64(softcap, scored, monkeypatch):
             softcap=softcap,
             logit_scale=1.3,
             outputs=("log_probs", "entropy"),
-            gradient_in_forward=True,
+            form="eager",
         )
         torch.testing.assert_close(out["log_probs"], ref_logp, rtol=1e-12, atol=1e-12)
         ours = torch.autograd.grad((out["log_probs"] * weights).sum(), params)

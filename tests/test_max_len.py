@@ -12,9 +12,9 @@ from streambp_trl.bench import plans
 from streambp_trl.bench.measure import bisect_max_len
 from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.choices import PlanChoices, StepPlan
 from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.lengths import max_len
-from streambp_trl.sizing.plan import StepPlan
 from streambp_trl.sizing.shapes import NAMED_MODELS, canonical_model_name
 
 
@@ -107,8 +107,8 @@ def fake_model(monkeypatch):
         calls["setups"].append(setup)
         return FAKE_BASE + FAKE_PER_TOKEN[setup.mode] * seq_len
 
-    def host(shape, setup, seq_len):
-        return 288 * 2**10 * seq_len if setup.mode == "stream+offload" else 0
+    def host(shape, plan, n, db=2):
+        return 288 * 2**10 * n if plan.offload else 0
 
     def longest(shape, setup, budget_bytes, step=1024):
         return max(0, (budget_bytes - FAKE_BASE) // FAKE_PER_TOKEN[setup.mode] // step * step)
@@ -117,7 +117,9 @@ def fake_model(monkeypatch):
         calls["setups"].append(setup)
         calls["stream_rows"].append((setup.mode, host_bytes, offload, keep_every, step))
         n = longest(shape, setup, budget, step)
-        plan = StepPlan(512, Layout(every=keep_every or 1), offload, FAKE_PER_TOKEN[setup.mode] * n, host(0, setup, n))
+        plan = StepPlan(
+            512, Layout(every=keep_every or 1), offload, FAKE_PER_TOKEN[setup.mode] * n, host(0, setup.plan(), n)
+        )
         return {"max_len": n, "plan": plan, "peak_bytes": peak(shape, setup, n), "host_bytes": plan.host or None}
 
     calls["stream_rows"] = []
@@ -349,7 +351,7 @@ def test_keep_every_with_offload_says_why_it_fits_less(k, capsys, monkeypatch):
     shape, budget = mm.ModelShape.from_name("qwen3-8b"), 78 * 2**30
     one, every_k = (mm.StepSetup(mode="stream+offload", keep_every=j) for j in (1, k))
     assert max_len(shape, every_k, budget) < max_len(shape, one, budget)
-    assert mm.estimate_host_bytes(shape, every_k, 2**20) < mm.estimate_host_bytes(shape, one, 2**20)
+    assert mm.estimate_host_bytes(shape, every_k.plan(), 2**20) < mm.estimate_host_bytes(shape, one.plan(), 2**20)
     assert (mm._saved_inputs(shape.layers, Layout(every=k), True), mm._saved_inputs(shape.layers, Layout(), True)) == (
         k + 1,
         2,
@@ -426,10 +428,10 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
     )  # fmt: skip
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    planner = auto.AutoChunks(model, budget=78 * 2**30, offload=None, keep_every=None, chunk=2048)
+    planner = auto.AutoChunks(model, PlanChoices(chunk=2048, budget=78 * 2**30))
     for tokens, row in rows.items():
         plan = planner.plan(1, tokens, torch.device("meta"))
-        assert (plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.capture) == (
+        assert (plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.kv_mode == "capture") == (
             row["chunk"], row["layout"]["every"], row["layout"]["drop"], row["offload"], row["capture"]
         ), tokens  # fmt: skip
 

@@ -80,7 +80,7 @@ def test_auto_counts_lora_adapters_in_the_forward(monkeypatch):
     estimate = mm.estimate_activation_bytes
 
     def recording(*args, **kwargs):
-        seen.append(kwargs["adapters"])
+        seen.append(args[3].adapters)  # (shape, tokens, plan, trained)
         return estimate(*args, **kwargs)
 
     monkeypatch.setattr(mm, "estimate_activation_bytes", recording)
@@ -123,7 +123,7 @@ def test_auto_on_cpu_takes_the_largest_chunk_the_host_memory_fits(monkeypatch):
 
 
 def _hybrid_shape(record: dict) -> mm.ModelShape:
-    """The shape a ``scripts/sim_step.py`` record ran: its named config with the record's overrides, its parameters
+    """The shape a ``scripts/sim.py step`` record ran: its named config with the record's overrides, its parameters
     counted on meta tensors."""
     config = build_config(record["model"])
     for key, value in (record.get("config") or {}).items():
@@ -275,11 +275,11 @@ def test_captured_keys_values_against_the_simulator():
     assert len(records) >= 5 and any(r["grads_ready"] for r in records)
     for r in records:
         setup = record_setup(r)
-        assert setup.capture
+        assert setup.kv_mode == "capture"
         estimate = mm.gib(mm.estimate_peak_bytes(record_shape(r), setup, r["seq_len"]))
         assert abs(estimate - r["peak_gib"]) <= 0.01 * r["peak_gib"], (r["command"], estimate, r["peak_gib"])
         if r["seq_len"] >= 65536:
-            without = dataclasses.replace(setup, capture=False)
+            without = dataclasses.replace(setup, kv_mode="recompute")
             assert mm.gib(mm.estimate_peak_bytes(record_shape(r), without, r["seq_len"])) < r["peak_gib"] - 5
 
 

@@ -21,6 +21,7 @@ from streambp_trl.bench.simulator import record_setup
 from streambp_trl.layers.carry import store as carry_store
 from streambp_trl.sizing import auto, layer_kinds, mixers
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.choices import PlanChoices, StepPlan, Trained
 from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.plan import Planner
 
@@ -90,7 +91,7 @@ def test_from_config_counts_layers_by_kind(family):
 def test_auto_sizes_these_families_from_their_shape(family):
     """ "auto" builds the shape (no fallback to the rule of thumb) and it holds the model's parameter count."""
     model = tiny_causal_lm(family)
-    chunks = auto.AutoChunks(model, budget=None, offload=False)
+    chunks = auto.AutoChunks(model, PlanChoices(keep_every=1, offload=False))
     assert chunks.shape is not None and _kinds(chunks.shape) == KINDS[family]
     assert chunks.shape.params == sum(p.numel() for p in model.parameters())
 
@@ -121,14 +122,14 @@ def test_the_estimate_grows_with_the_carried_state(family, field):
     else:  # the convolution's last inputs
         per_boundary = (bigger.conv_kernel - shape.conv_kernel) * shape.hidden * 4
     added = (n // chunk - 1) * per_boundary
-    base = mm.estimate_activation_bytes(shape, n, chunk, chunk, 4)
-    assert mm.estimate_activation_bytes(bigger, n, chunk, chunk, 4) >= base + added > base
+    base = mm.estimate_activation_bytes(shape, n, StepPlan(chunk), Trained(db=4))
+    assert mm.estimate_activation_bytes(bigger, n, StepPlan(chunk), Trained(db=4)) >= base + added > base
     if shape.full_layers:  # every layer counted as attention (a pure Mamba has no attention heads to count)
         mixers = ("linear_layers", "mamba_layers", "mamba_attention_layers", "ssm_layers", "ssm_attention_layers")
         mixers += ("lightning_layers",)
         plain = dataclasses.replace(shape, conv_layers=(), mlp_layers=(), **dict.fromkeys(mixers, ()))
-        assert mm.estimate_activation_bytes(plain, n, chunk, chunk, 4) != mm.estimate_activation_bytes(
-            shape, n, chunk, chunk, 4
+        assert mm.estimate_activation_bytes(plain, n, StepPlan(chunk), Trained(db=4)) != mm.estimate_activation_bytes(
+            shape, n, StepPlan(chunk), Trained(db=4)
         )
 
 
@@ -167,7 +168,7 @@ def test_mamba2_model_against_the_simulator():
 def test_short_conv_model_against_the_simulator():
     """LFM2-shaped steps under the simulator (benchmarks/sim_hybrid_kinds.json: 10 short-convolution and 6 attention
     layers, LoRA, 4096 and 8192 tokens): the model within 1% under and 10% over. The simulator's model has LFM2's
-    tied embedding and head as one matrix (``scripts/sim_step.py`` ties them again after ``to_empty``)."""
+    tied embedding and head as one matrix (``scripts/sim.py step`` ties them again after ``to_empty``)."""
     runs = [r for r in json.loads(SIMULATED.read_text())["runs"] if r["model"].endswith("lfm2")]
     assert len(runs) == 2
     for r in runs:
@@ -238,7 +239,7 @@ def test_mamba_v1_auto_chunks_step(family):
     """``stream_chunk_size="auto"`` (the trainers' default) sizes a Mamba v1 model from its shape and steps."""
     model = tiny_causal_lm(family)
     enable_streambp(model, stream_chunk_size="auto")
-    chunks = auto.AutoChunks(model, budget=None, offload=False)
+    chunks = auto.AutoChunks(model, PlanChoices(keep_every=1, offload=False))
     assert chunks.shape is not None and chunks.shape.ssm_layers
     ids, mask, labels = batch(padding="right")
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -253,7 +254,7 @@ def test_mamba_v1_estimates_grow_with_the_chunk(family):
     smallest chunk to the largest by at least the Mamba v1 layer's chunk activations (its fitted term)."""
     shape = mm.ModelShape.from_config(transformers.AutoConfig.for_model(family))
     n = 65536
-    estimates = [mm.estimate_activation_bytes(shape, n, c, c, 2) for c in mm.CHUNKS]
+    estimates = [mm.estimate_activation_bytes(shape, n, StepPlan(c)) for c in mm.CHUNKS]
     assert all(0 < a <= b for a, b in zip(estimates, estimates[1:], strict=False))
     grown = (mm.CHUNKS[-1] - mm.CHUNKS[0]) * mixers.ssm_chunk_token_bytes(shape, 2, with_mlp=False)
     assert estimates[-1] - estimates[0] >= grown > 0
@@ -328,7 +329,7 @@ def test_lightning_and_pure_mamba2_auto_chunks_step(family):
     a pure Mamba2 (once no shape: the rule of thumb) from their shapes, and steps."""
     model = tiny_causal_lm(family)
     enable_streambp(model, stream_chunk_size="auto")
-    chunks = auto.AutoChunks(model, budget=None, offload=False)
+    chunks = auto.AutoChunks(model, PlanChoices(keep_every=1, offload=False))
     assert chunks.shape is not None and _kinds(chunks.shape) == KINDS[family]
     ids, mask, labels = batch(padding="right")
     loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -454,7 +455,7 @@ def test_every_streamed_model_type_has_a_shape():
 def test_auto_says_when_it_cannot_size_a_model(monkeypatch):
     said: list[str] = []
     monkeypatch.setattr(auto.logger, "warning", said.append)
-    auto.AutoChunks(tiny_causal_lm("blt"), budget=None, offload=False)
+    auto.AutoChunks(tiny_causal_lm("blt"), PlanChoices(keep_every=1, offload=False))
     assert len(said) == 1 and '"auto" chunk sizes cannot size BltForCausalLM' in said[0]
 
 
@@ -473,11 +474,11 @@ def test_auto_names_what_its_memory_model_leaves_out(family, monkeypatch):
     """A model whose streamed step holds tensors the memory model does not count: "auto" sizes it and says which."""
     said: list[str] = []
     monkeypatch.setattr(auto.logger, "warning", said.append)
-    chunks = auto.AutoChunks(tiny_causal_lm(family), budget=None, offload=False)
+    chunks = auto.AutoChunks(tiny_causal_lm(family), PlanChoices(keep_every=1, offload=False))
     assert chunks.shape is not None
     assert len(said) == 1 and "which the memory model does not count" in said[0]
     said.clear()
-    auto.AutoChunks(tiny_causal_lm("qwen3"), budget=None, offload=False)
+    auto.AutoChunks(tiny_causal_lm("qwen3"), PlanChoices(keep_every=1, offload=False))
     assert said == []
 
 
@@ -528,10 +529,16 @@ def test_a_hybrids_plan_counts_its_captured_carries():
     streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     plan = streamed._streambp.auto.last_plan
     shape, n = mm.ModelShape.from_model(model), ids.numel()
-    planner = Planner(shape, db=4, chunk=4, pending_grads=True, kv_mode="capture")
-    recomputed = planner.estimate(n, 4, plan.layout, False)[0]
-    assert plan.capture and plan.activations == planner.estimate(n, 4, plan.layout, False, True)[0] > recomputed
+    planner = Planner(shape, Trained(db=4, pending_grads=True), PlanChoices(chunk=4, kv_mode="capture"))
+    recomputed = planner.estimate(n, StepPlan(4, plan.layout, False))[0]
+    assert (
+        plan.kv_mode == "capture"
+        and plan.activations == planner.estimate(n, StepPlan(4, plan.layout, False, kv_mode="capture"))[0] > recomputed
+    )
     captured = mm.captured_bytes(shape, n, 4, 4)
     assert captured[0] == captured[1] > 0 and plan.activations - recomputed <= sum(captured)
-    host = [planner.estimate(n, 4, Layout(), True, capture)[1] for capture in (False, True)]
+    host = [
+        planner.estimate(n, StepPlan(4, Layout(), True, kv_mode="capture" if capture else "recompute"))[1]
+        for capture in (False, True)
+    ]
     assert host[1] - host[0] == sum(captured)

@@ -18,8 +18,7 @@ def test_offload_gives_identical_gradients_and_prefetches_one_layer_ahead(kv_mod
     plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4, kv_mode=kv_mode)
     offloaded = enable_streambp(model, stream_chunk_size=4, kv_mode=kv_mode, offload_checkpoints=True)
     recorder = CopyingOffload()
-    settings = offloaded._streambp.settings
-    object.__setattr__(settings, "offload", recorder)  # the layers' hooks hold these settings
+    offloaded._streambp.offloader = recorder  # the model's one offloader, which each call's layers use
     data = batch(padding="left")
     loss, grads = loss_and_grads(plain, *data)
     loss_off, grads_off = loss_and_grads(offloaded, *data)
@@ -40,14 +39,14 @@ def test_offload_is_a_no_op_on_cpu():
     model = tiny_model("llama", num_hidden_layers=2)
     plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=5)
     offloaded = enable_streambp(model, stream_chunk_size=5, offload_checkpoints=True)
-    offload = offloaded._streambp.settings.offload
+    offload = offloaded._streambp.offloader
     assert isinstance(offload, CheckpointOffload) and offload._last is None
     data = batch()
     loss, grads = loss_and_grads(plain, *data)
     loss_off, grads_off = loss_and_grads(offloaded, *data)
     assert torch.equal(loss, loss_off) and all(torch.equal(g, grads_off[n]) for n, g in grads.items())
     assert offload._last is None  # nothing was copied
-    assert copy.deepcopy(offloaded)._streambp.settings.offload is not offload
+    assert copy.deepcopy(offloaded)._streambp.offloader is not offload
 
 
 def test_offload_option_is_checked():

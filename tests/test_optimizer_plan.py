@@ -13,6 +13,7 @@ from streambp_trl import StreamSFTConfig, StreamSFTTrainer
 from streambp_trl.bench import max_len as ml
 from streambp_trl.bench import plans
 from streambp_trl.sizing import auto, optimizers
+from streambp_trl.sizing.choices import PlanChoices
 
 GiB = 2**30
 LENGTHS = (65536, 131072, 212992)
@@ -28,7 +29,7 @@ def _qwen3_8b_on_meta():
 
 
 def _plan_key(plan) -> tuple:
-    return plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.capture
+    return plan.chunk, plan.layout.every, plan.layout.drop, plan.offload, plan.kv_mode == "capture"
 
 
 class _Owner:
@@ -53,9 +54,9 @@ def test_the_plan_reserves_the_state_max_len_counts_until_it_is_allocated(monkey
         return row["chunk"], layout["every"], layout["drop"], row["offload"], row["capture"]
 
     model, owner = _qwen3_8b_on_meta(), _Owner()
-    counted = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+    counted = auto.AutoChunks(model, PlanChoices(chunk=2048, budget=78 * GiB))
     counted.count_optimizer("adamw_torch_fused", owner)
-    plain = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+    plain = auto.AutoChunks(model, PlanChoices(chunk=2048, budget=78 * GiB))
     params = sum(p.numel() for p in model.parameters())
     assert counted.optimizer_state() == (4 * params, 4 * params)  # two bfloat16 moments, none allocated yet
     meta = torch.device("meta")
@@ -80,7 +81,7 @@ def test_the_plan_reserves_the_state_max_len_counts_until_it_is_allocated(monkey
     weights = 2 * params
     for allocated, state in [(weights, None), (weights + 4 * params, optimizer)]:
         owner.optimizer = state
-        replanned = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+        replanned = auto.AutoChunks(model, PlanChoices(chunk=2048, budget=78 * GiB))
         replanned.count_optimizer("adamw", owner)
         monkeypatch.setattr(auto, "allocated_bytes", lambda device, allocated=allocated: allocated)
         assert {n: _plan_key(replanned.plan(1, n, meta)) for n in LENGTHS} == before
@@ -152,7 +153,7 @@ def test_the_plan_of_a_lora_model_is_max_len_s(monkeypatch, capsys):
     model = peft.get_peft_model(
         _qwen3_8b_on_meta(), peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
     ).base_model.model
-    counted = auto.AutoChunks(model, budget=78 * GiB, offload=None, keep_every=None, chunk=2048)
+    counted = auto.AutoChunks(model, PlanChoices(chunk=2048, budget=78 * GiB))
     counted.count_optimizer("adamw_torch_fused", _Owner())
     meta = torch.device("meta")
     for n in lengths:
@@ -185,7 +186,7 @@ def test_max_len_s_stream_rows_are_the_longest_the_trainers_plan(monkeypatch, ca
     ).base_model.model
     meta = torch.device("meta")
     for mode, offload in (("stream", False), ("stream+offload", True)):
-        engine = auto.AutoChunks(model, budget=78 * GiB, offload=offload, keep_every=None)
+        engine = auto.AutoChunks(model, PlanChoices(offload=offload, budget=78 * GiB))
         engine.count_optimizer("adamw_torch_fused", _Owner())
         n = rows[mode]["max_len"]
         plan = engine.plan(2, n, meta)  # (DPO: the chosen and the rejected sequence)

@@ -47,7 +47,7 @@ def test_a_bad_option_gives_one_message_everywhere(option, field, value, says):
 
 def test_options_are_normalised_once():
     options = StreamOptions(stream_chunk_size=8, memory_budget="1GiB", fused_outputs=("entropy",), temperature=2)
-    assert options.logits_chunk_size == 8 and options.memory_budget == "1GiB" and options.memory_budget_bytes == 2**30
+    assert options.logits_chunk_size == 8 and options.memory_budget == "1GiB" and options.choices.budget == 2**30
     assert options.fused_outputs == ("log_probs", "entropy") and options.temperature == 2.0
     config = StreamSFTConfig("unused", bf16=False, stream_chunk_size="512", stream_kv_mode="capture")
     assert config.to_options() == StreamOptions(stream_chunk_size=512, kv_mode="capture")
@@ -68,6 +68,6 @@ def test_a_memory_budget_without_a_unit_is_refused_not_read_as_bytes(budget, tmp
     config.write_text(Path(CONFIG).read_text().replace("stream_chunk_size: 32", f"memory_budget: {budget}"))
     with pytest.raises(UsageError, match="has no unit"):
         parse_args("sft", ["--config", str(config)])
-    assert StreamOptions(stream_chunk_size="auto", memory_budget="4096B").memory_budget_bytes == 4096
+    assert StreamOptions(stream_chunk_size="auto", memory_budget="4096B").choices.budget == 4096
     kept = StreamOptions(stream_chunk_size="auto", memory_budget="78GiB")
-    assert dataclasses.replace(kept, temperature=2.0).memory_budget_bytes == 78 * 2**30
+    assert dataclasses.replace(kept, temperature=2.0).choices.budget == 78 * 2**30

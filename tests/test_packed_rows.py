@@ -28,6 +28,7 @@ from streambp_trl.engine import packed_rows_refusal
 from streambp_trl.layers import hook
 from streambp_trl.layers.adapters import recurrent
 from streambp_trl.layers.adapters.varlen import VarlenAttention
+from streambp_trl.sizing.choices import PlanChoices
 
 pytestmark = pytest.mark.slow  # ~3 minutes
 
@@ -116,7 +117,7 @@ def test_flash_keeps_documents_apart_by_restarting_position_ids():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
     assert VarlenAttention.documents({"attention_mask": mask, "position_ids": positions}, 8) == (3, 5)
     assert VarlenAttention.documents({"attention_mask": mask, "position_ids": torch.arange(8)[None]}, 8) == ()
-    sdpa = hook.LayerPlan.of(model.model.layers[0], None, type(model.model))  # its own attention is SDPA
+    sdpa = hook.LayerFacts.of(model.model.layers[0], PlanChoices(), type(model.model))  # its own attention is SDPA
     assert not any(isinstance(a, VarlenAttention) for a in sdpa.adapters)
 
 
@@ -240,3 +241,23 @@ def test_sft_packing_trains_a_gated_deltanet_hybrid(tmp_path, monkeypatch):
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert trainer.padding_free and starts and all(starts)  # packed rows of several documents reached the layers
+
+
+def test_adapters_declare_their_order():
+    """A trait that must follow another says so (``after``), whatever order the adapters are listed in: the mixers'
+    document cut takes the sequence descriptors only after flash's variable-length attention has read them; a cycle
+    is refused by name."""
+    from streambp_trl.layers.adapters import ADAPTERS, LayerAdapter, in_order
+
+    assert in_order((recurrent.RecurrentMixers, VarlenAttention)) == (VarlenAttention, recurrent.RecurrentMixers)
+    assert ADAPTERS.index(VarlenAttention) < ADAPTERS.index(recurrent.RecurrentMixers)
+
+    class First(LayerAdapter):
+        pass
+
+    class Second(LayerAdapter):
+        after = (First,)
+
+    First.after = (Second,)
+    with pytest.raises(ValueError, match="First.*Second.*cycle"):
+        in_order((First, Second))

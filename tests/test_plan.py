@@ -19,6 +19,7 @@ from streambp_trl.bench.plans import plan_rows, render_plans
 from streambp_trl.layers.call import backward, layer_call
 from streambp_trl.sizing import auto
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing.choices import PlanChoices, StepPlan, Trained
 from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.plan import Planner, margin, predicted_time
 
@@ -37,9 +38,9 @@ def test_layouts_segment_the_layers():
     with pytest.raises(ValueError):
         Layout(every=2, drop=1)
     shape = mm.ModelShape.from_name("qwen3-8b")
-    keep_all = mm.estimate_activation_bytes(shape, 163840, 2048, 2048)
+    keep_all = mm.estimate_activation_bytes(shape, 163840, StepPlan(2048))
     for d in (1, 2, 5):
-        dropped = mm.estimate_activation_bytes(shape, 163840, 2048, 2048, drop=d)
+        dropped = mm.estimate_activation_bytes(shape, 163840, StepPlan(2048, Layout(drop=d)))
         assert keep_all - dropped == d * shape.hidden * 2 * 163840  # d full-length bf16 inputs fewer at the peak
 
 
@@ -50,16 +51,20 @@ def test_plans_for_qwen3_8b_on_an_80gb_card():
     shape = mm.ModelShape.from_name("qwen3-8b")
     static, budget = mm.static_bytes(shape, mm.StepSetup()), 78 * mm.GiB
     limit = budget - static - margin(budget)
-    fixed = Planner(shape, chunk=2048)
-    assert fixed.estimate(163840, 2048, Layout(), False)[0] > limit
+    fixed = Planner(shape, Trained(), PlanChoices(chunk=2048, kv_mode="recompute"))
+    assert fixed.estimate(163840, StepPlan(2048, Layout(), False))[0] > limit
     plan = fixed.best(1, 163840, limit, None, True, True)
     assert (plan.chunk, plan.layout, plan.offload) == (2048, Layout(drop=1), False)
     assert static + plan.activations <= 77 * mm.GiB
-    big_host = Planner(shape).best(1, 262144, limit, 100 * mm.GiB, True, True)
+    big_host = Planner(shape, Trained(), PlanChoices(kv_mode="recompute")).best(
+        1, 262144, limit, 100 * mm.GiB, True, True
+    )
     assert big_host.offload and big_host.layout == Layout() and big_host.host == 35 * 4096 * 2 * 262144
-    small_host = Planner(shape).best(1, 262144, limit, 20 * mm.GiB, True, True)
+    small_host = Planner(shape, Trained(), PlanChoices(kv_mode="recompute")).best(
+        1, 262144, limit, 20 * mm.GiB, True, True
+    )
     assert small_host.layout.rebuilt(36) > 0 and static + small_host.activations <= budget - mm.GiB
-    assert predicted_time(4096, Layout(), True, 36) < predicted_time(4096, Layout(every=2), False, 36)
+    assert predicted_time(StepPlan(4096, Layout(), True), 36) < predicted_time(StepPlan(4096, Layout(every=2)), 36)
     assert "offloaded to host (70.0 GiB pinned)" in big_host.describe(262144, 36, static, budget - static)
 
 
@@ -71,24 +76,31 @@ def test_plans_capture_keys_values_where_they_fit():
     shape = mm.ModelShape.from_name("qwen3-8b")
     static, budget = mm.static_bytes(shape, mm.StepSetup(pending_grads=True)), 78 * mm.GiB
     limit = budget - static - margin(budget)
-    planner = Planner(shape, pending_grads=True, kv_mode=None)
+    planner = Planner(shape, Trained(pending_grads=True), PlanChoices(kv_mode=None))
     short = planner.best(1, 65536, limit, None, True, True)
-    assert (short.capture, short.chunk, short.layout, short.offload) == (True, 16384, Layout(), False)
+    assert (short.kv_mode == "capture", short.chunk, short.layout, short.offload) == (True, 16384, Layout(), False)
     assert "keys/values kept from the forward" in short.describe(65536, 36)
-    recomputed = Planner(shape, pending_grads=True).best(1, 65536, limit, None, True, True)  # kv_mode="recompute"
-    assert not recomputed.capture and recomputed.time > short.time
+    recomputed = Planner(shape, Trained(pending_grads=True), PlanChoices(kv_mode="recompute")).best(
+        1, 65536, limit, None, True, True
+    )  # kv_mode="recompute"
+    assert recomputed.kv_mode == "recompute" and recomputed.time > short.time
     assert short.activations - recomputed.activations == 35 * 2 * shape.kv_dim * 2 * 65536  # the layers below the top
     # a segment of kept inputs holds every input of its layers at its top layer's backward, beside the keys/values
     # captured below that layer (6 layers in segments of 3: the top layer's 5 below, not the segment's lowest's 3)
     assert mm._saved_inputs(6, Layout(every=3), False, None, 100, 0, lambda j: j) == 3 * 100 + 5
     long = planner.best(1, 163840, limit, 100 * mm.GiB, True, True)
-    assert not long.capture and "keys/values" not in long.describe(163840, 36)
-    assert planner.captures(offload=True, layout=Layout()) == [False]
-    assert planner.captures(offload=False, layout=Layout(drop=1)) == [False]  # not traded for rebuilt inputs
+    assert long.kv_mode == "recompute" and "keys/values" not in long.describe(163840, 36)
+    assert planner.kv_modes(offload=True, layout=Layout()) == ["recompute"]
+    assert planner.kv_modes(offload=False, layout=Layout(drop=1)) == ["recompute"]  # not traded for rebuilt inputs
     indexed = dataclasses.replace(shape, index_heads=64, index_head_dim=128)  # its indexer keys are counted too
-    assert Planner(indexed, kv_mode=None).captures(offload=False, layout=Layout()) == [False, True]
+    assert Planner(indexed, Trained(), PlanChoices(kv_mode=None)).kv_modes(offload=False, layout=Layout()) == [
+        "recompute",
+        "capture",
+    ]
     assert mm.captured_bytes(indexed, 1024, 512)[0] - mm.captured_bytes(shape, 1024, 512)[0] == 128 * 2 * 1024
-    assert Planner(shape, kv_mode="capture").captures(offload=False, layout=Layout()) == [True]
+    assert Planner(shape, Trained(), PlanChoices(kv_mode="capture")).kv_modes(offload=False, layout=Layout()) == [
+        "capture"
+    ]
 
 
 def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
@@ -103,7 +115,7 @@ def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
     assert len(collected) == LAYERS
     planned = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget="1GiB")
     loss_planned, grads_planned = loss_and_grads(planned, ids, mask, labels)
-    assert planned._streambp.auto.last_plan.capture and len(collected) == LAYERS
+    assert (planned._streambp.auto.last_plan.kv_mode == "capture") and len(collected) == LAYERS
     assert torch.equal(loss, loss_planned)
     for name, g in grads.items():
         assert torch.equal(g, grads_planned[name]), name
@@ -114,13 +126,18 @@ def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
     for name, p in plain.named_parameters():
         assert (p.grad - grads_planned[name]).norm() <= 1e-10 * p.grad.norm(), name
     shape = mm.ModelShape.from_model(model)
-    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
-    need = [planner.estimate(ids.numel(), CHUNK, Layout(), False, capture)[0] for capture in (False, True)]
+    planner = Planner(shape, Trained(db=8, pending_grads=True), PlanChoices(chunk=CHUNK, kv_mode="recompute"))
+    need = [
+        planner.estimate(ids.numel(), StepPlan(CHUNK, Layout(), False, kv_mode="capture" if capture else "recompute"))[
+            0
+        ]
+        for capture in (False, True)
+    ]
     assert need[0] < need[1]
     budget = sum(p.numel() * 8 for p in model.parameters()) + (need[0] + need[1]) // 2
     tight = enable_streambp(model, stream_chunk_size=CHUNK, keep_every=1, memory_budget=f"{budget + margin(budget)}B")
     loss_tight, _ = loss_and_grads(tight, ids, mask, labels)
-    assert not tight._streambp.auto.last_plan.capture and len(collected) == 2 * LAYERS
+    assert not (tight._streambp.auto.last_plan.kv_mode == "capture") and len(collected) == 2 * LAYERS
     assert torch.equal(loss, loss_tight)
 
 
@@ -129,9 +146,9 @@ def _budget_between(model, tokens: int, low: Layout, high: Layout, pending: bool
     whose backward forms the parameter gradients (``pending``: the model holds none, as a fresh one) or one that holds
     them through the step."""
     shape = mm.ModelShape.from_model(model)
-    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=pending)
+    planner = Planner(shape, Trained(db=8, pending_grads=pending), PlanChoices(chunk=CHUNK, kv_mode="recompute"))
     params = sum(p.numel() * 8 for p in model.parameters())
-    need = [planner.estimate(tokens, CHUNK, layout, False)[0] for layout in (low, high)]
+    need = [planner.estimate(tokens, StepPlan(CHUNK, layout, False))[0] for layout in (low, high)]
     assert need[0] < need[1]
     budget = (1 if pending else 2) * params + (need[0] + need[1]) // 2
     return budget + margin(budget)
@@ -142,13 +159,13 @@ def test_a_planned_rebuild_is_exact_and_said(monkeypatch, caplog):
     replayed in backward), says so at warning level, and the gradient is plain autograd's (float64), bit for bit that
     of every input kept."""
     replayed = []
-    forward_chunks = layer_call.LayerCall.forward_chunks
+    replay_chunks = layer_call.LayerCall.replay_chunks
 
-    def counted(self, x, keep_kv, rng, record=None):
-        replayed.append(rng == "replay")
-        return forward_chunks(self, x, keep_kv, rng, record)
+    def counted(self, x, record):
+        replayed.append(True)
+        return replay_chunks(self, x, record)
 
-    monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted)
+    monkeypatch.setattr(layer_call.LayerCall, "replay_chunks", counted)
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     ids, mask, labels = batch(padding="left")
     budget = _budget_between(model, ids.numel(), Layout(drop=1), Layout())
@@ -209,10 +226,12 @@ def test_a_planned_offload_is_exact(monkeypatch):
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     ids, mask, labels = batch()
     shape = mm.ModelShape.from_model(model)
-    planner = Planner(shape, db=8, chunk=CHUNK, keep_every=1, pending_grads=True)
+    planner = Planner(
+        shape, Trained(db=8, pending_grads=True), PlanChoices(chunk=CHUNK, keep_every=1, kv_mode="recompute")
+    )
     params = sum(p.numel() * 8 for p in model.parameters())
-    on_device = planner.estimate(ids.numel(), CHUNK, Layout(), False)[0]
-    offloaded = planner.estimate(ids.numel(), CHUNK, Layout(), True)[0]
+    on_device = planner.estimate(ids.numel(), StepPlan(CHUNK, Layout(), False))[0]
+    offloaded = planner.estimate(ids.numel(), StepPlan(CHUNK, Layout(), True))[0]
     assert offloaded < on_device
     budget = params + (on_device + offloaded) // 2
     budget += margin(budget)
@@ -255,9 +274,13 @@ def test_a_micro_step_holding_gradients_takes_its_own_plan(caplog):
     ids, mask, labels = batch()
     shape = mm.ModelShape.from_model(model)
     params = sum(p.numel() * 8 for p in model.parameters())
-    pending = Planner(shape, db=8, chunk=CHUNK, pending_grads=True).estimate(ids.numel(), CHUNK, Layout(), False)[0]
-    held = Planner(shape, db=8, chunk=CHUNK)
-    keep, drop = (held.estimate(ids.numel(), CHUNK, layout, False)[0] for layout in (Layout(), Layout(drop=1)))
+    pending = Planner(
+        shape, Trained(db=8, pending_grads=True), PlanChoices(chunk=CHUNK, kv_mode="recompute")
+    ).estimate(ids.numel(), StepPlan(CHUNK, Layout(), False))[0]
+    held = Planner(shape, Trained(db=8), PlanChoices(chunk=CHUNK, kv_mode="recompute"))
+    keep, drop = (
+        held.estimate(ids.numel(), StepPlan(CHUNK, layout, False))[0] for layout in (Layout(), Layout(drop=1))
+    )
     budget = 2 * params + (keep + drop) // 2
     budget += margin(budget)
     assert params + pending <= budget - margin(budget) < 2 * params + keep  # the model's claim this test rests on
@@ -280,8 +303,10 @@ def _keep_budget():
     ids, mask, labels = batch()
     shape = mm.ModelShape.from_model(model)
     params = sum(p.numel() * 8 for p in model.parameters())
-    planner = Planner(shape, db=8, chunk=CHUNK, pending_grads=True)
-    keep, drop = (planner.estimate(ids.numel(), CHUNK, layout, False)[0] for layout in (Layout(), Layout(drop=1)))
+    planner = Planner(shape, Trained(db=8, pending_grads=True), PlanChoices(chunk=CHUNK, kv_mode="recompute"))
+    keep, drop = (
+        planner.estimate(ids.numel(), StepPlan(CHUNK, layout, False))[0] for layout in (Layout(), Layout(drop=1))
+    )
     budget = params + keep
     budget += margin(budget) + budget // 1024  # (the margin of the larger budget is a little larger)
     return model, (ids, mask, labels), params, keep, drop, budget
@@ -343,7 +368,7 @@ def test_a_budget_is_checked_whatever_the_user_fixed():
     checked = enable_streambp(model, memory_budget="1GiB", **fixed)
     loss_checked, grads_checked = loss_and_grads(checked, ids, mask, labels)
     plan = checked._streambp.auto.last_plan
-    assert (plan.chunk, plan.layout, plan.offload, plan.capture) == (CHUNK, Layout(), False, False)
+    assert (plan.chunk, plan.layout, plan.offload, (plan.kv_mode == "capture")) == (CHUNK, Layout(), False, False)
     assert torch.equal(loss, loss_checked)
     for name, g in grads.items():
         assert torch.equal(g, grads_checked[name]), name
@@ -359,7 +384,9 @@ def test_a_refusal_names_settings_and_lengths_that_fit():
     ids, mask, labels = batch()
     shape = mm.ModelShape.from_model(model)
     params = sum(p.numel() * 8 for p in model.parameters())
-    least = Planner(shape, db=8, chunk=CHUNK, pending_grads=True).estimate(ids.numel(), CHUNK, Layout(drop=2), False)
+    least = Planner(shape, Trained(db=8, pending_grads=True), PlanChoices(chunk=CHUNK, kv_mode="recompute")).estimate(
+        ids.numel(), StepPlan(CHUNK, Layout(drop=2), False)
+    )
     budget = params + least[0] + margin(params + least[0]) - 1  # the call's tokens fit in no layout
     streamed = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget=f"{budget}B")
     with pytest.raises(ValueError, match="Longest lengths per sequence that would fit: as configured: ") as error:
@@ -367,9 +394,13 @@ def test_a_refusal_names_settings_and_lengths_that_fit():
     ways = dict(way.rsplit(": ", 1) for way in str(error.value).split("would fit: ")[1].split(". ")[0].split("; "))
     assert ways.keys() == {"as configured", "stream_keep_every unset (the plan's 2 layer inputs rebuilt in backward)"}
     assert all(0 < int(tokens) < ids.shape[1] for tokens in ways.values())
-    fixed = dict(db=8, chunk=CHUNK, keep_every=1, offload=False, pending_grads=True)
-    recomputed = Planner(shape, **fixed).longest(2, least[0], None, True, False)
-    captured = Planner(shape, **fixed, kv_mode="capture").longest(2, least[0], None, True, False)
+    fixed = dict(chunk=CHUNK, keep_every=1, offload=False)
+    recomputed = Planner(shape, Trained(db=8, pending_grads=True), PlanChoices(kv_mode="recompute", **fixed)).longest(
+        2, least[0], None, True, False
+    )
+    captured = Planner(shape, Trained(db=8, pending_grads=True), PlanChoices(kv_mode="capture", **fixed)).longest(
+        2, least[0], None, True, False
+    )
     assert captured == {
         "as configured": captured["as configured"],
         "stream_kv_mode=recompute": recomputed["as configured"],
@@ -381,3 +412,51 @@ def test_a_refusal_names_settings_and_lengths_that_fit():
         starved(input_ids=ids, attention_mask=mask, labels=labels)
     none = plan_rows(shape, mm.StepSetup(dtype_bytes=8, chunk=CHUNK), params, host=0)  # max-len's plans, likewise
     assert none["longest"] == {} and "(at the smallest chunk): none fits any length." in render_plans(none)
+
+
+def _log_prob_grads(model, ids, mask, labels) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the summed per-token log-probabilities of a ``fused_lm_head=True`` call (a loss
+    that is not a token mean, so the logit kernel's gradient takes the two-node or the fused form)."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    out.log_probs.sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_budget_reaches_the_lm_head_on_the_cpu():
+    """The plan says which forms of the logit kernel's gradient fit its room (Qwen3-8B, 32,768 tokens in chunks of
+    2048, gradients held: the two-node form's peak 10.5 GiB, the fused form's 12.9, the eager form's 14.7), and on the
+    CPU, which has no allocation figure, the head takes among them the one that recomputes least that its loss
+    allows: under a budget the fused form (3 vocabulary passes in backward) where it fits, the two-node form (4)
+    where it does not. A streamed call on the CPU with a memory_budget takes it so, with plain autograd's gradient
+    (float64)."""
+    from torch import nn
+
+    from streambp_trl.engine import last_head_form
+
+    shape = mm.ModelShape.from_name("qwen3-8b")
+    planner = Planner(shape, Trained(), PlanChoices(chunk=2048, keep_every=1, offload=False, kv_mode="recompute"))
+    plan = planner.best(1, 32768, 13 * mm.GiB, None, rebuildable=True, can_offload=False)
+    assert plan.head_forms == ("two-node", "fused")
+    tight = planner.best(1, 32768, 11 * mm.GiB, None, rebuildable=True, can_offload=False)
+    assert tight.head_forms == ("two-node",)
+    head, cpu = nn.Linear(8, 16, bias=False), torch.device("cpu")
+    for planned, forms, expected in [
+        (plan.head_forms, mm.HEAD_FORMS, "fused"),
+        (tight.head_forms, mm.HEAD_FORMS, "two-node"),
+        (mm.HEAD_FORMS, ("two-node", "fused"), "fused"),  # a loss that is not a token mean: no eager form
+        (mm.HEAD_FORMS, mm.HEAD_FORMS, "eager"),
+    ]:
+        assert auto.head_form(head, head, 32, 16, 2**30, cpu, forms, planned=planned) == expected
+
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    ids, mask, labels = batch()
+    reference = copy.deepcopy(model)
+    out = reference(input_ids=ids, attention_mask=mask, use_cache=False)
+    logp = torch.log_softmax(out.logits[:, :-1], -1).gather(2, labels[:, 1:].clamp(min=0)[..., None])[..., 0]
+    logp.masked_fill(labels[:, 1:] == -100, 0).sum().backward()
+    streamed = enable_streambp(model, stream_chunk_size=CHUNK, keep_every=1, memory_budget="64MiB")
+    grads = _log_prob_grads(streamed, ids, mask, labels)
+    assert "fused" in streamed._streambp.auto.last_plan.head_forms and last_head_form(streamed) == "fused"
+    for name, p in reference.named_parameters():
+        assert (p.grad - grads[name]).norm() <= 1e-10 * p.grad.norm(), name

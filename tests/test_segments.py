@@ -21,18 +21,18 @@ def counts(monkeypatch):
     """First inputs kept by segments, and layer forwards replayed to rebuild the others."""
     seen = {"kept": 0, "replayed": 0}
     keep_first_input = segments.Segment.keep_first_input
-    forward_chunks = layer_call.LayerCall.forward_chunks
+    replay_chunks = layer_call.LayerCall.replay_chunks
 
     def counted_keep(self, kept):
         seen["kept"] += 1
         return keep_first_input(self, kept)
 
-    def counted_forward(self, x, keep_kv, rng, record=None):
-        seen["replayed"] += rng == "replay"
-        return forward_chunks(self, x, keep_kv, rng, record)
+    def counted_replay(self, x, record):
+        seen["replayed"] += 1
+        return replay_chunks(self, x, record)
 
     monkeypatch.setattr(segments.Segment, "keep_first_input", counted_keep)
-    monkeypatch.setattr(layer_call.LayerCall, "forward_chunks", counted_forward)
+    monkeypatch.setattr(layer_call.LayerCall, "replay_chunks", counted_replay)
     return seen
 
 
@@ -76,7 +76,7 @@ def test_segments_with_offload_copy_only_first_inputs():
     plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4)
     offloaded = enable_streambp(model, stream_chunk_size=4, offload_checkpoints=True, keep_every=2)
     recorder = CopyingOffload()
-    object.__setattr__(offloaded._streambp.settings, "offload", recorder)
+    offloaded._streambp.offloader = recorder
     data = batch(padding="left")
     loss, grads = loss_and_grads(plain, *data)
     loss_off, grads_off = loss_and_grads(offloaded, *data)

@@ -81,7 +81,8 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """A command-line integer of at least 1 (argparse's ``type``)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -144,21 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="where to measure")
     p.add_argument("--budget", type=_size_arg, help="measured runs: the most the peak may reach (cpu: required)")
-    p.add_argument("--chunk", type=_positive, help="stream_chunk_size (default: auto, as the trainers)")
+    p.add_argument("--chunk", type=positive_int, help="stream_chunk_size (default: auto, as the trainers)")
     p.add_argument(
         "--logits-chunk",
-        type=_positive,
+        type=positive_int,
         help="measured runs: logits_chunk_size (default: the chunk; an estimate plans it as the chunk, as the engine)",
     )
     p.add_argument(
         "--keep-every",
-        type=_positive,
+        type=positive_int,
         help="stream rows: keep only every k-th layer's input (default: chosen by the plan in an estimate, 1 in a "
         "measured row)",
     )
     p.add_argument(
         "--lengths",
-        type=_positive,
+        type=positive_int,
         nargs="+",
         help='an estimate\'s plans: the lengths to show what "auto" would plan (default: 16,384 doubled up to the '
         "longest any plan fits)",
@@ -190,14 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gradient-accumulation-steps",
-        type=_positive,
+        type=positive_int,
         default=1,
         help="an estimate's stream rows: 1, each step's backward forms the parameter gradients (the trainer frees "
         "them after each optimizer step); more, a micro-step after the first holds them through its whole step",
     )
     p.add_argument("--mode", nargs="+", choices=ROWS, help="only these rows")
-    p.add_argument("--step", type=_positive, default=1024, help="lengths are multiples of this")
-    p.add_argument("--limit", type=_positive, default=1 << 22, help="measured runs: longest length tried")
+    p.add_argument("--step", type=positive_int, default=1024, help="lengths are multiples of this")
+    p.add_argument("--limit", type=positive_int, default=1 << 22, help="measured runs: longest length tried")
     p.add_argument("--timeout", type=float, help="measured runs: seconds allowed per trial")
     p.add_argument("--json", metavar="FILE", help="also write the result (rows, trials) as JSON")
     return p

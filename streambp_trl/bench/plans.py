@@ -9,7 +9,8 @@ from typing import Any
 
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.auto import host_room
-from streambp_trl.sizing.plan import CONFIGURED, Planner, StepPlan, margin
+from streambp_trl.sizing.choices import KVMode, PlanChoices, StepPlan
+from streambp_trl.sizing.plan import CONFIGURED, Planner, margin
 from streambp_trl.sizing.units import size_text
 
 FIRST_LENGTH = 16384
@@ -20,23 +21,13 @@ def planner(
     setup: mm.StepSetup,
     keep_every: int | None = None,
     offload: bool | None = None,
-    kv_mode: str | None = None,
+    kv_mode: KVMode | None = None,
 ) -> Planner:
     """The engine's planner for a model of ``shape`` run as ``setup`` says (its dtype, LoRA, fixed chunk, pending
     gradients; the logit tile is the chunk, as the engine plans it), with the user's fixed ``keep_every``, ``offload``
     and ``kv_mode`` (``None``: planned, as the trainers leave them)."""
-    return Planner(
-        shape,
-        db=setup.dtype_bytes,
-        head_trained=not setup.lora,
-        adapters=setup.lora,
-        chunk=setup.chunk,
-        keep_every=keep_every,
-        offload=offload,
-        layer_trained_params=mm.lora_layer_params(shape) if setup.lora else None,
-        pending_grads=setup.pending_grads,
-        kv_mode=kv_mode,
-    )
+    choices = PlanChoices(chunk=setup.chunk, keep_every=keep_every, offload=offload, kv_mode=kv_mode)
+    return Planner(shape, setup.trained(shape), choices)
 
 
 def activation_room(shape: mm.ModelShape, setup: mm.StepSetup, budget: int) -> int:
@@ -85,9 +76,9 @@ def least_peak_bytes(
     with ``offload_checkpoints=offload``: the weights, gradients and optimizer state and the least activations, or the
     optimizer step's moment where that is more."""
     plans = planner(shape, setup, keep_every, offload)
-    chunks, layouts, offloads = plans.choices(tokens, True, True)
+    chunks, layouts, offloads = plans.choices_open(tokens, True, True)
     least = min(
-        plans.estimate(setup.rows * tokens, chunk, layout, each)[0]
+        plans.estimate(setup.rows * tokens, StepPlan(chunk, layout, each))[0]
         for chunk in chunks
         for layout in layouts
         for each in offloads
@@ -99,7 +90,7 @@ def longest_ways(plans: Planner, rows: int, limit: int, host: int, step: int) ->
     """:meth:`Planner.longest`'s ways that fit a multiple of ``step`` (max-len's lengths; the engine's refusal also
     names shorter ones), the way that runs as configured named by what it runs: where nothing is fixed, every layer
     input kept (the planner rebuilds inputs only past it)."""
-    keep_every = plans.keep_every
+    keep_every = plans.choices.keep_every
     configured = "every layer input kept" if keep_every is None else f"stream_keep_every={keep_every}"
     ways = plans.longest(rows, limit, host, True, True, step)
     return {(configured if way == CONFIGURED else way): tokens for way, tokens in ways.items() if tokens >= step}
@@ -112,7 +103,7 @@ def plan_rows(
     host: int,
     lengths: list[int] | None = None,
     keep_every: int | None = None,
-    kv_mode: str | None = None,
+    kv_mode: KVMode | None = None,
     also: tuple[int, ...] = (),
     step: int = 1024,
 ) -> dict[str, Any]:
@@ -139,7 +130,7 @@ def plan_rows(
                 "chunk": None if plan is None else plan.chunk,
                 "layout": None if plan is None else {"every": plan.layout.every, "drop": plan.layout.drop},
                 "offload": None if plan is None else plan.offload,
-                "capture": None if plan is None else plan.capture,
+                "capture": None if plan is None else plan.kv_mode == KVMode.CAPTURE,
                 "peak_bytes": None if plan is None else static + plan.activations,
                 "host_bytes": None if plan is None else plan.host,
             }

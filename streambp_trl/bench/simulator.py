@@ -1,4 +1,4 @@
-"""Records of the CUDA simulator (``../shared/cudasim``, run by ``scripts/bench_sim.py``) in the memory model's terms.
+"""Records of the CUDA simulator (``../shared/cudasim``, run by ``scripts/sim.py grid``) in the memory model's terms.
 
 The simulator names its modes ``gc`` (Hugging Face checkpointing), ``gc+fused`` (TRL's default) and ``streambp``
 (:data:`SIMULATOR_MODES`); a record's ``stream_kwargs`` are the engine options of a ``streambp`` run, its ``chunk``
@@ -53,7 +53,7 @@ def record_setup(record: dict[str, Any]) -> mm.StepSetup:
         logits_chunk=record.get("logits_chunk"),
         keep_every=(record.get("stream_kwargs") or {}).get("keep_every", 1),
         pending_grads=record.get("grads_ready") is False,
-        capture=(record.get("stream_kwargs") or {}).get("kv_mode") == "capture",
+        kv_mode=(record.get("stream_kwargs") or {}).get("kv_mode") or "recompute",
     )
 
 

@@ -64,7 +64,7 @@ _MEMORY_MODEL_MODES = {
     Mode.STREAM: "stream",
     Mode.STREAM_OFFLOAD: "stream+offload",
 }
-# The modes of scripts/bench_objectives.py, by its names (its command line and records): TRL's default and stream.
+# The modes of scripts/cpu.py objectives, by its names (its command line and records): TRL's default and stream.
 OBJECTIVE_MODES: dict[str, Mode] = {"trl": Mode.CHECKPOINT_CHUNKED_LOSS, "stream": Mode.STREAM}
 DTYPES = ("float32", "bfloat16", "float64")
 TEMPERATURE = {"sft": 1.0, "dpo": 1.0, "grpo": 0.7}  # of the log-probs each objective computes (GRPO's sampling)
@@ -88,7 +88,9 @@ class MeasureSpec:
     lora: bool = False  # LoRA (rank 16, every linear layer) instead of full fine-tuning
     stream_chunk_size: int | str = AUTO  # stream modes: tokens per chunk, or "auto" (as the trainers)
     logits_chunk_size: int | str | None = None  # stream modes: the logit kernel's tile (None: the chunk)
-    kv_mode: str | None = None  # stream modes: one of streambp_trl.layers.KV_MODES; None: recompute, or planned
+    kv_mode: str | None = (
+        None  # stream modes: one of streambp_trl.sizing.choices.KV_MODES; None: recompute, or planned
+    )
     # with ``planned`` (as the trainers leave it)
     keep_every: int = 1  # stream modes: keep only every k-th layer's input
     same_logits_tile: bool = False  # checkpoint+chunked-loss: TRL's fused head takes logits_chunk_size as its tile

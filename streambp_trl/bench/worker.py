@@ -174,7 +174,7 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
             plan = last_plan(policy)
             record["plan"] = None if plan is None else plan.describe(tokens, len(policy._streambp.layers))
             layers = len(policy._streambp.layers)
-            record["captured"] = spec.kv_mode == "capture" if plan is None else plan.capture
+            record["captured"] = spec.kv_mode == "capture" if plan is None else plan.kv_mode == "capture"
             if plan is not None:  # what the memory model's estimate of the record needs to know of the plan
                 record.update(inputs_rebuilt=plan.layout.rebuilt(layers), offloaded=plan.offload)
     except Exception as exc:  # OOM is a result (for the bisections); anything else propagates

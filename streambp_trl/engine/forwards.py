@@ -25,6 +25,7 @@ from ..layers.sharding import check_segmentable
 from ..layers.traits import takes_state_argument
 from ..logits import chunked_logprobs
 from ..patching import hooked_without_grad, original, temporarily, unpatched
+from ..sizing.choices import StepPlan
 from .head_side import decode_for_head, kernel_head
 from .model_parts import lm_head_linear
 from .own_loss import check_unshifted_call, labels_shifted
@@ -60,9 +61,10 @@ def stream_decoder_forward(self, state: EngineState, *args, **kwargs):
     return streamed_decoder_call(state, args, kwargs)
 
 
-def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_size: int | None = None):
-    """One streamed decoder call: masks as descriptions, layers chunked (``chunk_size`` tokens, else as the options
-    say). Builds the call's :class:`~streambp_trl.layers.DecoderCall` and hands it to the layer hooks."""
+def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: StepPlan | None = None):
+    """One streamed decoder call: masks as descriptions, layers chunked as ``plan`` says (else as the call's own plan
+    says, :meth:`~.state.EngineState.call_for`). Builds the call's :class:`~streambp_trl.layers.DecoderCall` and
+    hands it to the layer hooks."""
     decoder = state.decoder
     cache = cache_argument(kwargs)
     if cache is not None and cache.get_seq_length() > 0:
@@ -84,15 +86,15 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, chunk_s
     kwargs["use_cache"] = False
     if "logits_to_keep" in kwargs:  # a decoder that would run its last layers on the kept positions only (Gemma 4's
         kwargs["logits_to_keep"] = 0  # KV-shared layers): every position, whose kept rows the head takes as before
-    check_segmentable(decoder, state.settings.keep_every)  # FSDP/ZeRO-3 may have come after enabling
+    check_segmentable(decoder, state.options.choices.keep_every or 1)  # FSDP/ZeRO-3 may have come after enabling
     hidden_states_kept = bool(kwargs.get("output_hidden_states") or decoder.config.output_hidden_states)
     inputs = _inputs(args, kwargs)
-    if chunk_size is not None:
-        call = DecoderCall(chunk_size=chunk_size, inputs_rebuildable=not hidden_states_kept)
+    if plan is not None:
+        call = DecoderCall(plan, state.offloader, len(state.layers), inputs_rebuildable=not hidden_states_kept)
     else:
-        call = state.call_plan(inputs, rebuildable=not hidden_states_kept)
-        if torch.is_grad_enabled():
-            state.say_if_unstreamed(inputs, call.chunk_size)
+        call = state.call_for(inputs, rebuildable=not hidden_states_kept)
+        if torch.is_grad_enabled() and call.plan is not None:
+            state.say_if_unstreamed(inputs, call.plan.chunk)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
     # for an eval-mode streamed call, so dropout and the like stay off
     with (
@@ -375,8 +377,7 @@ def _kernel_scores(
         token_chunk=tile,
         outputs=state.options.fused_outputs if fused_lm_head else ("log_probs",),
         gathered=gathered,
-        fused_backward=form == "fused",
-        gradient_in_forward=form == "eager",
+        form=form,
     )
     # masked_scatter keeps the outputs connected to the graph even when no label is valid
     return {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v) for k, v in stats.items()}

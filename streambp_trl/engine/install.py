@@ -12,7 +12,7 @@ After :func:`enable_streambp`, in training mode,
 
 What the engine found and chose is one :class:`~.state.EngineState`, kept as ``model._streambp``; the forwards and the
 layer hooks it installs are bound to it (and each layer's hook to that layer's
-:class:`~streambp_trl.layers.LayerPlan`), installed once. They live on the model's own modules, as instance attributes
+:class:`~streambp_trl.layers.LayerFacts`), installed once. They live on the model's own modules, as instance attributes
 recorded in each module's ``_streambp_patches`` (so ``copy.deepcopy`` and ``torch.save(model)`` / ``torch.load`` copy a
 streaming model, and :func:`disable_streambp` puts back exactly what was there); the model's config is changed only for
 the duration of a streamed call. The engine owns the decoder layers' checkpoint hook while enabled: transformers'
@@ -34,12 +34,12 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..attention import stream_configs
-from ..layers import LayerPlan, StreamSettings, stream_checkpoint
-from ..layers.kept import CheckpointOffload
+from ..layers import LayerFacts, stream_checkpoint
 from ..layers.sharding import check_segmentable
+from ..logits.forms import HeadForm
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
-from ..sizing.auto import AUTO, AutoChunks
-from ..sizing.plan import StepPlan
+from ..sizing.auto import AutoChunks
+from ..sizing.choices import KVMode, StepPlan
 from . import probe
 from .forwards import head_logits, stream_decoder_forward, stream_forward, streamed_decoder_call
 from .model_parts import (
@@ -101,7 +101,7 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         lm_head_linear(lm)
     if zero3_enabled(lm):
         mark_zero3_leaves(lm)
-    check_segmentable(lm, options.keep_every or 1)
+    check_segmentable(lm, options.choices.keep_every or 1)
     norm_name = final_norm_name(decoder)
     norm = final_norm(decoder, norm_name) if norm_name else None
     baseline = None
@@ -114,54 +114,46 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
     state = _engine_state(lm, decoder, layers, options, norm_name)
     _install(lm, state)
     if baseline is not None:
-        try:
-            streamed = functools.partial(streamed_decoder_call, state, chunk_size=probe.PROBE_CHUNK)
-            probe.check_streamed(lm, decoder, baseline, streamed, functools.partial(refuse, lm))
-        except ValueError:
-            disable_streambp(lm)
-            raise
+        _check_streamed(lm, state, baseline)
     return model
+
+
+def _check_streamed(lm: PreTrainedModel, state: EngineState, baseline: probe.ProbeBaseline) -> None:
+    """Run the probe through the engine just installed on ``lm``, in chunks of :data:`~.probe.PROBE_CHUNK` tokens with
+    the user's other choices, against the model's own forward (``baseline``); where they differ, the engine is removed
+    again and the refusal raised."""
+    plan = dataclasses.replace(state.options.choices, chunk=probe.PROBE_CHUNK).fixed(probe.PROBE_CHUNK)
+    streamed = functools.partial(streamed_decoder_call, state, plan=plan)
+    try:
+        probe.check_streamed(lm, state.decoder, baseline, streamed, functools.partial(refuse, lm))
+    except ValueError:
+        disable_streambp(lm)
+        raise
 
 
 def _engine_state(
     lm: PreTrainedModel, decoder: nn.Module, layers: list[nn.Module], options: StreamOptions, norm_name: str | None
 ) -> EngineState:
-    """What the engine runs ``lm`` with: its layers' settings and plans, the per-call plan policy where anything is
-    planned (:class:`~streambp_trl.sizing.auto.AutoChunks`), and where the decoder and its final norm are."""
-    settings = StreamSettings(
-        kv_mode=options.kv_mode or "recompute",  # (None: planned per call, recompute where no plan says)
-        offload=CheckpointOffload() if options.offload_checkpoints else None,
-        keep_every=options.keep_every or 1,
-    )
-    chunk = options.stream_chunk_size
-    auto = None
-    if options.planned:
-        auto = AutoChunks(
-            lm,
-            options.memory_budget_bytes,
-            options.offload_checkpoints,
-            options.keep_every,
-            chunk=None if chunk == AUTO else chunk,
-            kv_mode=options.kv_mode,
-        )
+    """What the engine runs ``lm`` with: its layers' facts, the per-call plan policy where anything is planned
+    (:class:`~streambp_trl.sizing.auto.AutoChunks`), and where the decoder and its final norm are."""
+    auto = AutoChunks(lm, options.choices) if options.planned else None
     return EngineState(
         options=options,
         decoder=decoder,
         layers=layers,
-        plans=tuple(LayerPlan.of(layer, settings, type(decoder)) for layer in layers),
+        facts=tuple(LayerFacts.of(layer, options.choices, type(decoder)) for layer in layers),
         configs=stream_configs(decoder, *layers),
         decoder_path=next(name for name, module in lm.named_modules() if module is decoder),
         norm_name=norm_name,
-        settings=settings,
         auto=auto,
         decoder_keywords=decoder_keywords(lm, decoder),
     )
 
 
 def _install(lm: PreTrainedModel, state: EngineState) -> None:
-    for layer, plan in zip(state.layers, state.plans, strict=True):
+    for layer, facts in zip(state.layers, state.facts, strict=True):
         patch(layer, "gradient_checkpointing", True)
-        hook = functools.partial(stream_checkpoint, plan)
+        hook = functools.partial(stream_checkpoint, facts)
         patch(layer, "_gradient_checkpointing_func", hook)
     for module in lm.modules():
         if isinstance(module, PreTrainedModel):
@@ -189,8 +181,8 @@ def packed_rows_refusal(model: nn.Module) -> str | None:
     state = getattr(causal_lm(model), "_streambp", None)
     if state is None or (state.decoder_keywords is not None and "cu_seq_lens_q" not in state.decoder_keywords):
         return None  # (a forward that keeps them from its decoder: Mamba's, whose layers then never see them)
-    for layer, plan in zip(state.layers, state.plans, strict=True):
-        refusal = plan.packing_refusal(layer) if _hooked(layer) else None
+    for layer, facts in zip(state.layers, state.facts, strict=True):
+        refusal = facts.packing_refusal(layer) if _hooked(layer) else None
         if refusal is not None:
             return refusal
     return None
@@ -239,7 +231,7 @@ def plan_fields(model: nn.Module) -> dict[str, float]:
         stream_streamed=float(plan.chunk < state.auto.last_shape[1]),
         stream_inputs_rebuilt=plan.layout.rebuilt(len(state.layers)),
         stream_offload=float(plan.offload),
-        stream_kv_capture=float(plan.capture),
+        stream_kv_capture=float(plan.kv_mode == KVMode.CAPTURE),
     )
     if state.auto.last_peak is not None:
         fields["stream_predicted_peak_gib"] = round(state.auto.last_peak / 2**30, 3)
@@ -271,7 +263,7 @@ def check_fits(model: nn.Module, rows: int, seq_len: int) -> None:
         state.check_fits(rows, seq_len, params.device)
 
 
-def last_head_form(model: nn.Module) -> str | None:
+def last_head_form(model: nn.Module) -> HeadForm | None:
     """The logit kernel's gradient form (``"two-node"``, ``"fused"`` or ``"eager"``) of ``model``'s latest streamed
     call, as chosen for its memory budget or the free memory (``None`` before any call or without StreamBP)."""
     state = getattr(causal_lm(model), "_streambp", None)

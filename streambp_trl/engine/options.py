@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..layers import KV_MODES
 from ..logits import STAT_OUTPUTS
 from ..sizing.auto import AUTO
+from ..sizing.choices import KV_MODES, PlanChoices
 from ..sizing.memory_model import parse_budget
 
 
@@ -59,7 +59,7 @@ class StreamOptions:
             memory figure is known.
         memory_budget: the device memory the step may use, for each call's plan: a size with its unit,
             ``"78GiB"``, ``"80GB"``, ``"512MiB"`` (``"4096B"`` for bytes; a bare number is refused, ``80`` being far
-            more likely 80 GiB than 80 bytes), read into :attr:`memory_budget_bytes`; ``None``: the free memory of
+            more likely 80 GiB than 80 bytes), read into bytes in :attr:`choices`; ``None``: the free memory of
             the CUDA device when a call starts. A call with grad whose predicted peak exceeds it is refused before
             its step, whatever the other options fix (with every one fixed, the plan only checks it).
         keep_every: keep only the first input of every ``keep_every`` consecutive decoder layers; each segment's
@@ -70,6 +70,10 @@ class StreamOptions:
             log-likelihood): the logit kernel may form the LM head's gradient in the forward, computing each logit
             once (:mod:`streambp_trl.logits.eager`); checked in backward, which recomputes otherwise. Calls without
             ``fused_lm_head`` do so whatever this says: their loss is the engine's own token mean.
+
+    What each call's plan takes from these is :attr:`choices` (:class:`~streambp_trl.sizing.choices.PlanChoices`),
+    built here once: the chunk (``None`` for ``"auto"``), ``keep_every``, offload, the key/value mode as a
+    :class:`~streambp_trl.sizing.choices.KVMode` and the budget in bytes.
 
     Raises:
         ValueError: naming the option (and its config field, where that is spelled differently), the value given and
@@ -87,7 +91,7 @@ class StreamOptions:
     memory_budget: str | None = None
     keep_every: int | None = None
     token_mean_loss: bool = False
-    memory_budget_bytes: int | None = dataclasses.field(init=False, default=None, repr=False, compare=False)
+    choices: PlanChoices = dataclasses.field(init=False, default=PlanChoices(), repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("stream_chunk_size", "logits_chunk_size"):
@@ -119,13 +123,19 @@ class StreamOptions:
                 "offload_checkpoints must be True, False or None (planned per call), "
                 f"got {self.offload_checkpoints!r}."
             )
-        if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget_bytes", parse_budget(self.memory_budget))
         if self.keep_every is not None and not _positive_int(self.keep_every):
             raise ValueError(
                 f"{_named('keep_every')} must be a positive integer number of layers (or None: planned per call), "
                 f"got {self.keep_every!r}."
             )
+        choices = PlanChoices(
+            chunk=None if self.stream_chunk_size == AUTO else self.stream_chunk_size,
+            keep_every=self.keep_every,
+            offload=self.offload_checkpoints,
+            kv_mode=self.kv_mode,
+            budget=None if self.memory_budget is None else parse_budget(self.memory_budget),
+        )
+        object.__setattr__(self, "choices", choices)
 
     @property
     def auto(self) -> bool:

@@ -1,7 +1,7 @@
 """What :func:`~streambp_trl.engine.enable_streambp` finds and chooses once, kept on the model as ``model._streambp``.
 
 Found once at install: the decoder, its stream layers and the configs their attention reads, where the final norm the
-logit kernel may apply sits, the layers' settings and the ``"auto"`` chunk policy. The forwards the engine installs
+logit kernel may apply sits, the layers' facts and the per-call plan policy. The forwards the engine installs
 are bound to this one object; a streamed call builds its own :class:`~streambp_trl.layers.DecoderCall` from it.
 
 What user code may change on the model after enabling is read from the live model at each streamed call, never from
@@ -15,18 +15,19 @@ since install, which the installed hooks do not reach, is refused by name (:meth
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..layers import DecoderCall, LayerPlan, StreamSettings
+from ..layers import DecoderCall, LayerFacts
 from ..layers.kept import CheckpointOffload
 from ..layers.sharding import sharded_module
+from ..logits.forms import HeadForm
 from ..logs import get_logger
 from ..sizing.auto import AUTO, AutoChunks, head_form
-from ..sizing.layout import Layout
-from ..sizing.plan import StepPlan
+from ..sizing.choices import StepPlan
 from .model_parts import final_norm, named_decoder_layers
 from .options import StreamOptions
 from .support import refuse
@@ -41,13 +42,12 @@ class EngineState:
     """The engine installed on one causal LM.
 
     ``options``: as validated; ``decoder``: the model that runs the layers; ``layers``: its stream layers, each with
-    its hook installed, bound to its plan in ``plans`` (what the hook needs that no call changes); ``configs``: the
+    its hook installed, bound to its facts in ``facts`` (what the hook needs that no call changes); ``configs``: the
     transformers configs their mask and attention code read (switched to ``"streambp"`` for a streamed call);
     ``decoder_path``: the decoder's name in the causal LM; ``norm_name``: the decoder's attribute holding its final
     norm when the probe showed that norm is the decoder's last step, so the head may apply it to the rows it reads
-    (:meth:`final_norm`), else ``None``; ``settings``: what every stream layer shares, whatever the call (each
-    call's chunk comes from :meth:`call_plan`, the one road to the layers); ``auto``: the chunk policy when a chunk
-    size is ``"auto"``; ``decoder_keywords``: the only keyword
+    (:meth:`final_norm`), else ``None``; ``auto``: the per-call plan policy where anything is planned (each call's
+    plan comes from :meth:`call_for`, the one road to the layers); ``decoder_keywords``: the only keyword
     arguments the model's own forward hands its decoder, where it names them (``None``: it passes on its
     ``**kwargs``). Two states are equal when their choices are (the modules they point to are not compared: a copy
     of the model has its own).
@@ -56,15 +56,14 @@ class EngineState:
     options: StreamOptions
     decoder: PreTrainedModel = dataclasses.field(compare=False)
     layers: list[nn.Module] = dataclasses.field(compare=False)
-    plans: tuple[LayerPlan, ...] = dataclasses.field(compare=False)
+    facts: tuple[LayerFacts, ...] = dataclasses.field(compare=False)
     configs: tuple = dataclasses.field(compare=False)
     decoder_path: str = dataclasses.field(compare=False)
     norm_name: str | None = dataclasses.field(compare=False)
-    settings: StreamSettings
     auto: AutoChunks | None
     decoder_keywords: frozenset[str] | None = None
-    head_form: str | None = dataclasses.field(default=None, compare=False)  # the latest call's logit gradient form
-    # where a plan offloads checkpoints the options do not: the model's one offloader
+    head_form: HeadForm | None = dataclasses.field(default=None, compare=False)  # the latest call's logit form
+    # where a call's plan offloads the kept layer inputs: the model's one offloader
     offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
     unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
     fixed_said: set = dataclasses.field(default_factory=set, compare=False)  # the call shapes _say_fixed said
@@ -106,31 +105,24 @@ class EngineState:
             what = "its decoder layers were reordered"
         refuse(self.decoder, f"{what} after enable_streambp; {_AGAIN}")
 
-    def call_plan(self, inputs: torch.Tensor | None, rebuildable: bool) -> DecoderCall:
+    def call_for(self, inputs: torch.Tensor | None, rebuildable: bool) -> DecoderCall:
         """The :class:`~streambp_trl.layers.DecoderCall` of a streamed decoder call on ``inputs`` (batch, T, ...),
-        ``rebuildable``: its layer inputs may be rebuilt in backward (no hidden states kept). Its
-        chunk is the fixed size, or the plan's (:mod:`streambp_trl.sizing.plan`) where anything is planned, or
-        ``None`` (``"auto"`` without a recognisable input: each layer falls back to the rule of thumb for its
-        length); where the plan keeps other layer inputs, offloads otherwise than the options or keeps the keys/values
-        from the forward, the call carries its segment sizes and settings."""
-        fixed = self.options.stream_chunk_size
-        fixed = None if fixed == AUTO else fixed
-        if self.auto is None or inputs is None or inputs.dim() < 2:
-            if inputs is not None and inputs.dim() >= 2:
-                self._say_fixed(tuple(inputs.shape[:2]))
-            return DecoderCall(chunk_size=fixed, inputs_rebuildable=rebuildable)
-        plan = self.auto.plan(inputs.shape[0], inputs.shape[1], inputs.device, self._layouts_open(rebuildable))
-        sizes = None
-        if plan.layout != Layout(every=self.settings.keep_every):
-            sizes = plan.layout.sizes(len(self.layers))
-        settings = None
-        capture = "capture" if plan.capture else "recompute"
-        if plan.offload != (self.settings.offload is not None) or capture != self.settings.kv_mode:
-            offload = (self.settings.offload or self.offloader) if plan.offload else None
-            settings = dataclasses.replace(self.settings, offload=offload, kv_mode=capture)
-        return DecoderCall(
-            chunk_size=plan.chunk, inputs_rebuildable=rebuildable, segment_sizes=sizes, settings=settings
+        ``rebuildable``: its layer inputs may be rebuilt in backward (no hidden states kept), carrying the call's
+        resolved plan: the planner's where anything is planned, else the user's choices
+        (:meth:`~streambp_trl.sizing.choices.PlanChoices.fixed`). Without a recognisable input (no length to plan
+        for) the call carries no plan, and each layer takes the user's choices at the rule of thumb for its length."""
+        choices = self.options.choices
+        call = functools.partial(
+            DecoderCall, inputs_rebuildable=rebuildable, offloader=self.offloader, layers=len(self.layers)
         )
+        if inputs is None or inputs.dim() < 2:
+            return call(plan=None if self.auto is not None else choices.fixed(0))
+        if self.auto is None:
+            plan = choices.fixed(inputs.shape[1])
+            self._say_fixed(tuple(inputs.shape[:2]), plan)
+            return call(plan=plan)
+        plan = self.auto.plan(inputs.shape[0], inputs.shape[1], inputs.device, self._layouts_open(rebuildable))
+        return call(plan=plan)
 
     def _layouts_open(self, rebuildable: bool) -> bool:
         """Whether a plan may rebuild layer inputs: the call keeps no hidden states (``rebuildable``), each layer's
@@ -144,20 +136,14 @@ class EngineState:
         if self.auto is not None:
             self.auto.check(rows, seq_len, device, self._layouts_open(True))
 
-    def _say_fixed(self, shape: tuple[int, int]) -> None:
+    def _say_fixed(self, shape: tuple[int, int], plan: StepPlan) -> None:
         """At info level, once per call shape (rows, T): how a call runs where every choice is fixed and no budget
         is given (nothing planned, nothing checked against memory), in the words of a plan."""
         if shape in self.fixed_said:
             return
         self.fixed_said.add(shape)
-        fixed = StepPlan(
-            chunk=self.options.stream_chunk_size,  # (an int: "auto" is planned)
-            layout=Layout(every=self.settings.keep_every),
-            offload=self.settings.offload is not None,
-            capture=self.settings.kv_mode == "capture",
-        )
         logger.info(
-            f"StreamBP plan for {fixed.describe(shape[0] * shape[1], len(self.layers))}, as configured (no "
+            f"StreamBP plan for {plan.describe(shape[0] * shape[1], len(self.layers))}, as configured (no "
             "memory_budget: not checked against memory)."
         )
 
@@ -198,12 +184,18 @@ class EngineState:
 
     def logit_gradient_form(
         self, lm: nn.Module, head: nn.Linear, n: int, tile: int, device: torch.device, token_mean: bool
-    ) -> str:
+    ) -> HeadForm:
         """The form of the logit kernel's gradient for a call scoring ``n`` rows in tiles of ``tile``
-        (:func:`~streambp_trl.sizing.auto.head_form`): ``"eager"`` only when the call's loss is a token mean
-        (``token_mean``), else ``"fused"`` or ``"two-node"``. A change of form is logged (at info level)."""
-        forms = ("two-node", "fused", "eager") if token_mean else ("two-node", "fused")
-        form = head_form(lm, head, n, tile, self.options.memory_budget_bytes, device, forms)
+        (:func:`~streambp_trl.sizing.auto.head_form`, by the planner's room within the budget, with the optimizer
+        state it counts and, where the device has no allocation figure, the forms the latest plan fits):
+        ``EAGER`` only when the call's loss is a token mean (``token_mean``), else ``FUSED`` or ``TWO_NODE``. A change
+        of form is logged (at info level)."""
+        forms = tuple(HeadForm) if token_mean else (HeadForm.TWO_NODE, HeadForm.FUSED)
+        auto, state, planned = self.auto, (0, 0), None
+        if auto is not None:
+            state = auto.optimizer_state() if torch.is_grad_enabled() else (0, 0)
+            planned = auto.last_plan.head_forms if auto.last_plan is not None else None
+        form = head_form(lm, head, n, tile, self.options.choices.budget, device, forms, state, planned)
         if form != self.head_form:
             logger.info(f"StreamBP: the logit kernel's gradient for {n} scored rows takes the {form} form.")
         self.head_form = form

@@ -1,6 +1,6 @@
 """The stream-checkpointed decoder layer: each decoder layer's forward and backward, chunk by chunk.
 
-* :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`, bound to its :class:`LayerPlan`), which runs
+* :mod:`.hook`: each layer's checkpoint hook (:func:`stream_checkpoint`, bound to its :class:`LayerFacts`), which runs
   the layer call through
 * :mod:`.call`: the autograd Function, chunk by chunk, and one layer call's chunk loops (forward, key/value
   collection, each chunk's backward), skipped outputs and backward guards;
@@ -21,17 +21,14 @@
 * :mod:`.sharding`: whether parameters are ZeRO-3 partitions or FSDP shards.
 """
 
-from .call import KV_MODES, StreamSettings
 from .decoder_call import DecoderCall, decoder_call
-from .hook import LayerPlan, stream_checkpoint
+from .hook import LayerFacts, stream_checkpoint
 from .kept import CheckpointOffload
 
 __all__ = [
-    "KV_MODES",
     "CheckpointOffload",
     "DecoderCall",
-    "LayerPlan",
-    "StreamSettings",
+    "LayerFacts",
     "decoder_call",
     "stream_checkpoint",
 ]

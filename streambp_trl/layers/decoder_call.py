@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .call import StreamSettings
-from .kept import EmbeddingOutputs, Segment
+from ..sizing.choices import StepPlan
+from .kept import CheckpointOffload, EmbeddingOutputs, Segment
 from .shared_kv import SharedKV
 
 
@@ -25,34 +25,46 @@ from .shared_kv import SharedKV
 class DecoderCall:
     """One streamed decoder call.
 
-    ``chunk_size``: tokens per chunk for every layer of the call (the fixed option, or what ``"auto"`` chose), the
-    one place a layer reads it; ``None`` (``"auto"`` without a recognisable input, or a layer called outside a
-    streamed decoder call): each layer takes the rule of thumb for its length.
+    ``plan``: the call's resolved plan (:class:`~streambp_trl.sizing.choices.StepPlan`: its chunk, the layer inputs
+    kept, offload, the key/value mode), the one place a layer reads them; ``None`` where the call had no length to plan
+    for (no recognisable input), or for a layer called outside a streamed decoder call: each layer then takes the
+    user's choices at the rule of thumb for its length (:meth:`~.hook.LayerFacts.unplanned`).
+    ``offloader``: the model's checkpoint offloader, used where the plan offloads. ``layers``: the stream layers of the
+    decoder, by whose count a plan's layout places its segments.
     ``inputs_rebuildable``: the decoder collects no hidden states, so a layer's input may be rebuilt in backward
     (from the token ids, or by its segment) instead of kept, when no hook watches the layer either.
     ``embeddings``: the outputs of the input embedding during the call that can be rebuilt from the token ids.
-    ``segment``: with ``keep_every > 1``, the segment of the last stream layer that ran (its output may be the next
-    layer's input in the same segment). ``shared_kv``: the keys/values layers share with later layers
+    ``segment``: the segment of the last stream layer that ran, where the plan rebuilds layer inputs (its output may
+    be the next layer's input in the same segment). ``shared_kv``: the keys/values layers share with later layers
     (:mod:`.shared_kv`), which the layer calls keep until their backwards.
-    ``segment_sizes``: where the call's plan keeps other layer inputs than the settings' ``keep_every``, the size of
-    a segment started by each stream layer of the call, by its place among them
-    (:class:`~streambp_trl.sizing.layout.Layout`); ``settings``: where the plan offloads otherwise than the model's
-    settings, the call's own.
     """
 
-    chunk_size: int | None = None
+    plan: StepPlan | None = None
+    offloader: CheckpointOffload | None = None
+    layers: int = 0
     inputs_rebuildable: bool = False
     embeddings: EmbeddingOutputs = dataclasses.field(default_factory=EmbeddingOutputs)
     segment: Segment | None = None
     shared_kv: SharedKV = dataclasses.field(default_factory=SharedKV)
-    segment_sizes: tuple[int, ...] | None = None
-    settings: StreamSettings | None = None
     layers_called: int = 0  # stream layers called so far in this call
 
-    def segment_size(self, index: int, keep_every: int) -> int:
-        """The size of a segment the call's ``index``-th stream layer starts: the plan's, else ``keep_every``."""
-        sizes = self.segment_sizes
-        return sizes[index] if sizes is not None and index < len(sizes) else (keep_every if sizes is None else 1)
+    def segment_size(self, index: int, plan: StepPlan) -> int:
+        """The size of a segment the call's ``index``-th stream layer starts under ``plan``: ``keep_every`` for
+        every layer, or where the layout rebuilds some inputs below the top layer, that layer's (1 past the decoder's
+        stream layers: a layer called once more)."""
+        layout = plan.layout
+        if layout.every > 1:
+            return layout.every
+        return layout.sizes(self.layers)[index] if index < self.layers else 1
+
+    def offload(self, plan: StepPlan) -> CheckpointOffload | None:
+        """Where kept layer inputs wait between forward and backward under ``plan``: the model's offloader where it
+        offloads (one is made for a layer called outside a streamed decoder call), else ``None`` (on the device)."""
+        if not plan.offload:
+            return None
+        if self.offloader is None:
+            self.offloader = CheckpointOffload()
+        return self.offloader
 
     def segment_to_join(self, x: torch.Tensor) -> Segment | None:
         """The segment whose last layer produced ``x``, if ``x`` can continue it (see :meth:`Segment.continued_by`)."""

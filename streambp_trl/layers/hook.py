@@ -1,12 +1,13 @@
 """The stream layers' checkpoint hook: what a decoder layer call becomes in a streamed forward.
 
-:func:`stream_checkpoint`, bound to the layer's :class:`LayerPlan`, is installed once as each Hugging Face decoder
+:func:`stream_checkpoint`, bound to the layer's :class:`LayerFacts`, is installed once as each Hugging Face decoder
 layer's ``_gradient_checkpointing_func`` (the hook transformers' ``GradientCheckpointingLayer`` calls in training mode
 with ``partial(layer.forward, **kwargs)`` and the hidden states). It binds the call's arguments and hands them
-through the layer's family adapters (:mod:`.adapters`: the only place a model family is special), takes the chunk of
-the decoder call in progress (:func:`~.decoder_call.active_call`), decides what the layer keeps for its backward
-(its input; or nothing, when the input is rebuilt from the token ids or by its segment; see :mod:`.kept.rebuild` and
-:mod:`.kept.segments`) and runs the layer through :class:`~streambp_trl.layers.call.stream_layer.StreamLayerFunction`.
+through the layer's family adapters (:mod:`.adapters`: the only place a model family is special), takes the plan of
+the decoder call in progress (:func:`~.decoder_call.active_call`: chunk, kept inputs, offload, key/value mode),
+decides what the layer keeps for its backward (its input; or nothing, when the input is rebuilt from the token ids
+or by its segment; see :mod:`.kept.rebuild` and :mod:`.kept.segments`) and runs the layer through
+:class:`~streambp_trl.layers.call.stream_layer.StreamLayerFunction`.
 
 Module hooks run outside this hook (transformers checkpoints ``forward``, not ``__call__``): a layer's pre-hooks see
 its input before, its forward hooks its input and output after. So the input a layer gets may be held by the
@@ -24,9 +25,9 @@ import torch
 from torch import nn
 
 from ..attention import StreamMask, stream_configs
-from ..sizing.auto import rule_of_thumb
+from ..sizing.choices import PlanChoices, StepPlan
 from .adapters import CallArguments, LayerAdapter, adapters_of, wrapped
-from .call import LayerCall, StreamLayerFunction, StreamSettings, returned
+from .call import LayerCall, StreamLayerFunction, returned
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
 from .kept import Segment
@@ -34,22 +35,22 @@ from .layer_args import CACHE_KWARGS, cache_argument, parameter_names, per_token
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerPlan:
-    """What a stream layer's hook needs that no call changes, found once when the engine is installed: the
-    model-wide ``settings``, the transformers ``configs`` its attention reads, the names of its forward's parameters
-    and the one that takes the cache, and its family ``adapters`` (:mod:`.adapters`), whose plan facts it reads:
+class LayerFacts:
+    """What a stream layer's hook needs that no call changes, found once when the engine is installed: the user's
+    plan ``choices``, the transformers ``configs`` its attention reads, the names of its forward's parameters
+    and the one that takes the cache, and its family ``adapters`` (:mod:`.adapters`), whose facts it reads:
     the fewest tokens a chunk may have, the arguments sliced from a chunk's first key position, the compressed
     attentions' cache slots."""
 
-    settings: StreamSettings
+    choices: PlanChoices
     configs: tuple
     parameter_names: tuple[str, ...]
     cache_name: str
     adapters: tuple[LayerAdapter, ...] = ()
 
     @classmethod
-    def of(cls, layer: nn.Module, settings: StreamSettings, decoder: type) -> LayerPlan:
-        """The plan of ``layer``, a layer of a ``decoder`` class."""
+    def of(cls, layer: nn.Module, choices: PlanChoices, decoder: type) -> LayerFacts:
+        """The facts of ``layer``, a layer of a ``decoder`` class, streamed with the user's ``choices``."""
         names = tuple(parameter_names(layer))
         adapters = adapters_of(layer, decoder)
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
@@ -57,7 +58,7 @@ class LayerPlan:
         if cache_name is None:
             raise ValueError(f"StreamBP: {type(layer).__name__}.forward takes no key/value cache argument.")
         return cls(
-            settings=settings,
+            choices=choices,
             configs=stream_configs(layer),
             parameter_names=names,
             cache_name=cache_name,
@@ -76,6 +77,11 @@ class LayerPlan:
     def compress_rates(self) -> dict[int, int]:
         return {slot: rate for a in self.adapters for slot, rate in a.compress_rates.items()}
 
+    def unplanned(self, seq_len: int) -> StepPlan:
+        """The plan of a layer call on ``seq_len`` tokens in a decoder call without one (no length to plan for, or a
+        layer called directly): the user's choices at the rule of thumb for its length."""
+        return self.choices.fixed(seq_len)
+
     def packing_refusal(self, layer: nn.Module) -> str | None:
         """Why ``layer`` cannot take packed rows with sequence descriptors (TRL's padding-free rows), or ``None``."""
         return next((r for a in self.adapters if (r := a.packing_refusal(layer)) is not None), None)
@@ -90,11 +96,11 @@ def _autocast_state(device_type: str) -> dict:
     }
 
 
-def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
+def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torch.Tensor) -> torch.Tensor:
     """A streamed layer's ``_gradient_checkpointing_func``: ``forward`` is ``partial(layer.forward, layer, **kw)``.
 
     Args:
-        plan: the layer's :class:`LayerPlan` (bound when the hook is installed).
+        facts: the layer's :class:`LayerFacts` (bound when the hook is installed).
         forward: the layer's undecorated forward with the call's keyword arguments, as transformers passes it.
         args: the call's positional arguments, the hidden states (batch, T, hidden) first.
 
@@ -112,73 +118,91 @@ def stream_checkpoint(plan: LayerPlan, forward: functools.partial, *args: torch.
         states, alone or with per-token tensors (:meth:`~.call.LayerCall.run`).
     """
     layer = forward.args[0]
-    names = plan.parameter_names
+    names = facts.parameter_names
     kwargs = {**dict(zip(names[1:], args[1:], strict=False)), **forward.keywords}
     given_state = cache_argument(kwargs)
-    given_state = next((st for a in plan.adapters if (st := a.given_state(kwargs)) is not None), given_state)
+    given_state = next((st for a in facts.adapters if (st := a.given_state(kwargs)) is not None), given_state)
     if given_state is not None and not isinstance(given_state, ChunkCache) and not torch.is_grad_enabled():
         return forward(*args)
     given = args[0]
     x = given
-    for adapter in plan.adapters:  # a family's own layout of the hidden states, as the chunks take them
+    for adapter in facts.adapters:  # a family's own layout of the hidden states, as the chunks take them
         x = adapter.enter(x)
     batch, seq_len = x.shape[:2]
     decoder = active_call()
-    bound = CallArguments(kwargs=kwargs, batch=batch, seq_len=seq_len)
-    for adapter in plan.adapters:
-        bound = adapter.bind(layer, bound, decoder.shared_kv)
-    kwargs = {k: v for k, v in bound.kwargs.items() if k not in (*CACHE_KWARGS, plan.cache_name)}
-    mask = kwargs.get("attention_mask")
-    # a StreamMask (attention layers), a user-given 4D mask (sliced per chunk as one), a (batch, T) padding mask or
-    # None (recurrent and convolution mixers: sliced per chunk as any per-token argument); an attention without a
-    # StreamMask is refused by the stream attention itself
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == seq_len:
-        kwargs["attention_mask"] = StreamMask.of_dense(mask, batch)
-    elif isinstance(mask, torch.Tensor) and tuple(mask.shape) != (batch, seq_len):
-        raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
+    bound = _bound_arguments(facts, layer, kwargs, batch, seq_len, decoder)
+    kwargs = bound.kwargs
     sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
     index, decoder.layers_called = decoder.layers_called, decoder.layers_called + 1
-    settings = decoder.settings or plan.settings  # the call's plan may offload otherwise than the model's settings
+    run = decoder.plan if decoder.plan is not None else facts.unplanned(seq_len)
     params = [p for p in layer.parameters() if p.requires_grad]
     differentiated = torch.is_grad_enabled() and bool(x.requires_grad or grad_inputs or params)
     rebuildable = differentiated and input_rebuildable(layer, decoder)
-    # join the segment of the previous stream layer (its output is x) while it has room, or start one of the size
-    # the settings' keep_every or the call's plan gives this layer (1: keep its own input, no segment)
-    size = decoder.segment_size(index, settings.keep_every)
-    segment = decoder.segment_to_join(given) if rebuildable and (size > 1 or decoder.segment is not None) else None
-    if segment is None and differentiated and size > 1:
-        segment = Segment(size)
+    segment = _segment(decoder, decoder.segment_size(index, run), given, rebuildable, differentiated)
     call = LayerCall(
         layer=layer,
-        func=wrapped(forward.func, plan.adapters),
+        func=wrapped(forward.func, facts.adapters),
         kwargs=kwargs,
         per_token=sliced,
-        settings=settings,
+        kv_mode=run.kv_mode,
+        offload=decoder.offload(run),
         seq_len=seq_len,
         autocast=_autocast_state(x.device.type),
-        configs=plan.configs,
-        cache_name=plan.cache_name,
+        configs=facts.configs,
+        cache_name=facts.cache_name,
         grad_inputs=grad_inputs,
-        from_prefix=plan.from_prefix,
+        from_prefix=facts.from_prefix,
         resets=bound.resets,
         embedding_source=decoder.embeddings.source_of(given) if rebuildable else None,
         segment=segment,
         position=segment.joined if segment is not None else 0,
-        chunk_size=decoder.chunk_size if decoder.chunk_size is not None else rule_of_thumb(seq_len),
-        min_chunk=plan.min_chunk,
+        chunk=run.chunk,
+        min_chunk=facts.min_chunk,
         shared=bound.shared,
-        compress_rates=plan.compress_rates,
+        compress_rates=facts.compress_rates,
     )
     if not differentiated:
-        ran = call.forward_chunks(x, keep_kv=False, rng="none")
-        return returned(_left(ran.y, plan.adapters), ran.extras, ran.nones)
+        ran = call.forward_chunks(x, recorded=False)
+        return returned(_left(ran.y, facts.adapters), ran.extras, ran.nones)
     y, *extras = _outputs(StreamLayerFunction.apply(call, x, *(kwargs[n] for n in grad_inputs), *params))
     nones = StreamLayerFunction.nones_of(y)
-    y = _left(y, plan.adapters)
+    y = _left(y, facts.adapters)
     if segment is not None:
         segment.left(y)
         decoder.segment = segment
     return returned(y, extras, nones)
+
+
+def _bound_arguments(
+    facts: LayerFacts, layer: nn.Module, kwargs: dict, batch: int, seq_len: int, decoder: DecoderCall
+) -> CallArguments:
+    """Binding a layer call: its keyword arguments handed through the family adapters in order (documents cut, masks
+    kept apart, keys/values shared across the decoder call's layers), without the cache arguments, and with the mask
+    as the chunks take it: a :class:`~streambp_trl.attention.StreamMask` (attention layers; a user-given 4D mask
+    becomes one, sliced per chunk), a (batch, T) padding mask or ``None`` (recurrent and convolution mixers: sliced
+    per chunk as any per-token argument). An attention without a StreamMask is refused by the stream attention."""
+    bound = CallArguments(kwargs=kwargs, batch=batch, seq_len=seq_len)
+    for adapter in facts.adapters:
+        bound = adapter.bind(layer, bound, decoder.shared_kv)
+    kwargs = {k: v for k, v in bound.kwargs.items() if k not in (*CACHE_KWARGS, facts.cache_name)}
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-1] == seq_len:
+        kwargs["attention_mask"] = StreamMask.of_dense(mask, batch)
+    elif isinstance(mask, torch.Tensor) and tuple(mask.shape) != (batch, seq_len):
+        raise ValueError(f"StreamBP: unexpected attention mask of shape {tuple(mask.shape)} for {seq_len} tokens.")
+    return dataclasses.replace(bound, kwargs=kwargs)
+
+
+def _segment(
+    decoder: DecoderCall, size: int, given: torch.Tensor, rebuildable: bool, differentiated: bool
+) -> Segment | None:
+    """Deciding what a layer keeps: the segment of the previous stream layer, joined where ``given`` (the layer's
+    input) is that layer's output and the segment has room, or a new one of ``size`` layers (the call's plan's for
+    this layer) which this layer starts by keeping its input; ``None`` (1: the layer keeps its own input)."""
+    segment = decoder.segment_to_join(given) if rebuildable and (size > 1 or decoder.segment is not None) else None
+    if segment is None and differentiated and size > 1:
+        segment = Segment(size)
+    return segment
 
 
 def _left(y: torch.Tensor, adapters: tuple[LayerAdapter, ...]) -> torch.Tensor:

@@ -13,8 +13,9 @@ The backward recomputes each tile's logits and forms
 
     dL/dz_v = g_logp * (1[v = target] - p_v) - g_H * p_v * (log p_v + H).
 
-It takes one of two forms (``fused_backward``; the engine chooses by the memory free at the call,
-:func:`streambp_trl.sizing.auto.fused_head_fits`):
+It takes one of two forms (``form``, a :class:`~.forms.HeadForm`; the engine chooses by the room a call has at the
+head, :func:`streambp_trl.sizing.auto.head_form`), or a third, eager, for a loss that weights every row alike
+(:mod:`.eager`):
 
 * fused (one autograd node): for each token tile, dn = sum over vocabulary tiles of dy W, and in the same sweep
   dW[tile] += dy^T n (db likewise) into a (V, H) accumulator, so each logit tile is recomputed once: 3 vocabulary
@@ -50,7 +51,8 @@ outside the tile.
 """
 
 from .divergence import chunked_divergence
+from .forms import HEAD_FORMS, HeadForm
 from .kernel import chunked_logprobs
 from .tiles import DEFAULT_VOCAB_CHUNK, STAT_OUTPUTS
 
-__all__ = ["DEFAULT_VOCAB_CHUNK", "STAT_OUTPUTS", "chunked_divergence", "chunked_logprobs"]
+__all__ = ["DEFAULT_VOCAB_CHUNK", "HEAD_FORMS", "STAT_OUTPUTS", "HeadForm", "chunked_divergence", "chunked_logprobs"]

@@ -27,7 +27,7 @@ then chained through the transform to dL/dy, and one sweep over (token tile x vo
 the student's hidden states, final norm parameters, LM head weight and bias. The teacher gets no gradient.
 
 Memory beyond the inputs: a few tiles of (token_chunk x vocab_chunk), a few floats per row, and in backward dh
-(M, H_s), a (V,) accumulator for db and dW (V, H_s): in the fused form (``fused_backward``) accumulated whole in the
+(M, H_s), a (V,) accumulator for db and dW (V, H_s): in the fused form (``form=FUSED``) accumulated whole in the
 accumulation dtype beside the hidden states' sweep, else formed after it vocabulary tile by vocabulary tile in one
 (vocab_chunk, H_s) accumulator (both heads' logits computed once more), as the logit kernel's two-node form does.
 The hidden states are saved as they are (no gathered or normalised copy). Accumulation is float64 for float64
@@ -50,6 +50,7 @@ from contextlib import AbstractContextManager as ContextManager
 import torch
 from torch import nn
 
+from .forms import HeadForm
 from .tiles import DEFAULT_VOCAB_CHUNK, Transform, acc_dtype, addmm_acc, autocast_state, rowdot
 
 
@@ -70,7 +71,9 @@ class DivergenceCall:
     acc: torch.dtype
     autocast: dict
     gathered: Callable[[], ContextManager] = contextlib.nullcontext
-    fused_backward: bool = True  # the weight's gradient in the hidden states' sweep (a (V, H_s) accumulator)
+    form: HeadForm = (
+        HeadForm.FUSED
+    )  # FUSED: the weight's gradient in the hidden states' sweep (a (V, H_s) accumulator)
 
     def token_tiles(self) -> list[tuple[int, int]]:
         return [(i, min(i + self.token_chunk, self.n)) for i in range(0, self.n, self.token_chunk)]
@@ -202,7 +205,7 @@ class DivergenceNode(torch.autograd.Function):
             s_hidden, s_weight, s_bias, t_hidden, t_weight, t_bias, s_log_z, t_log_z, aux, *_ = ctx.saved_tensors
             s_weight, s_bias = s_weight.detach(), None if s_bias is None else s_bias.detach()
             heads = (s_weight, s_bias, t_weight, t_bias, s_log_z, t_log_z, aux, g_divergence.to(call.acc))
-            fused_w = need_w and call.fused_backward
+            fused_w = need_w and call.form != HeadForm.TWO_NODE
             dh = torch.zeros_like(s_hidden) if need_h else None
             acc_w = torch.zeros(s_weight.shape, device=s_weight.device, dtype=call.acc) if fused_w else None
             acc_b = torch.zeros(s_bias.shape, device=s_bias.device, dtype=call.acc) if need_b else None
@@ -311,7 +314,7 @@ def chunked_divergence(
     token_chunk: int = 4096,
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     gathered: Callable[[], ContextManager] | None = None,
-    fused_backward: bool = True,
+    form: HeadForm = HeadForm.FUSED,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row generalised JSD between the student's and the teacher's next-token distributions, and the student's
     entropy (no gradient); see the module docstring.
@@ -321,10 +324,10 @@ def chunked_divergence(
     ``teacher_norm`` are each model's row-wise final norm (its ``forward`` applied to each tile), or ``None`` when
     its hidden states are final. Only the student gets gradients (hidden states, norm parameters, LM head).
     ``gathered``: a factory of context managers inside which both heads and norms hold their whole values
-    (sharded parameters); entered once for the forward and once for the backward. ``fused_backward``: form the LM
+    (sharded parameters); entered once for the forward and once for the backward. ``form``: ``FUSED`` forms the LM
     head weight's gradient in the same sweep as the hidden states' (one recompute of both heads' logits, a (V, H_s)
-    accumulator), else vocabulary tile by vocabulary tile after it (two recomputes, no (V, H_s) accumulator beside
-    the gradient itself).
+    accumulator), ``TWO_NODE`` vocabulary tile by vocabulary tile after it (two recomputes, no (V, H_s) accumulator
+    beside the gradient itself).
     Returns ``(divergence, entropy)``, each of shape (N,), in the accumulation dtype.
     """
     if not 0.0 <= beta <= 1.0:
@@ -362,7 +365,7 @@ def chunked_divergence(
         acc=acc_dtype(student_hidden.dtype),
         autocast=autocast_state(device),
         gathered=gathered or contextlib.nullcontext,
-        fused_backward=fused_backward,
+        form=form,
     )
     with call.gathered():  # the autograd node records the parameters' whole shapes
         norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []

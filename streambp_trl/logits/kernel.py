@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .eager import EagerNode
+from .forms import HeadForm
 from .nodes import LogitNode, WeightNode
 from .tiles import DEFAULT_VOCAB_CHUNK, STAT_OUTPUTS, LogitCall, Transform, acc_dtype, autocast_state
 
@@ -29,8 +30,7 @@ def chunked_logprobs(
     vocab_chunk: int = DEFAULT_VOCAB_CHUNK,
     outputs: tuple[str, ...] = ("log_probs",),
     gathered: Callable[[], ContextManager] | None = None,
-    fused_backward: bool = True,
-    gradient_in_forward: bool = False,
+    form: HeadForm = HeadForm.FUSED,
 ) -> dict[str, torch.Tensor | None]:
     """Per-row statistics of ``norm(hidden[rows]) @ weight.T (+ bias)`` at ``targets``; see the module docstring.
 
@@ -38,11 +38,11 @@ def chunked_logprobs(
     ``norm`` is a row-wise module (the model's final norm) applied to each tile (its ``forward``), or ``None``.
     ``gathered``: a factory of context managers inside which ``weight``, ``bias`` and the norm's parameters hold their
     whole values (sharded parameters); entered once for the forward and once per backward node.
-    ``fused_backward``: form the weight's (and bias's) gradient in the same sweep as the hidden states' (one logit
-    recompute, a (V, H) accumulator beside dh), else in a weight node of its own (two recomputes, never both
-    gradients' buffers at once); see the module docstring. ``gradient_in_forward``: form the gradient's bases in the
-    forward (:mod:`.eager`: no recompute when the loss weights every row alike, e.g. a token mean; checked in
-    backward, else recomputed as the fused form does).
+    ``form`` (:class:`~.forms.HeadForm`): ``FUSED`` forms the weight's (and bias's) gradient in the same sweep as
+    the hidden states' (one logit recompute, a (V, H) accumulator beside dh), ``TWO_NODE`` in a weight node of its own
+    (two recomputes, never both gradients' buffers at once), ``EAGER`` the gradient's bases in the forward
+    (:mod:`.eager`: no recompute when the loss weights every row alike, e.g. a token mean; checked in backward, else
+    recomputed as the fused form does); see the module docstring.
     Returns a dict with every name of :data:`STAT_OUTPUTS`; those not in ``outputs`` are ``None``.
     """
     unknown = set(outputs) - set(STAT_OUTPUTS)
@@ -71,9 +71,9 @@ def chunked_logprobs(
     with call.gathered():
         norm_params = [p for p in norm.parameters() if p.requires_grad] if norm is not None else []
         trained = weight.requires_grad or (bias is not None and bias.requires_grad)
-        if gradient_in_forward and torch.is_grad_enabled() and (trained or hidden.requires_grad or norm_params):
+        if form == HeadForm.EAGER and torch.is_grad_enabled() and (trained or hidden.requires_grad or norm_params):
             return _named(EagerNode.apply(call, hidden, weight, bias, *norm_params))
-        if fused_backward or not trained:
+        if form != HeadForm.TWO_NODE or not trained:
             return _named(LogitNode.apply(call, hidden, weight, bias, *norm_params))
         detached_bias = None if bias is None else bias.detach()
         log_z, log_probs, entropy, *rest = LogitNode.apply(call, hidden, weight.detach(), detached_bias, *norm_params)

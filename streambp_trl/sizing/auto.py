@@ -37,14 +37,16 @@ Offload's pinned host memory must fit :func:`host_room`. Where nothing fits, a c
 otherwise (no grad, or the CPU without a budget) the smallest chunk is taken with a warning. A decision is kept per
 shape, so every step of the same shape streams the same way, and logged once.
 
-:func:`head_form` chooses the form of the logit kernel's gradient for each call from the memory free at the head:
-the one that computes the logits fewest times whose buffers fit, the least memory where no figure is known.
+:func:`head_form` chooses the form of the logit kernel's gradient for each call from the room at the head, by the
+planner's one rule (:func:`room`, so a budget reaches the head on any device): the one that computes the logits
+fewest times whose buffers fit, the least memory where no figure is known.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -52,17 +54,18 @@ from torch import nn
 from transformers.utils import logging
 
 from .. import families
+from ..logits.forms import HEAD_FORMS, HeadForm
 from . import memory_model as mm
 from . import optimizers
+from .choices import KVMode, PlanChoices, StepPlan, Trained
 from .layout import Layout
-from .plan import Planner, StepPlan, margin
+from .plan import Planner, margin
 from .setup import whole_numel
 from .units import GiB, size_text
 
 logger = logging.get_logger(__name__)
 
 AUTO = "auto"
-_FALLBACK = (512, 4096)
 # a call that finds another multiple of this allocated on its CUDA device than the call its plan was made for is
 # planned again (the optimizer's state appears at the first optimizer step)
 REPLAN_STEP = GiB
@@ -78,30 +81,15 @@ def _gone() -> None:
     return None
 
 
-def rule_of_thumb(seq_len: int) -> int:
-    """The chunk without a memory figure: an eighth of the sequence, clamped to [512, 4096]."""
-    return min(max(seq_len // 8, _FALLBACK[0]), _FALLBACK[1])
-
-
 class AutoChunks:
     """The plan policy of one model (kept in its stream settings): a :class:`~.plan.StepPlan` per call shape.
 
-    ``budget``: bytes of the whole device the step may use (``None``: what is free when a call starts); ``chunk``,
-    ``offload``, ``keep_every``, ``kv_mode``: the user's fixed choices, kept as they are (``None``: the plan
-    chooses)."""
+    ``choices``: the user's (:class:`~.choices.PlanChoices`), kept as they are; each ``None`` is chosen per call
+    (a ``budget`` of ``None``: what is free when a call starts)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        budget: int | None,
-        offload: bool | None,
-        keep_every: int | None = 1,
-        chunk: int | None = None,
-        kv_mode: str | None = None,
-    ):
+    def __init__(self, model: nn.Module, choices: PlanChoices):
         self._model = weakref.ref(model)
-        self.budget, self.offload, self.keep_every, self.chunk = budget, offload, keep_every, chunk
-        self.kv_mode = kv_mode
+        self.choices = choices
         self.optim: str | None = None  # the optimizer whose state the plans count (count_optimizer)
         self._owner = _gone
         self._chosen: dict[tuple, StepPlan] = {}
@@ -113,12 +101,13 @@ class AutoChunks:
         # with a fixed chunk only the kept layer inputs and offload are planned: what the memory model cannot size is
         # said at info level (every input is then kept, nothing offloaded, as without a plan); with every choice fixed
         # the plan only checks the user's memory_budget, and what it cannot check is said at warning level
-        checked_only = chunk is not None and keep_every is not None and offload is not None
+        chunk = choices.chunk
+        checked_only = chunk is not None and choices.keep_every is not None and choices.offload is not None
         say = logger.info if chunk is not None and not checked_only else logger.warning
         name = type(model).__name__
         try:
             self.shape: mm.ModelShape | None = mm.ModelShape.from_model(model)
-            Planner(self.shape).estimate(1024, 512, Layout(), False)  # a shape the memory model can size
+            Planner(self.shape).estimate(1024, StepPlan(512))  # a shape the memory model can size
         except (AttributeError, TypeError, ArithmeticError) as error:  # a config without the usual size fields
             self.shape = None
             if chunk is None:
@@ -222,7 +211,7 @@ class AutoChunks:
             state[0] // REPLAN_STEP,
             state[1] > 0,
         )
-        figure = self._room(model, device, pending, allocated, state)
+        figure = room(model, device, self.choices.budget, pending, allocated, state)
         plan = self._chosen.get(key)
         if plan is None or not fits(plan, figure):
             if len(self._chosen) > 256:
@@ -242,15 +231,9 @@ class AutoChunks:
         if model is None or self.shape is None:
             return
         pending = _grads_pending(list(model.parameters()))
-        figure = self._room(model, device, pending, allocated_bytes(device), self.optimizer_state())
+        figure = room(model, device, self.choices.budget, pending, allocated_bytes(device), self.optimizer_state())
         if figure is not None:
             self._decide(rows, seq_len, device, rebuildable, True, pending, figure, announce=False)
-
-    def _fixed(self, seq_len: int) -> StepPlan:
-        """The plan without a memory figure: the user's choices, else the rule of thumb and every input kept."""
-        chunk = self.chunk if self.chunk is not None else rule_of_thumb(seq_len)
-        layout = Layout(every=self.keep_every or 1)
-        return StepPlan(chunk, layout, bool(self.offload), capture=self.kv_mode == "capture")
 
     def _decide(
         self,
@@ -260,14 +243,14 @@ class AutoChunks:
         rebuildable: bool,
         grad: bool,
         pending: bool,
-        figure: tuple[int, int, int] | None,
+        figure: Room | None,
         announce: bool = True,
     ) -> StepPlan:
-        """The plan of a call within ``figure`` (:meth:`_room`; ``None``: no memory figure, the user's choices),
+        """The plan of a call within ``figure`` (:func:`room`; ``None``: no memory figure, the user's choices),
         logged where ``announce``."""
         model = self._model()
         if figure is None or self.shape is None or model is None:
-            return self._fixed(seq_len)
+            return self.choices.fixed(seq_len)
         room, held, total = figure
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         head_trained = head is not None and any(p.requires_grad for p in head.parameters())
@@ -280,37 +263,30 @@ class AutoChunks:
         layer_trained = elements // max(self.shape.layers, 1) if adapters else None
         n, layers, can_offload = rows * seq_len, self.shape.layers, offload_saves(device)
         # offload asked for on the CPU keeps the checkpoints where they are: sized as none, the plan keeps it as asked
-        on_cpu = bool(self.offload) and not can_offload
-        planner = Planner(
-            self.shape,
-            db,
-            head_trained,
-            adapters,
-            self.chunk,
-            self.keep_every,
-            False if on_cpu else self.offload,
-            layer_trained_params=layer_trained,
-            pending_grads=pending,
-            # (a call without grad has no backward: its keys/values are never kept)
-            kv_mode=self.kv_mode if grad or self.kv_mode is not None else "recompute",
-        )
+        on_cpu = bool(self.choices.offload) and not can_offload
+        choices = dataclasses.replace(self.choices, offload=False) if on_cpu else self.choices
+        if not grad and choices.kv_mode is None:  # (a call without grad has no backward: nothing to keep for it)
+            choices = dataclasses.replace(choices, kv_mode=KVMode.RECOMPUTE)
+        trained = Trained(db, head_trained, adapters, layer_trained, pending)
+        planner = Planner(self.shape, trained, choices)
         rebuildable = rebuildable and grad
         limit = room - margin(total)
-        host = host_room() if can_offload and self.offload is not False else None
+        host = host_room() if can_offload and self.choices.offload is not False else None
         plan = planner.best(rows, seq_len, limit, host, rebuildable, can_offload)
         if plan is not None:
             plan = dataclasses.replace(plan, offload=True) if on_cpu else plan
             if announce:
-                rebuilt = plan.layout.rebuilt(layers) and self.keep_every is None
-                say = logger.warning if rebuilt or (plan.offload and not self.offload) else logger.info
+                rebuilt = plan.layout.rebuilt(layers) and self.choices.keep_every is None
+                say = logger.warning if rebuilt or (plan.offload and not self.choices.offload) else logger.info
                 say(
                     f"StreamBP plan for {plan.describe(n, layers, held, room)} (less {size_text(margin(total))} kept "
                     "for the allocator's fragmentation)."
                 )
             return plan
-        chunks, layout_choices, offloads = planner.choices(seq_len, rebuildable, can_offload)
-        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0] or on_cpu, capture=self.kv_mode == "capture")
-        if not grad or (self.budget is None and device.type == "cpu"):
+        chunks, layout_choices, offloads = planner.choices_open(seq_len, rebuildable, can_offload)
+        kv_mode = planner.kv_modes(False, Layout())[0]  # (the user's, else recomputed)
+        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0] or on_cpu, kv_mode=kv_mode)
+        if not grad or (self.choices.budget is None and device.type == "cpu"):
             logger.warning(
                 f"StreamBP: no plan is predicted to fit {n:,} tokens in {size_text(room)}; running "
                 f"{smallest.describe(n, layers)}, which may run out of memory."
@@ -318,7 +294,7 @@ class AutoChunks:
             return smallest
         longest = planner.longest(rows, limit, host, rebuildable, can_offload)
         where, more = ("memory_budget", "a larger memory_budget")
-        if self.budget is None:
+        if self.choices.budget is None:
             where, more = "the free device memory", "more free device memory"
         single = max(planner.longest(1, limit, host, rebuildable, can_offload).values(), default=0) if rows > 1 else 0
         fewer = (
@@ -337,40 +313,53 @@ class AutoChunks:
             f"{size_text(margin(total))} margin). {fix}"
         )
 
-    def _room(
-        self,
-        model: nn.Module | None,
-        device: torch.device,
-        pending: bool,
-        allocated: int | None,
-        state: tuple[int, int] = (0, 0),
-    ) -> tuple[int, int, int] | None:
-        """``(room, held, total)``: bytes the call's activations may take, what is held beside them (the weights,
-        gradients and optimizer ``state``, or what the device has allocated and the state yet to be allocated, when
-        more: ``allocated``) and the device's whole figure the margin is taken of; or None when no memory figure is
-        known. ``pending``: the gradients are counted with the activations, as the backward forms them. ``state``:
-        :meth:`optimizer_state`, whose pending part the free memory does not hold yet."""
-        if model is None:
-            return None
-        params = list(model.parameters())
-        everything, unallocated = state
-        held = sum(p.numel() * p.element_size() for p in params) + everything
-        if not pending:
-            held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-        held = max(held, (allocated or 0) + unallocated)
-        if self.budget is not None:
-            return self.budget - held, held, self.budget
-        free = free_bytes(device)
-        if free is None:
-            return None
-        missing = (0 if pending else _missing_grad_bytes(params)) + unallocated
-        return free - missing, held, free + held - missing
+
+class Room(NamedTuple):
+    """The memory figure of a call: ``room``, bytes its activations may take; ``held``, what is held beside them (the
+    weights, gradients and optimizer state, or what the device has allocated, when more); ``total``, the device's whole
+    figure the fragmentation margin is taken of."""
+
+    room: int
+    held: int
+    total: int
 
 
-def fits(plan: StepPlan, figure: tuple[int, int, int] | None) -> bool:
-    """Whether ``plan``'s predicted activations fit the room of ``figure`` (:meth:`AutoChunks._room`: room, held,
-    total) less its fragmentation margin, as a plan chosen within it must; any plan fits where no figure is known,
-    and one taken where nothing was predicted to fit (no grad: said at warning level) predicts nothing."""
+def room(
+    model: nn.Module | None,
+    device: torch.device,
+    budget: int | None,
+    pending: bool,
+    allocated: int | None,
+    state: tuple[int, int] = (0, 0),
+) -> Room | None:
+    """How much room a call on ``device`` has, the one rule of the planner (when a call starts) and the LM head's form
+    (at the head): within ``budget`` (bytes of the whole device the step may use), what the weights, the gradients and
+    the optimizer ``state`` (:meth:`AutoChunks.optimizer_state`: all, and not yet allocated) leave, or what the device
+    has ``allocated`` and the state yet to be allocated, when more; without a budget, the memory free on the device
+    (:func:`free_bytes`) less the gradients and state not yet allocated. ``pending``: the gradients are counted with
+    the activations, as the backward forms them. ``None`` when no memory figure is known (no model, or no budget on a
+    device type without a free-memory figure)."""
+    if model is None:
+        return None
+    params = list(model.parameters())
+    everything, unallocated = state
+    held = sum(p.numel() * p.element_size() for p in params) + everything
+    if not pending:
+        held += sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    missing = (0 if pending else _missing_grad_bytes(params)) + unallocated
+    held = max(held, (allocated or 0) + missing)
+    if budget is not None:
+        return Room(budget - held, held, budget)
+    free = free_bytes(device)
+    if free is None:
+        return None
+    return Room(free - missing, held, free + held - missing)
+
+
+def fits(plan: StepPlan, figure: Room | None) -> bool:
+    """Whether ``plan``'s predicted activations fit the room of ``figure`` (:func:`room`) less its fragmentation
+    margin, as a plan chosen within it must; any plan fits where no figure is known, and one taken where nothing was
+    predicted to fit (no grad: said at warning level) predicts nothing."""
     return figure is None or plan.activations <= figure[0] - margin(figure[2])
 
 
@@ -392,19 +381,17 @@ def allocated_bytes(device: torch.device) -> int | None:
     return None
 
 
-def free_bytes(device: torch.device, budget: int | None = None) -> int | None:
+def free_bytes(device: torch.device) -> int | None:
     """Bytes new tensors may take on ``device`` now, or ``None`` where no figure is known (a device type other than
     CUDA and the CPU, or a CUDA device type without a CUDA runtime). On a CUDA device: the memory free on the device
-    plus what PyTorch's allocator holds unused, within the process's share (``set_per_process_memory_fraction``) and,
-    with a ``budget`` (bytes of the whole device the step may use), within it; on the CPU the host memory available
-    (``psutil``)."""
+    plus what PyTorch's allocator holds unused, within the process's share (``set_per_process_memory_fraction``); on
+    the CPU the host memory available (``psutil``)."""
     if device.type == "cuda" and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
         room = free + torch.cuda.memory_reserved(device) - allocated
-        room = min(room, int(total * torch.cuda.get_per_process_memory_fraction(device)) - allocated)
-        return room if budget is None else min(room, budget - allocated)
+        return min(room, int(total * torch.cuda.get_per_process_memory_fraction(device)) - allocated)
     if device.type == "cpu":
         return psutil.virtual_memory().available
     return None
@@ -428,24 +415,35 @@ def head_form(
     logits_chunk: int,
     budget: int | None,
     device: torch.device,
-    forms: tuple[str, ...] = mm.HEAD_FORMS,
-) -> str:
+    forms: tuple[HeadForm, ...] = HEAD_FORMS,
+    state: tuple[int, int] = (0, 0),
+    planned: tuple[HeadForm, ...] | None = None,
+) -> HeadForm:
     """The form of the logit kernel's gradient for a call scoring ``n`` rows, among ``forms``: the one that
     recomputes least (eager, then fused, then two-node) whose buffers (:func:`memory_model.head_backward_bytes`) fit
-    what is free now (:func:`free_bytes`, within ``budget`` if one is given), when the forward's activations are all
-    held, less the parameter gradients not yet allocated (none where the backward forms every one: the head's, the
-    first, is counted in the form's buffers). Two-node, the least memory (no float32 (V, H) accumulator, the weight's
-    gradient formed vocabulary tile by vocabulary tile), where none fits or no memory figure is known."""
-    room = free_bytes(device, budget)
-    if room is None:
-        return "two-node"
+    the call's room at the head less its fragmentation margin, by the planner's rule (:func:`room`, within
+    ``budget`` where one is given, the optimizer ``state`` counted as the plan counts it).
+
+    * On a CUDA device the forward's activations are allocated by then, so counted.
+    * On the CPU with a budget, what the forward holds at the head is not measured (no allocation figure): the call's
+      plan says which forms fit its room (``planned``: :attr:`~.choices.StepPlan.head_forms`, its predicted peak
+      with each form). Without a budget, the host memory available counts what the forward holds.
+    * On another device without an allocation figure: two-node.
+
+    Two-node takes the least memory (no float32 (V, H) accumulator, the weight's gradient formed vocabulary tile by
+    vocabulary tile); it is also taken where no form fits or no memory figure is known."""
     params = list(model.parameters())
-    if not _grads_pending(params):
-        room -= _missing_grad_bytes(params)
+    allocated = allocated_bytes(device)
+    if device.type == "cpu" and budget is not None and planned is not None:
+        return next((form for form in reversed(HEAD_FORMS) if form in forms and form in planned), HeadForm.TWO_NODE)
+    figure = room(model, device, budget, _grads_pending(params), allocated, state)
+    if figure is None or (allocated is None and device.type != "cpu"):  # (what the forward holds is not known)
+        return HeadForm.TWO_NODE
     vocab, hidden = head.out_features, head.in_features  # not the weight's shape: ZeRO-3 partitions it
     trained = any(p.requires_grad for p in head.parameters())
     db = head.weight.element_size()
-    for form in (form for form in reversed(mm.HEAD_FORMS) if form in forms):
-        if mm.head_backward_bytes(vocab, hidden, n, logits_chunk, db, head_trained=trained, form=form) <= room:
+    space = figure.room - margin(figure.total)
+    for form in (form for form in reversed(HEAD_FORMS) if form in forms):
+        if mm.head_backward_bytes(vocab, hidden, n, logits_chunk, db, head_trained=trained, form=form) <= space:
             return form
-    return "two-node"
+    return HeadForm.TWO_NODE

@@ -58,6 +58,8 @@ from collections.abc import Callable, Collection
 from itertools import accumulate
 
 from ..logits.eager import eager_rows
+from ..logits.forms import HEAD_FORMS, HeadForm
+from .choices import CHUNKS, KVMode, StepPlan, Trained
 from .forward import forward_peak_bytes
 from .layout import Layout
 from .mixers import (
@@ -70,7 +72,6 @@ from .mixers import (
 )
 from .model_shape import ModelShape
 from .setup import (
-    HEAD_FORMS,
     LORA_RANK,
     MODES,
     OBJECTIVES,
@@ -114,8 +115,8 @@ __all__ = [
     "weight_bytes",
 ]
 
+ALL_TRAINED = Trained()  # every parameter trained, in half precision
 _VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
-CHUNKS = (512, 1024, 2048, 4096, 8192, 16384)  # the stream chunk sizes "auto" chooses among
 
 
 def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
@@ -186,37 +187,31 @@ def _saved_inputs(
 def estimate_activation_bytes(
     shape: ModelShape,
     n: int,
-    chunk: int,
-    logits_chunk: int,
-    db: int = 2,
-    *,
-    offload: bool = False,
-    head_trained: bool = True,
-    layer_trained_params: int | None = None,
-    keep_every: int = 1,
-    head_form: str = "two-node",
-    adapters: bool = False,
-    drop: int = 0,
-    pending_grads: bool = False,
-    capture: bool = False,
+    plan: StepPlan,
+    trained: Trained = ALL_TRAINED,
+    logits_chunk: int | None = None,
+    head_form: HeadForm = HeadForm.TWO_NODE,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
-    length) in chunks of ``chunk`` tokens and logit tiles of ``logits_chunk`` rows; ``layer_trained_params``: a
-    layer's trainable parameters (all of them by default); ``pending_grads``: no parameter gradient is allocated when
-    the step starts, so the peak is above the weights alone and counts each gradient from the moment the backward
-    forms it: none in the forward, the head's from its backward on, a layer's from its own backward on (beside the
-    inputs still kept below it), every one and the embedding's at the end; ``head_form``: the logit kernel's gradient
-    form (:func:`head_backward_bytes`; two-node, the form the engine takes where memory is short); ``adapters``:
-    float32 LoRA adapters on the layers' linear maps; ``keep_every`` / ``drop``: which layers keep their input
-    (:class:`.layout.Layout`); ``capture``: each layer keeps what its backward reads of earlier positions from its
-    forward (``kv_mode="capture"``, :func:`captured_bytes`), so a layer's forward and backward hold those of the
-    layers below it and the head's backward every layer's (with offload: the one below it, whose copy to the host,
-    or back, may run beside it). The larger of the forward's peak (:func:`.forward.forward_peak_bytes`: the top
-    layer's first chunk beside the inputs kept below it) and the backward's: the worst of a softmax-attention
-    layer's backward, each state-carrying or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs,
-    a layer's dY and its full-length output are ``shape.residual`` wide (all its hyper-connection streams)."""
+    length) run as ``plan`` says (its chunk, the layer inputs its layout keeps, offload, key/value mode) with logit
+    tiles of ``logits_chunk`` rows (``None``: the plan's chunk), for what ``trained`` says is trained. With
+    ``trained.pending_grads`` (no parameter gradient allocated when the step starts) the peak is above the weights
+    alone and counts each gradient from the moment the backward forms it: none in the forward, the head's from its
+    backward on, a layer's from its own backward on (beside the inputs still kept below it), every one and the
+    embedding's at the end. ``head_form``: the logit kernel's gradient form (:func:`head_backward_bytes`; two-node,
+    the form the engine takes where memory is short). With keys/values captured (:attr:`KVMode.CAPTURE`) each layer
+    keeps what its backward reads of earlier positions from its forward (:func:`captured_bytes`), so a layer's forward
+    and backward hold those of the layers below it and the head's backward every layer's (with offload: the one below
+    it, whose copy to the host, or back, may run beside it).
+
+    The larger of the forward's peak (:func:`.forward.forward_peak_bytes`: the top layer's first chunk beside the
+    inputs kept below it) and the backward's: the worst of a softmax-attention layer's backward, each state-carrying
+    or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs, a layer's dY and its full-length output
+    are ``shape.residual`` wide (all its hyper-connection streams)."""
     h, r, kv, d = shape.hidden, shape.residual, shape.kv_dim, shape.head_dim
-    layout = Layout(every=keep_every, drop=drop)
+    db, layout, offload, chunk = trained.db, plan.layout, plan.offload, plan.chunk
+    pending_grads, layer_trained_params, head_trained = trained.pending_grads, trained.layer_params, trained.head
+    logits_chunk = chunk if logits_chunk is None else logits_chunk
     # pending gradients: the head's (formed by its backward, the first) and a layer's on average (formed by its own)
     head_grad = shape.vocab * h * db if pending_grads and head_trained else 0
     layer_grad = 0
@@ -225,7 +220,8 @@ def estimate_activation_bytes(
         layer_grad = (layer_params if layer_trained_params is None else layer_trained_params) * db
 
     chunk_rows = min(chunk, n)
-    kept = captured_bytes(shape, n, chunk_rows, db) if capture else (0,) * shape.layers
+    captures = plan.kv_mode == KVMode.CAPTURE
+    kept = captured_bytes(shape, n, chunk_rows, db) if captures else (0,) * shape.layers
     below_sums = list(accumulate(kept, initial=0))
 
     def captured(below: int) -> int:
@@ -292,7 +288,7 @@ def estimate_activation_bytes(
         peaks.append(head_grad + embedding + shape.layers * layer_grad + (r * db + _per_token_bytes(shape, db)) * n)
     forward = _per_token_bytes(shape, db) * n
     forward += forward_peak_bytes(
-        shape, n, chunk_rows, db, lora=adapters, layout=layout, offload=offload, captured=captured
+        shape, n, chunk_rows, db, lora=trained.adapters, layout=layout, offload=offload, captured=captured
     )
     return max(*peaks, head, forward)
 
@@ -305,7 +301,7 @@ def head_backward_bytes(
     db: int = 2,
     *,
     head_trained: bool = True,
-    form: str = "two-node",
+    form: HeadForm = HeadForm.TWO_NODE,
 ) -> int:
     """Peak bytes the logit kernel's gradient takes for ``n`` rows (:data:`HEAD_FORMS`), beyond the hidden states it
     reads: logit tiles (the matmul product, its float32 copy and the probabilities: 10 bytes per element, beside a
@@ -367,36 +363,22 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
     (:func:`optimizer_step_bytes`)."""
     n = setup.rows * seq_len
     if setup.mode.startswith("stream"):
-        chunk = setup.chunk or CHUNKS[0]  # None: the smallest, where "auto" ends up at the longest lengths
         activations = estimate_activation_bytes(
-            shape,
-            n,
-            chunk,
-            setup.logits_chunk or chunk,
-            setup.dtype_bytes,
-            offload=setup.offload,
-            head_trained=not setup.lora,
-            layer_trained_params=lora_layer_params(shape) if setup.lora else None,
-            keep_every=setup.keep_every,
-            drop=setup.drop,
-            head_form=setup.head_form,
-            adapters=setup.lora,
-            pending_grads=setup.pending_grads,
-            capture=setup.capture,
+            shape, n, setup.plan(), setup.trained(shape), setup.logits_chunk, setup.head_form
         )
     else:
         activations = _checkpointing_bytes(shape, setup, n)
     return max(static_bytes(shape, setup) + activations, optimizer_step_bytes(shape, setup))
 
 
-def estimate_host_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> int:
-    """Pinned host bytes the step holds: the offloaded layer inputs (the first input of every segment but the first,
-    which is rebuilt from the token ids; every layer's input but the first one's without ``keep_every`` or ``drop``)
-    and, with ``capture``, what every layer keeps from its forward (:func:`captured_bytes`, at ``setup.chunk``, the
-    smallest chunk when ``None``); 0 without offload."""
-    if not setup.offload:
+def estimate_host_bytes(shape: ModelShape, plan: StepPlan, n: int, db: int = 2) -> int:
+    """Pinned host bytes a step on ``n`` tokens run as ``plan`` holds: the offloaded layer inputs (the first input of
+    every segment but the first, which is rebuilt from the token ids; every layer's input but the first one's where
+    every input is kept) and, with keys/values captured, what every layer keeps from its forward
+    (:func:`captured_bytes`, at the plan's chunk); 0 without offload. ``db``: bytes per element."""
+    if not plan.offload:
         return 0
-    n, db = setup.rows * seq_len, setup.dtype_bytes
-    inputs = len(Layout(every=setup.keep_every, drop=setup.drop).segments(shape.layers)) - 1
-    captured = sum(captured_bytes(shape, n, min(setup.chunk or CHUNKS[0], n), db)) if setup.capture else 0
+    inputs = len(plan.layout.segments(shape.layers)) - 1
+    captures = plan.kv_mode == KVMode.CAPTURE
+    captured = sum(captured_bytes(shape, n, min(plan.chunk, n), db)) if captures else 0
     return inputs * shape.residual * db * n + captured

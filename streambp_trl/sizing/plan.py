@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..logits.forms import HEAD_FORMS, HeadForm
 from . import memory_model as mm
+from .choices import KVMode, PlanChoices, StepPlan, Trained
 from .layout import Layout
 from .lengths import longest_fitting
 from .model_shape import ModelShape
-from .units import GiB, size_text
+from .units import GiB
 
 CHUNK_OVERHEAD_TOKENS = 256
 REBUILD_COST = 0.25
@@ -52,42 +54,12 @@ def margin(room: int) -> int:
     return min(MARGIN, max(room, 0) // 64)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-    """How one streamed call runs: ``chunk`` tokens per chunk (and logit tile), the ``layout`` of kept layer inputs,
-    ``offload`` of the kept ones to pinned host memory, ``capture`` of each layer's keys/values in its forward; what
-    the memory model predicts for it (``activations``: device bytes beyond weights and gradients; ``host``: pinned
-    host bytes) and its predicted relative ``time``."""
-
-    chunk: int
-    layout: Layout = Layout()
-    offload: bool = False
-    activations: int = 0
-    host: int = 0
-    time: float = 1.0
-    capture: bool = False
-
-    def describe(self, tokens: int, layers: int, held: int | None = None, room: int | None = None) -> str:
-        """The plan in plain words, e.g. ``262,144 tokens: chunk 4096, every layer input kept, checkpoints offloaded
-        to host (70.0 GiB pinned), predicted peak 41.2 GiB of 78.0 GiB``; ``held``: the weights and gradients the
-        peak adds to the activations, ``room``: what the device allows them (``None``: not known)."""
-        words = [f"{tokens:,} tokens: chunk {self.chunk}", self.layout.describe(layers)]
-        if self.offload:  # (no pinned bytes on the CPU, where offload keeps the checkpoints as they are)
-            pinned = f" ({size_text(self.host)} pinned)" if self.host else ""
-            words.append(f"checkpoints offloaded to host{pinned}")
-        if self.capture:
-            words.append("keys/values kept from the forward")
-        if held is not None:
-            peak = f"predicted peak {size_text(held + self.activations)}"
-            words.append(peak if room is None else f"{peak} of {size_text(held + room)}")
-        return ", ".join(words)
-
-
-def predicted_time(chunk: int, layout: Layout, offload: bool, layers: int, capture: bool = False) -> float:
-    """The relative time of a step (see the module docstring)."""
-    rebuilt = layout.rebuilt(layers) / max(layers, 1)
-    time = (1 + CHUNK_OVERHEAD_TOKENS / chunk) * (1 + REBUILD_COST * rebuilt) * (OFFLOAD_COST if offload else 1.0)
-    return time * (1 - COLLECT_COST if capture else 1.0)
+def predicted_time(plan: StepPlan, layers: int) -> float:
+    """The relative time of a step run as ``plan`` says, for ``layers`` layers (see the module docstring)."""
+    rebuilt = plan.layout.rebuilt(layers) / max(layers, 1)
+    time = (1 + CHUNK_OVERHEAD_TOKENS / plan.chunk) * (1 + REBUILD_COST * rebuilt)
+    time *= OFFLOAD_COST if plan.offload else 1.0
+    return time * (1 - COLLECT_COST if plan.kv_mode == KVMode.CAPTURE else 1.0)
 
 
 def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layout]:
@@ -103,66 +75,37 @@ def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layo
 
 @dataclasses.dataclass(frozen=True)
 class Planner:
-    """What the plans of one model are chosen from: its ``shape``, parameter dtype (``db`` bytes), whether its LM
-    head is trained and whether it carries LoRA ``adapters`` (``layer_trained_params``: a layer's trained parameters,
-    all of them by default); whether its parameter gradients are ``pending`` (none allocated when the call starts: the
-    backward forms them, :func:`.memory_model.estimate_activation_bytes`); and the user's fixed ``chunk``,
-    ``keep_every``, ``offload`` and ``kv_mode`` (``None``: chosen by the plan)."""
+    """What the plans of one model are chosen from: its ``shape``, what is ``trained`` (the memory model's
+    :class:`~.choices.Trained`) and the user's ``choices`` (each ``None``: chosen by the plan)."""
 
     shape: ModelShape
-    db: int = 2
-    head_trained: bool = True
-    adapters: bool = False
-    chunk: int | None = None
-    keep_every: int | None = None
-    offload: bool | None = None
-    layer_trained_params: int | None = None
-    pending_grads: bool = False
-    kv_mode: str | None = "recompute"
+    trained: Trained = Trained()
+    choices: PlanChoices = PlanChoices()
 
-    def estimate(
-        self, tokens: int, chunk: int, layout: Layout, offload: bool, capture: bool = False
-    ) -> tuple[int, int]:
-        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (the memory model), with
-        what ``capture`` keeps from the forward (:func:`.memory_model.captured_bytes`) on the device and, with
-        offload, on the host."""
-        activations = mm.estimate_activation_bytes(
-            self.shape,
-            tokens,
-            chunk,
-            chunk,
-            self.db,
-            offload=offload,
-            head_trained=self.head_trained,
-            keep_every=layout.every,
-            drop=layout.drop,
-            adapters=self.adapters,
-            layer_trained_params=self.layer_trained_params,
-            pending_grads=self.pending_grads,
-            capture=capture,
-        )
-        mode = "stream+offload" if offload else "stream"
-        setup = mm.StepSetup(
-            mode=mode, dtype_bytes=self.db, chunk=chunk, keep_every=layout.every, drop=layout.drop, capture=capture
-        )
-        return activations, mm.estimate_host_bytes(self.shape, setup, tokens)
+    def estimate(self, tokens: int, plan: StepPlan, head_form: HeadForm = HeadForm.TWO_NODE) -> tuple[int, int]:
+        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens run as ``plan`` says (the
+        memory model), with what capturing keys/values keeps from the forward (:func:`.memory_model.captured_bytes`)
+        on the device and, with offload, on the host; the LM head's gradient in ``head_form``."""
+        activations = mm.estimate_activation_bytes(self.shape, tokens, plan, self.trained, head_form=head_form)
+        return activations, mm.estimate_host_bytes(self.shape, plan, tokens, self.trained.db)
 
-    def choices(self, seq_len: int, rebuildable: bool, can_offload: bool) -> tuple[list, list[Layout], list[bool]]:
+    def choices_open(self, seq_len: int, rebuildable: bool, can_offload: bool) -> tuple[list, list, list[bool]]:
         """The chunks, layouts and offload settings open to a call of ``seq_len`` tokens per sequence (``rebuildable``:
         its layer inputs may be rebuilt; ``can_offload``: offload saves device memory, i.e. not on the CPU)."""
-        chunks = [self.chunk] if self.chunk is not None else [c for c in mm.CHUNKS if c <= max(seq_len, mm.CHUNKS[0])]
-        offloads = [self.offload] if self.offload is not None else [False, True] if can_offload else [False]
-        return chunks, layouts(self.shape.layers, self.keep_every, rebuildable), offloads
+        chunk, offload = self.choices.chunk, self.choices.offload
+        chunks = [chunk] if chunk is not None else [c for c in mm.CHUNKS if c <= max(seq_len, mm.CHUNKS[0])]
+        offloads = [offload] if offload is not None else [False, True] if can_offload else [False]
+        return chunks, layouts(self.shape.layers, self.choices.keep_every, rebuildable), offloads
 
-    def captures(self, offload: bool, layout: Layout) -> list[bool]:
-        """Whether keys/values are captured, for a plan that offloads or not and keeps the layer inputs ``layout``
-        says: the user's ``kv_mode`` where fixed; else recomputed, or captured where there is no offload and every
-        layer input is kept as well. A rebuilt input costs a layer forward, as much as the key/value pass capture
-        saves: trading one for the other gains nothing and holds more."""
-        if self.kv_mode is not None:
-            return [self.kv_mode == "capture"]
+    def kv_modes(self, offload: bool, layout: Layout) -> list[KVMode]:
+        """How keys/values may be had, for a plan that offloads or not and keeps the layer inputs ``layout`` says:
+        the user's ``kv_mode`` where fixed; else recomputed, or captured where there is no offload and every layer
+        input is kept as well. A rebuilt input costs a layer forward, as much as the key/value pass capture saves:
+        trading one for the other gains nothing and holds more."""
+        if self.choices.kv_mode is not None:
+            return [self.choices.kv_mode]
         open_ = not offload and not layout.rebuilt(self.shape.layers)
-        return [False, True] if open_ else [False]
+        return [KVMode.RECOMPUTE, KVMode.CAPTURE] if open_ else [KVMode.RECOMPUTE]
 
     def best(
         self, rows: int, seq_len: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
@@ -170,20 +113,24 @@ class Planner:
         """The fastest plan for ``rows`` x ``seq_len`` tokens whose device activations fit ``limit`` and whose pinned
         host bytes fit ``host_room`` (``None``: not known, so no offload is taken); ``None`` when none fits. Ties go to
         the smaller peak."""
-        chunks, layout_choices, offloads = self.choices(seq_len, rebuildable, can_offload)
-        best, key, layers = None, None, self.shape.layers
+        chunks, layout_choices, offloads = self.choices_open(seq_len, rebuildable, can_offload)
+        best, key = None, None
         for offload in offloads:
             for layout in layout_choices:
                 for chunk in chunks:
-                    for capture in self.captures(offload, layout):
-                        activations, host = self.estimate(rows * seq_len, chunk, layout, offload, capture)
+                    for kv_mode in self.kv_modes(offload, layout):
+                        plan = StepPlan(chunk, layout, offload, kv_mode=kv_mode)
+                        activations, host = self.estimate(rows * seq_len, plan)
                         if activations > limit or (offload and (host_room is None or host > host_room)):
                             continue
-                        time = predicted_time(chunk, layout, offload, layers, capture)
+                        time = predicted_time(plan, self.shape.layers)
                         if key is None or (time, activations) < key:
-                            plan = StepPlan(chunk, layout, offload, activations, host, time, capture)
-                            best, key = plan, (time, activations)
-        return best
+                            best = dataclasses.replace(plan, activations=activations, host=host, time=time)
+                            key = (time, activations)
+        if best is None:
+            return None
+        fitting = (f for f in HEAD_FORMS if self.estimate(rows * seq_len, best, f)[0] <= limit)
+        return dataclasses.replace(best, head_forms=tuple(fitting))
 
     def longest(
         self, rows: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool, step: int = 1024
@@ -195,12 +142,12 @@ class Planner:
         captures keys/values, with them recomputed. Keyed by what a user would set (a layout no option sets, some
         inputs rebuilt below the top layer, is the plan's with ``stream_keep_every`` unset); a way that is not open,
         fits no length, or reaches no further than one before it is left out (so none, where nothing fits)."""
-        chunks, layout_choices, offloads = self.choices(1 << 30, rebuildable, can_offload)
-        layers, chunk, captured = self.shape.layers, min(chunks), self.kv_mode == "capture"
+        chunks, layout_choices, offloads = self.choices_open(1 << 30, rebuildable, can_offload)
+        layers, chunk, configured = self.shape.layers, min(chunks), self.choices.kv_mode or KVMode.RECOMPUTE
 
-        def longest(layout: Layout, offload: bool, capture: bool = captured) -> int:
+        def longest(layout: Layout, offload: bool, kv_mode: KVMode = configured) -> int:
             def fits(tokens: int) -> bool:
-                activations, host = self.estimate(rows * tokens, chunk, layout, offload, capture)
+                activations, host = self.estimate(rows * tokens, StepPlan(chunk, layout, offload, kv_mode=kv_mode))
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
             return longest_fitting(fits, step) or longest_fitting(fits, step=1)
@@ -217,8 +164,8 @@ class Planner:
             best = max(reach, key=lambda layout: (reach[layout], -layout.rebuilt(layers)))
             if reach[best] > max(ways.values()):
                 ways[name(best, offload)] = reach[best]
-        if captured:
-            recomputed = longest(layout_choices[0], offloads[0], capture=False)
+        if configured == KVMode.CAPTURE:
+            recomputed = longest(layout_choices[0], offloads[0], KVMode.RECOMPUTE)
             if recomputed > max(ways.values()):
                 ways["stream_kv_mode=recompute"] = recomputed
         return {way: tokens for way, tokens in ways.items() if tokens}

@@ -27,12 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..logits.forms import HeadForm
 from . import optimizers
+from .choices import CHUNKS, KVMode, StepPlan, Trained
+from .layout import Layout
 from .model_shape import ModelShape
 
 MODES = ("hf-gc", "trl-default", "stream", "stream+offload")
 OBJECTIVES = ("sft", "dpo", "grpo")
-HEAD_FORMS = ("two-node", "fused", "eager")  # the forms of the logit kernel's gradient, by memory taken
 LORA_RANK = 16
 _ADAPTER_BYTES = 4  # PEFT keeps LoRA adapters in float32 beside a half-precision base (autocast_adapter_dtype)
 _QUANTIZED_ADAPTER_BYTES = 2  # TRL casts a quantized model's adapters to bfloat16
@@ -57,12 +59,12 @@ class StepSetup:
     optimizer: str = "none"
     keep_every: int = 1  # stream modes: only every k-th layer keeps its input (streambp_trl.layers.kept.segments)
     drop: int = 0  # stream modes: layers below the top one whose input is rebuilt (.layout.Layout)
-    head_form: str = "two-node"  # stream modes: the logit kernel's gradient form (HEAD_FORMS), as the engine chose it
+    head_form: HeadForm = HeadForm.TWO_NODE  # stream modes: the logit kernel's gradient form, as the engine chose it
     # stream modes: no parameter gradient is allocated when the step starts (a trainer's zero_grad(set_to_none=True)
     # between optimizer steps, every micro-step with gradient_accumulation_steps=1): each is counted from the moment
     # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
     pending_grads: bool = False
-    capture: bool = False  # stream mode: every layer keeps its keys/values from its forward (kv_mode="capture")
+    kv_mode: KVMode = KVMode.RECOMPUTE  # stream modes: how each layer's backward gets its keys/values
     optimizer_offload: bool = False
     quantized: str | None = None
 
@@ -71,8 +73,10 @@ class StepSetup:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}.")
-        if self.head_form not in HEAD_FORMS:
-            raise ValueError(f"head_form must be one of {HEAD_FORMS}, got {self.head_form!r}.")
+        for name, kind in (("head_form", HeadForm), ("kv_mode", KVMode)):
+            if getattr(self, name) not in tuple(kind):
+                raise ValueError(f"{name} must be one of {tuple(map(str, kind))}, got {getattr(self, name)!r}.")
+            object.__setattr__(self, name, kind(getattr(self, name)))
         if self.quantized is not None and (self.quantized not in QUANTIZED or not self.lora):
             raise ValueError(f"quantized must be one of {tuple(QUANTIZED)}, with lora=True; got {self.quantized!r}.")
         object.__setattr__(self, "optimizer", optimizers.canonical(self.optimizer))
@@ -85,6 +89,22 @@ class StepSetup:
     @property
     def offload(self) -> bool:
         return self.mode == "stream+offload"
+
+    def plan(self) -> StepPlan:
+        """The stream modes' plan this setup runs: its chunk (``None``: the smallest of :data:`CHUNKS`, where
+        ``"auto"`` ends up at the longest lengths), kept layer inputs, offload and key/value mode."""
+        layout = Layout(every=self.keep_every, drop=self.drop)
+        return StepPlan(self.chunk or CHUNKS[0], layout, self.offload, kv_mode=self.kv_mode)
+
+    def trained(self, shape: ModelShape) -> Trained:
+        """What the step trains (the head and whole layers, or LoRA adapters on the layers of ``shape``)."""
+        return Trained(
+            db=self.dtype_bytes,
+            head=not self.lora,
+            adapters=self.lora,
+            layer_params=lora_layer_params(shape) if self.lora else None,
+            pending_grads=self.pending_grads,
+        )
 
     @property
     def trained_bytes(self) -> int:

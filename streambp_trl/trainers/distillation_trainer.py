@@ -133,7 +133,7 @@ class StreamDistillationTrainer(StreamTrainerMixin, DistillationTrainer):
             teacher_logit_scale=t_scale,
             token_chunk=tile,
             gathered=zero3_gathered([s_head.weight, s_head.bias, t_head.weight, t_head.bias, *norm_params]),
-            fused_backward=form == "fused",
+            form=form,
         )
         num_valid = valid.sum()
         if num_items_in_batch is None:

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
-from ..engine.options import AUTO, KV_MODES, StreamOptions
+from ..engine.options import AUTO, StreamOptions
+from ..sizing.choices import KV_MODES
 
 
 def _from_text(value):

@@ -1,8 +1,9 @@
 """Model-family adapters: what a family's decoder layer needs to stream, one module per family trait.
 
 An adapter is found once per layer when the engine is installed (``detect(layer, decoder)``, given the layer and its
-decoder's class: an instance, or ``None`` where the layer has no such trait) and kept, in :data:`ADAPTERS` order, in
-the layer's :class:`~..hook.LayerPlan`, which reads the plan facts off them (:class:`~.base.LayerAdapter`). For each
+decoder's class: an instance, or ``None`` where the layer has no such trait) and kept, in :data:`ADAPTERS` order (each
+after those its class names in ``after``, :func:`in_order`; otherwise as listed), in
+the layer's :class:`~..hook.LayerFacts`, which reads these facts off them (:class:`~.base.LayerAdapter`). For each
 call the hook hands the call's arguments through each adapter's ``bind``, in that order, and its hidden states through
 ``enter`` before the chunks and the output through ``leave`` after; it composes their ``wrap`` around the layer's own
 forward, innermost first (the function a chunk's run and each recompute call, ``func(layer, x, *args, **kwargs)``, as
@@ -24,7 +25,7 @@ forward, innermost first (the function a chunk's run and each recompute call, ``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from torch import nn
 
@@ -41,20 +42,36 @@ from .stacked import StackedStreams
 from .state_argument import StateArgument
 from .varlen import VarlenAttention
 
-# wrappers innermost first; arguments bound in this order (the flash documents are read before the mixers' cut
-# takes the sequence descriptors)
-ADAPTERS = (
-    NestedLayers,
-    ContinuedMixers,
-    StackedStreams,
-    StateArgument,
-    DenseMask,
-    KeywordCache,
-    PositionHistory,
-    CompressedAttention,
-    SharedKeysValues,
-    VarlenAttention,
-    RecurrentMixers,
+
+def in_order(kinds: Sequence[type[LayerAdapter]]) -> tuple[type[LayerAdapter], ...]:
+    """``kinds`` with each after every one among them its class names in ``after``, otherwise in the order given (a
+    stable topological order); a ``ValueError`` naming them where their ``after`` declarations form a cycle."""
+    placed: list[type[LayerAdapter]] = []
+    pending = list(kinds)
+    while pending:
+        ready = next((k for k in pending if not any(a in pending for a in k.after)), None)
+        if ready is None:
+            raise ValueError(f"the adapters {[k.__name__ for k in pending]} name each other in `after`: a cycle.")
+        placed.append(ready)
+        pending.remove(ready)
+    return tuple(placed)
+
+
+# wrappers innermost first, arguments bound in this order
+ADAPTERS = in_order(
+    (
+        NestedLayers,
+        ContinuedMixers,
+        StackedStreams,
+        StateArgument,
+        DenseMask,
+        KeywordCache,
+        PositionHistory,
+        CompressedAttention,
+        SharedKeysValues,
+        VarlenAttention,
+        RecurrentMixers,
+    )
 )
 
 
@@ -70,4 +87,4 @@ def wrapped(func: Callable, adapters: tuple[LayerAdapter, ...]) -> Callable:
     return func
 
 
-__all__ = ["ADAPTERS", "CallArguments", "LayerAdapter", "adapters_of", "wrapped"]
+__all__ = ["ADAPTERS", "CallArguments", "LayerAdapter", "adapters_of", "in_order", "wrapped"]

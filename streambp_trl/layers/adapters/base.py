@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -39,8 +40,11 @@ class LayerAdapter:
     ``min_chunk``: the fewest tokens a chunk may have. ``from_prefix``: the arguments each chunk gets from its first
     key position on. ``compress_rates``: cache slot -> compress rate of compressed attentions. ``cache_name``: the
     argument the layer takes its cache under, where none of transformers' cache names is a parameter of its forward.
+    ``after``: the adapters this one must follow where a layer has both (their ``bind`` runs first, their ``wrap``
+    inside this one's), declared by the trait that needs it (:func:`~..adapters.in_order`).
     """
 
+    after: ClassVar[tuple[type[LayerAdapter], ...]] = ()
     min_chunk: int = 1
     from_prefix: tuple[str, ...] = ()
     compress_rates: Mapping[int, int] = types.MappingProxyType({})

@@ -12,6 +12,7 @@ from ..layer_args import PACKING_KWARGS, document_starts
 from ..shared_kv import SharedKV
 from ..traits import carries_state, keeps_documents_apart
 from .base import CallArguments, LayerAdapter
+from .varlen import VarlenAttention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,7 @@ class RecurrentMixers(LayerAdapter):
 
     apart: bool | None
     min_chunk = 2
+    after = (VarlenAttention,)  # flash's documents are read from the sequence descriptors before the cut takes them
 
     @classmethod
     def detect(cls, layer: nn.Module, decoder: type) -> RecurrentMixers | None:

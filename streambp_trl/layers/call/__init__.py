@@ -11,26 +11,22 @@
 
 from .backward import ChunkBackward
 from .layer_call import (
-    KV_MODES,
     ChunkedForward,
     ForwardRecord,
     LayerCall,
     RecordedCall,
-    StreamSettings,
     layer_name,
     returned,
 )
 from .stream_layer import StreamLayerFunction
 
 __all__ = [
-    "KV_MODES",
     "ChunkBackward",
     "ChunkedForward",
     "ForwardRecord",
     "LayerCall",
     "RecordedCall",
     "StreamLayerFunction",
-    "StreamSettings",
     "layer_name",
     "returned",
 ]

@@ -140,7 +140,7 @@ class ChunkBackward:
         if not record.slots and not record.state_layout:  # nothing to collect (an MLP-only layer, a KV-reusing one)
             return CarryStore(call.seq_len, rates=call.compress_rates)
         if len(record.slots) != 1 or states:
-            return call.forward_chunks(x, keep_kv=True, rng="replay", record=record).kv
+            return call.replay_chunks(x, record).kv
         kv = CarryStore(call.seq_len, rates=call.compress_rates)
         with torch.no_grad(), queries_skipped(call.layer):
             for i, (s, e) in enumerate(call.chunks()):

@@ -2,8 +2,8 @@
 pass and each chunk's backward recompute (the math and memory they implement: :mod:`.stream_layer`, whose autograd
 Function drives them).
 
-:class:`StreamSettings` says how the decoder layers are streamed; :class:`LayerCall` describes one call (its layer,
-bound arguments, chunk size), built once; its forward returns a :class:`ChunkedForward` with the
+:class:`LayerCall` describes one call (its layer, bound arguments and what the call's plan says for it: chunk,
+key/value mode, offload), built once; its forward returns a :class:`ChunkedForward` with the
 :class:`ForwardRecord` its backward needs (each chunk's random state, the cache slots and carried states, the linear
 maps its recompute skips); the chunks' backward, :class:`~.backward.ChunkBackward`, is a function of the two.
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...attention import StreamMask, streaming
+from ...sizing.choices import KVMode
 from ..carry import CarryStore, ChunkCache
 from ..kept import CheckpointOffload, EmbeddingSource, Segment
 from ..layer_args import slice_arg
@@ -25,26 +26,6 @@ from ..rng import RngState
 from ..shared_kv import ChunkShared, SharedKV
 from .guards import Versions
 from .unread import unread_outputs
-
-KV_MODES = ("recompute", "capture")
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamSettings:
-    """How the decoder layers are streamed, whatever the call (the chunk is the call's:
-    :class:`~..decoder_call.DecoderCall`).
-
-    ``kv_mode``: ``"recompute"`` (default) recomputes every layer's keys/values in backward from its saved input;
-    ``"capture"`` keeps them from the forward, costing kv_dim x 2 values per token per layer.
-    ``offload``: where each layer's saved input (and kept keys/values) waits between forward and backward, when not
-    on the device (see :mod:`streambp_trl.layers.kept.offload`).
-    ``keep_every``: only the first of every ``keep_every`` consecutive layers keeps its input; the others rebuild
-    theirs in backward (see :mod:`streambp_trl.layers.kept.segments`).
-    """
-
-    kv_mode: str = "recompute"
-    offload: CheckpointOffload | None = None
-    keep_every: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +84,8 @@ class LayerCall:
     func: object  # the layer's undecorated forward, with its family's adapters around it
     kwargs: Mapping
     per_token: Mapping
-    settings: StreamSettings
+    kv_mode: KVMode  # how its backward gets its keys/values (the call's plan)
+    offload: CheckpointOffload | None  # where its kept input (and captured keys/values) waits: None, on the device
     seq_len: int
     autocast: Mapping
     configs: tuple
@@ -114,7 +96,7 @@ class LayerCall:
     embedding_source: EmbeddingSource | None = None  # x is rebuilt from the token ids in backward, not kept
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
-    chunk_size: int = 0  # tokens per chunk of this call
+    chunk: int = 0  # tokens per chunk of this call (the call's plan)
     min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
     shared: SharedKV | None = None  # the decoder call's keys/values shared across layers (``shared_kv_states``)
     compress_rates: Mapping[int, int] = dataclasses.field(default_factory=dict)  # compressed attentions' slots
@@ -150,7 +132,7 @@ class LayerCall:
         """The chunks [s, e) of the sequence, ``chunk_size`` tokens each but the last, also cut where a document
         starts (``resets``); a chunk shorter than ``min_chunk`` that starts no document joins the one before (a
         document's first chunk starts from a zero state, so it may be shorter)."""
-        c = max(self.chunk_size, self.min_chunk)
+        c = max(self.chunk, self.min_chunk)
         cuts = sorted({*range(0, self.seq_len, c), *self.resets})
         bounds: list[tuple[int, int]] = []
         for s, e in zip(cuts, [*cuts[1:], self.seq_len], strict=True):
@@ -215,58 +197,34 @@ class LayerCall:
             )
         return out, extras, nones
 
-    def forward_chunks(
-        self, x: torch.Tensor, keep_kv: bool, rng: str, record: ForwardRecord | None = None
-    ) -> ChunkedForward:
-        """Prefill, first chunk to last, under no grad; the keys/values are kept if ``keep_kv``.
-
-        ``rng``: ``"record"`` each chunk's random state (the forward a backward will follow: it also finds which
-        outputs no backward reads, and hands the keys/values later layers reuse to the decoder call's shared ones),
-        ``"replay"`` those of ``record``, or ``"none"``.
-        """
-        y = None
+    def forward_chunks(self, x: torch.Tensor, recorded: bool) -> ChunkedForward:
+        """The layer's forward, first chunk to last under no grad, keys/values and carried states handed on in its
+        store. ``recorded``: a backward follows (the stream layer Function's forward), so each chunk's random state is
+        recorded (every recompute of the chunk draws the same numbers), the first chunk finds which outputs no backward
+        reads, and the per-token outputs are checked against a window of keys; otherwise (a call without gradient)
+        nothing is recorded. Either way the keys/values later layers reuse go to the decoder call's shared ones."""
         kv = CarryStore(self.seq_len, rates=self.compress_rates)
-        states: list[RngState] = []
-        unread: list[nn.Module] = []
-        stores: dict[str, int] = {}
-        full: list[torch.Tensor] = []
-        streams: tuple[int, ...] = ()
-        nones = None
+        y, full, streams, states, unread, stores, nones = None, [], (), [], [], {}, None
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
-                if rng == "record":
+                if recorded:
                     states.append(RngState(x))
-                elif rng == "replay":
-                    record.rng[i].restore()
-                p = self.prefix_start(s)
-                cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i), resets=s in self.resets)
-                shared = self.shared_view(cache, p, e)
-                if i == 0 and rng == "record":  # the forward a backward will follow: which outputs it never reads
-                    with unread_outputs(self.layer, cache.outgoing.values) as unread:
-                        out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
-                else:
-                    out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
-                if shared is not None and rng != "replay":
-                    stores.update(shared.stored)
-                if e < self.seq_len and e not in self.resets:  # the next chunk starts a document: nothing enters it
-                    kv.record(i, cache.outgoing)
+                out, extras, nones, shared, found = self._chunk(x, kv, i, s, e, find_unread=recorded and i == 0)
+                unread = found if i == 0 else unread
+                stores.update(shared.stored if shared is not None else {})
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
-                    if rng != "replay":  # a replay's per-token outputs are the forward's again
-                        full = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
-                        streams = tuple(j for j, t in enumerate(extras) if t.is_floating_point())
+                    full = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
+                    streams = tuple(j for j, t in enumerate(extras) if t.is_floating_point())
                 y[:, s:e] = out
-                if len(extras) > len(streams) and p > 0 and rng != "replay":
+                if len(extras) > len(streams) and self.prefix_start(s) > 0:
                     raise ValueError(
                         f"StreamBP cannot stream {type(self.layer).__name__}: it returns per-token indices beside its "
                         "output while its chunks attend to a window of keys, whose positions such indices would be "
                         "counted from."
                     )
-                if rng != "replay":
-                    for t_full, t in zip(full, extras, strict=True):
-                        t_full[:, s:e] = t
-        if rng == "replay":
-            return ChunkedForward(y, kv, (), nones, record)
+                for t_full, t in zip(full, extras, strict=True):
+                    t_full[:, s:e] = t
         for kind, slot in stores.items():  # the keys/values later layers reuse: every position's, detached
             self.shared.kv[kind] = tuple(t.detach() for t in kv.kv[slot])
         made = ForwardRecord(
@@ -278,6 +236,40 @@ class LayerCall:
             streams=streams,
         )
         return ChunkedForward(y, kv, tuple(full), nones, made)
+
+    def replay_chunks(self, x: torch.Tensor, record: ForwardRecord) -> ChunkedForward:
+        """The recorded forward again from its input ``x``, first chunk to last under no grad, each chunk with the
+        random state ``record`` holds for it: a segment's rebuilt input, or a backward's collection of the keys/values
+        and carried states. Its per-token outputs are the forward's, not formed again."""
+        kv = CarryStore(self.seq_len, rates=self.compress_rates)
+        y, nones = None, None
+        with torch.no_grad():
+            for i, (s, e) in enumerate(self.chunks()):
+                record.rng[i].restore()
+                out, _, nones, _, _ = self._chunk(x, kv, i, s, e)
+                if y is None:
+                    y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
+                y[:, s:e] = out
+        return ChunkedForward(y, kv, (), nones, record)
+
+    def _chunk(
+        self, x: torch.Tensor, kv: CarryStore, i: int, s: int, e: int, find_unread: bool = False
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], int | None, ChunkShared | None, list[nn.Module]]:
+        """The ``i``-th chunk [s, e) against the prefix ``kv`` holds, its outgoing carry recorded there (unless the
+        next chunk starts a packed row's document, which nothing enters): its output, per-token outputs, ``None``
+        count, shared keys/values view and, with ``find_unread``, the linear maps whose output nothing reads."""
+        p = self.prefix_start(s)
+        cache = ChunkCache(kv, s, s - p, incoming=kv.incoming(i), resets=s in self.resets)
+        shared = self.shared_view(cache, p, e)
+        unread: list[nn.Module] = []
+        if find_unread:
+            with unread_outputs(self.layer, cache.outgoing.values) as unread:
+                out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
+        else:
+            out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
+        if e < self.seq_len and e not in self.resets:
+            kv.record(i, cache.outgoing)
+        return out, extras, nones, shared, unread
 
     def shared_view(self, cache: ChunkCache, p: int, e: int) -> ChunkShared | None:
         """The chunk's ``shared_kv_states`` (keys from position ``p`` to ``e``), where the layer takes one."""
@@ -294,7 +286,7 @@ class RecordedCall:
 
     def replay(self, x: torch.Tensor) -> torch.Tensor:
         """The call's output again from its input ``x``, each chunk with the random state its forward drew."""
-        return self.call.forward_chunks(x, keep_kv=False, rng="replay", record=self.record).y
+        return self.call.replay_chunks(x, self.record).y
 
 
 def _per_token(t: object, x: torch.Tensor) -> bool:

@@ -58,6 +58,7 @@ import functools
 
 import torch
 
+from ...sizing.choices import KVMode
 from ..carry import CarryStore
 from .backward import ChunkBackward
 from .guards import check_backward, saved_tensors_hooked, sole_holder
@@ -68,8 +69,8 @@ class StreamLayerFunction(torch.autograd.Function):
     """One decoder layer call, forward and backward chunk by chunk (the math and memory: this module's docstring).
 
     Args (of ``apply``):
-        call: the :class:`LayerCall` (the layer, its bound arguments, settings and chunk size); what the forward
-            records lives on ``ctx`` (a :class:`RecordedCall`), nowhere on the layer or the call.
+        call: the :class:`LayerCall` (the layer, its bound arguments, its plan's chunk, key/value mode and offload);
+            what the forward records lives on ``ctx`` (a :class:`RecordedCall`), nowhere on the layer or the call.
         x: the hidden states (batch, T, hidden).
         inputs: the gradient-carrying per-token arguments (``call.grad_inputs``, also held in ``call.kwargs``), then
             the layer's trainable parameters.
@@ -87,15 +88,15 @@ class StreamLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | tuple:
-        capture = call.settings.kv_mode == "capture"
-        ran = call.forward_chunks(x, keep_kv=capture, rng="record")
+        capture = call.kv_mode == KVMode.CAPTURE
+        ran = call.forward_chunks(x, recorded=True)
         y, kv, extras = ran.y, ran.kv, ran.extras
-        offload = call.settings.offload
+        offload = call.offload
         keeps_x = call.embedding_source is None and (call.segment is None or call.position == 0)
         # a tensor of our own over x's memory: whoever else holds x (or a view of it) is seen by `sole_holder`
         kept_x = x.detach() if keeps_x else None
         recorded = RecordedCall(call, dataclasses.replace(ran.record, versions=call.versions(kept_x)))
-        ctx.recorded, ctx.params, ctx.capture = recorded, inputs[len(call.grad_inputs) :], capture
+        ctx.recorded, ctx.params = recorded, inputs[len(call.grad_inputs) :]
         ctx.nones = ran.nones
         if call.segment is not None:  # the segment keeps its first layer's input, for all its layers' backwards
             call.segment.join(recorded, call.position)
@@ -128,7 +129,7 @@ class StreamLayerFunction(torch.autograd.Function):
             dy = torch.zeros(shape, dtype=dtype, device=device)
         check_backward(ctx, layer_name(call.layer))
         record.versions.check()
-        saved = ctx.saved_tensors if ctx.kept is None else call.settings.offload.load(ctx.kept)
+        saved = ctx.saved_tensors if ctx.kept is None else call.offload.load(ctx.kept)
         ctx.kept = None
         if call.segment is not None:
             x, flat = call.segment.input(call.position, functools.partial(_segment_first_input, call)), saved
@@ -137,7 +138,7 @@ class StreamLayerFunction(torch.autograd.Function):
         else:
             x, *flat = saved
         kv = None
-        if ctx.capture:
+        if call.kv_mode == KVMode.CAPTURE:
             layout = record.state_layout
             kv = CarryStore.from_flat(call.seq_len, record.slots, layout, tuple(flat), call.compress_rates)
         n_extra = len(call.grad_inputs)
@@ -157,5 +158,5 @@ def _segment_first_input(call: LayerCall, kept: object) -> torch.Tensor:
     first = recorded.call if recorded is not None else None
     if first is not None and first.embedding_source is not None:
         return first.embedding_source.rebuild(first.autocast)
-    offload = call.settings.offload
+    offload = call.offload
     return (offload.load(kept) if offload is not None else kept)[0]
