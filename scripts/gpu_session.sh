@@ -3,10 +3,10 @@
 # limit, everything written under OUT (default: gpu_session/) and packed into OUT.tgz at the end.
 #
 #   bash scripts/gpu_session.sh [OUT]                 # the checks below
-#   bash scripts/gpu_session.sh [OUT] long-context    # only scripts/gpu_long_context.py (one call, under 9 minutes):
+#   bash scripts/gpu_session.sh [OUT] long-context    # only scripts/gpu.py long-context (one call, under 9 minutes):
 #       TRL's default and "auto" at 163,840 and 262,144 tokens and a StreamSFTTrainer LoRA run at 131,072, the
 #       allocator capped at 78 GiB
-#   bash scripts/gpu_session.sh [OUT] speed           # only scripts/gpu_bench.py (one call, under 9 minutes), the
+#   bash scripts/gpu_session.sh [OUT] speed           # only scripts/gpu.py bench (one call, under 9 minutes), the
 #       allocator capped at 78 GiB and stream as the trainers plan it (--planned): TRL's default and stream at 16k,
 #       32k and 64k; then at 64k stream and stream + offload with keys/values recomputed (offload's cost, and what
 #       capture saves); then stream recomputing at 16k and 32k; two measured steps per mode, a fresh process each
@@ -20,8 +20,8 @@
 #       (8192, 16384), fixed rather than planned (about 8 minutes)
 #
 # 1. tests/test_cuda.py with its JSON-lines report (exactness, kernels, offload, memory model): about 110 s;
-# 2. scripts/gpu_bench.py at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
-# 3. scripts/gpu_profile.py at 16,000 tokens (a length no multiple of the chunk: cuDNN's padded last chunk): 80 s;
+# 2. scripts/gpu.py bench at 16k tokens, two measured steps per mode (the four modes' peak and time): about 120 s;
+# 3. scripts/gpu.py profile at 16,000 tokens (a length no multiple of the chunk: cuDNN's padded last chunk): 80 s;
 # 4. Qwen3.5-9B with LoRA, one stream step at the simulator's longest length in 78 GiB (234,496 tokens, chunk 2048,
 #    memory_budget 78GiB: the two-node logit form the simulation ran), with the time left (about 4 minutes).
 # Wheels under .whl/ (transformers, trl, datasets, peft and their needs: docs/benchmarks.md, the GPU kit) are installed first.
@@ -40,21 +40,21 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFE
 cat "$OUT/device.txt"
 
 if [ "${2:-}" = "long-context" ]; then
-  echo "== scripts/gpu_long_context.py"
-  timeout 530 python3 scripts/gpu_long_context.py --out-dir "$OUT" --timeout 120 > "$OUT/gpu_long_context.log" 2>&1
+  echo "== scripts/gpu.py long-context"
+  timeout 530 python3 scripts/gpu.py long-context --out-dir "$OUT" --timeout 120 > "$OUT/gpu_long_context.log" 2>&1
   echo "rc=$?"; tail -12 "$OUT/gpu_long_context.log"
   exit 0
 fi
 
 if [ "${2:-}" = "qlora" ]; then  # a real QLoRA step on either side of TRL's default's limit
   echo "== TRL's default, QLoRA, 118,784 tokens"
-  timeout 200 python3 scripts/gpu_long_context.py --out-dir "$OUT" --name gpu_qlora_trl_default --no-baseline \
+  timeout 200 python3 scripts/gpu.py long-context --out-dir "$OUT" --name gpu_qlora_trl_default --no-baseline \
     --lengths --quantize --trl-trainer --trainer-steps 1 --trainer-length 118784 --timeout 95 \
     > "$OUT/gpu_qlora_trl_default.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/gpu_qlora_trl_default.log"
   left=$((545 - (SECONDS - T0)))
   echo "== stream, QLoRA, 262,144 tokens ($left s)"
-  timeout "$left" python3 scripts/gpu_long_context.py --out-dir "$OUT" --name gpu_qlora_stream --no-baseline \
+  timeout "$left" python3 scripts/gpu.py long-context --out-dir "$OUT" --name gpu_qlora_stream --no-baseline \
     --lengths --quantize --trainer-steps 1 --trainer-length 262144 --timeout $(((left - 10) / 2)) \
     > "$OUT/gpu_qlora_stream.log" 2>&1
   echo "rc=$?"; tail -4 "$OUT/gpu_qlora_stream.log"
@@ -68,7 +68,7 @@ if [ "${2:-}" = "calibrate" ]; then  # the time model's chunk and capture costs 
       echo "== chunk $chunk, keys/values $kv"
       left=$((545 - (SECONDS - T0)))
       [ "$left" -gt 60 ] || break 2
-      timeout "$left" python3 scripts/gpu_bench.py --device cuda --memory-cap 78GiB --repeats 2 --no-max-len \
+      timeout "$left" python3 scripts/gpu.py bench --device cuda --memory-cap 78GiB --repeats 2 --no-max-len \
         --seq-len 98304 --mode stream --chunk $chunk --kv-mode $kv --time-budget $((left - 10)) --out-dir "$OUT" \
         --name "gpu_calibrate_${kv}_$chunk" > "$OUT/gpu_calibrate_${kv}_$chunk.log" 2>&1
       echo "rc=$?"; grep -A3 "^| mode" "$OUT/gpu_calibrate_${kv}_$chunk.log" | head -4
@@ -78,13 +78,13 @@ if [ "${2:-}" = "calibrate" ]; then  # the time model's chunk and capture costs 
 fi
 
 if [ "${2:-}" = "speed" ]; then
-  # bench NAME SECONDS ARGS...: scripts/gpu_bench.py with stream as the trainers plan it, in at most SECONDS
+  # bench NAME SECONDS ARGS...: scripts/gpu.py bench with stream as the trainers plan it, in at most SECONDS
   bench() {
     local name=$1 most=$2 left; shift 2
     left=$((545 - (SECONDS - T0))); left=$((left < most ? left : most))
     echo "== $name at $((SECONDS - T0)) s ($left s)"
     [ "$left" -gt 40 ] || return 0
-    timeout "$left" python3 scripts/gpu_bench.py --device cuda --planned --memory-cap 78GiB --repeats 2 --no-max-len \
+    timeout "$left" python3 scripts/gpu.py bench --device cuda --planned --memory-cap 78GiB --repeats 2 --no-max-len \
       --time-budget $((left - 15)) --out-dir "$OUT" --name "$name" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$?"; tail -14 "$OUT/$name.log"
   }
@@ -99,13 +99,13 @@ STREAMBP_CUDA_REPORT="$OUT/test_cuda.jsonl" timeout 175 python3 -m pytest -q -p 
   > "$OUT/test_cuda.log" 2>&1
 echo "rc=$?"; tail -15 "$OUT/test_cuda.log"
 
-echo "== scripts/gpu_bench.py at $((SECONDS - T0)) s"
-timeout 175 python3 scripts/gpu_bench.py --device cuda --seq-len 16384 --repeats 2 --no-max-len --time-budget 150 \
+echo "== scripts/gpu.py bench at $((SECONDS - T0)) s"
+timeout 175 python3 scripts/gpu.py bench --device cuda --seq-len 16384 --repeats 2 --no-max-len --time-budget 150 \
   --out-dir "$OUT" > "$OUT/gpu_bench.log" 2>&1
 echo "rc=$?"; tail -12 "$OUT/gpu_bench.log"
 
-echo "== scripts/gpu_profile.py at $((SECONDS - T0)) s"
-timeout 110 python3 scripts/gpu_profile.py --configs trl stream:4096 --seq-len 16000 --repeats 2 --timeout 52 \
+echo "== scripts/gpu.py profile at $((SECONDS - T0)) s"
+timeout 110 python3 scripts/gpu.py profile --configs trl stream:4096 --seq-len 16000 --repeats 2 --timeout 52 \
   --out-dir "$OUT" --name gpu_profile_16000 > "$OUT/gpu_profile.log" 2>&1
 echo "rc=$?"; tail -8 "$OUT/gpu_profile.log"
 

@@ -1,7 +1,6 @@
-"""``scripts/gpu_bench.py``: its time-budget decisions, summary and bracket (pure functions), its order of
+"""``scripts/gpu.py bench``: its time-budget decisions, summary and bracket (pure functions), its order of
 measurements with a fake measure and clock, and a real run on the CPU (the fallback CI runs)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -14,17 +13,10 @@ import pytest
 from streambp_trl.bench.spec import MeasureSpec, Mode
 from streambp_trl.sizing.shapes import NAMED_MODELS
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gb = _load()
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu.py"
+# appended, not first: scripts/model_support.py must not shadow tests/model_support.py
+sys.path.append(str(SCRIPT.parent))
+from subcommands import gpu_bench as gb  # noqa: E402
 
 
 def _rec(mode, n, time_s=1.0, wall_s=None, status="ok", peak_mb=10.0, warmup_seq_len=None, **extra):
@@ -218,7 +210,7 @@ def test_order_oom_and_time_budget_with_a_fake_measure(tmp_path, monkeypatch):
 def test_cpu_run(tmp_path):
     """The CPU fallback, for real: every measurement a fresh process (warm-up at 128 tokens), then a short bisection
     against 24 MiB."""
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--model", "qwen3-tiny", "--seq-len", "256", "512"]
+    cmd = [sys.executable, str(SCRIPT), "bench", "--device", "cpu", "--model", "qwen3-tiny", "--seq-len", "256", "512"]
     cmd += ["--mode", "checkpoint+chunked-loss", "stream", "stream+offload", "--chunk", "128", "--step", "256"]
     # (a time budget a loaded machine does not spend: with two other test suites running beside it, 120 s cut these
     # measurements short)
@@ -232,7 +224,7 @@ def test_cpu_run(tmp_path):
         (m, n): "ok" for m in ("checkpoint+chunked-loss", "stream", "stream+offload") for n in (256, 512)
     }
     assert all(r["warmup_seq_len"] == 128 for r in result["records"])
-    assert result["command"].startswith("python ") and "gpu_bench.py" in result["command"]
+    assert result["command"].startswith("python ") and "gpu.py bench" in result["command"]
     assert result["env"]["device"] == "cpu" and result["env"]["versions"]["torch"]
     offload = result["summary"]["offload_vs_stream_time"]
     assert set(offload) == {"256", "512"} and all(math.isfinite(v["ratio"]) for v in offload.values())
@@ -298,10 +290,10 @@ def test_stream_options_fix_what_is_given_and_plan_the_rest(mode, planned, kv_mo
 
 @pytest.mark.slow
 def test_long_context_kit_on_the_cpu(tmp_path):
-    """scripts/gpu_long_context.py end to end on a tiny model: TRL's default, "auto" at two lengths and the
+    """scripts/gpu.py long-context end to end on a tiny model: TRL's default, "auto" at two lengths and the
     StreamSFTTrainer LoRA run, each in a fresh process, written as JSON lines and a table with the plans."""
-    script = SCRIPT.with_name("gpu_long_context.py")
-    cmd = [sys.executable, str(script), "--device", "cpu", "--model", "qwen3-tiny", "--dtype", "float32"]
+    cmd = [sys.executable, str(SCRIPT), "long-context", "--device", "cpu", "--model", "qwen3-tiny"]
+    cmd += ["--dtype", "float32"]
     cmd += [
         "--lengths",
         "256",
@@ -334,8 +326,8 @@ def test_qlora_kit_on_the_cpu(tmp_path, trl_default):
     """The kit's QLoRA runs (gpu_session.sh qlora) on a tiny model: no stream-only run, the trainer on NF4 base weights
     (every decoder linear map a bitsandbytes 4-bit layer), one optimizer step."""
     pytest.importorskip("bitsandbytes")
-    script = SCRIPT.with_name("gpu_long_context.py")
-    cmd = [sys.executable, str(script), "--device", "cpu", "--model", "qwen3-tiny", "--no-baseline", "--lengths"]
+    cmd = [sys.executable, str(SCRIPT), "long-context", "--device", "cpu", "--model", "qwen3-tiny", "--no-baseline"]
+    cmd += ["--lengths"]
     cmd += ["--quantize", "--trainer-steps", "1", "--trainer-length", "128", "--cap", "none", "--budget", "1GiB"]
     cmd += ["--out-dir", str(tmp_path), "--name", "q", *(["--trl-trainer"] if trl_default else [])]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -1,4 +1,4 @@
-"""scripts/gpu_profile.py (where a step's GPU time goes) on the CPU: its configurations, the trace analysis on a
+"""scripts/gpu.py profile (where a step's GPU time goes) on the CPU: its configurations, the trace analysis on a
 made-up chrome trace (kernel time by kind and by engine phase, busy share, launches and syncs), and one end-to-end
 run of two configurations in fresh processes."""
 
@@ -10,7 +10,7 @@ import pytest
 
 # appended, not first: scripts/model_support.py must not shadow tests/model_support.py
 sys.path.append(str(Path(__file__).resolve().parents[1] / "scripts"))
-import gpu_profile  # noqa: E402
+from subcommands import gpu_profile  # noqa: E402
 
 from streambp_trl.bench.spec import Mode  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Measure one training step for real: peak memory and time, each (mode, length) in a fresh process.
 
-This is the measuring code shared by ``streambp-trl max-len`` (its real bisection) and ``scripts/bench_bp.py`` /
-``scripts/bench_objectives.py``. A :class:`~streambp_trl.bench.spec.MeasureSpec` names the model, the mode and the
+This is the measuring code shared by ``streambp-trl max-len`` (its real bisection) and ``scripts/cpu.py bp`` /
+``scripts/cpu.py objectives``. A :class:`~streambp_trl.bench.spec.MeasureSpec` names the model, the mode and the
 length; :func:`measure` runs it in a fresh ``python`` process (the worker, :mod:`streambp_trl.bench.worker`, run as
 a script, which prints one JSON line back), so no allocator cache, peak counter or patched model leaks between
 measurements. On the CPU the child runs with ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc then returns large frees to

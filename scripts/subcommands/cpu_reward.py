@@ -6,7 +6,7 @@ head, ``num_labels=1``, random weights, dropout off as TRL's ``disable_dropout``
 rejected], two sequences of ``--seq-len`` random tokens (pad id 0, never drawn, so each score is read at the last
 token), and the Bradley-Terry loss ``-logsigmoid(r_chosen - r_rejected)`` is backpropagated.
 
-Modes (the names of ``scripts/bench_objectives.py``):
+Modes (the names of ``cpu.py objectives``):
 
 * ``trl``: RewardTrainer's defaults: Hugging Face activation checkpointing as its ``Trainer`` enables it
   (``activation_checkpointing_enable()``: non-reentrant), the model's own forward (the score head at every position).
@@ -16,9 +16,9 @@ Modes (the names of ``scripts/bench_objectives.py``):
 Memory is the peak above the loaded model (CPU: peak RSS with ``MALLOC_MMAP_THRESHOLD_=131072``, the kernel's
 peak counter reset before the step; CUDA: peak allocated), parameter gradients included, after one warm-up step;
 the figure of merit is its growth per extra token (KiB/token) between the two lengths. Results go to
-``benchmarks/NAME.json`` and ``.md`` in the form of ``scripts/bench_objectives.py``.
+``benchmarks/NAME.json`` and ``.md`` in the form of ``cpu.py objectives``.
 
-    python scripts/bench_reward.py --seq-len 2048 4096 --out cpu_reward_qwen3_4l_fp32
+    python scripts/cpu.py reward --seq-len 2048 4096 --out cpu_reward_qwen3_4l_fp32
 """
 
 from __future__ import annotations
@@ -27,20 +27,21 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_bp  # noqa: E402  (metadata and output directory)
-import bench_objectives  # noqa: E402  (modes and summary)
+from streambp_trl.bench.spec import DTYPES
 
-from streambp_trl.bench.memory_meter import MemoryMeter  # noqa: E402
-from streambp_trl.bench.spec import DTYPES  # noqa: E402
+from . import cpu_bp
+from .common import REPO_ROOT, entry, prefixed_record
+from .cpu_objectives import MODES, fmt, measured_steps, render_table, summarize, write_results
 
 RESULT_PREFIX = "BENCH_REWARD_RESULT "
+HEADING = (  # the report's title and settings line (cpu_objectives.render_table)
+    "# One reward-model step ([chosen; rejected] scores, Bradley-Terry loss), {model}, {dtype}, {device_name}",
+    "Stream chunk {stream_chunk_size}; memory: {memory}; 1-minute load average at the measurements: {load} on "
+    "{cpu_cores} cores",
+)
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -79,17 +80,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.synchronize(device)
         return loss.item()
 
-    step()  # first-touch pages, lazy initialisation
-    model.zero_grad(set_to_none=True)
-    meter = MemoryMeter(device)
-    times, peaks, losses = [], [], []
-    for _ in range(spec["repeats"]):
-        meter.reset()
-        start = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - start)
-        peaks.append(meter.peak_above_baseline())
-        model.zero_grad(set_to_none=True)
+    times, peaks, losses = measured_steps(step, model, device, spec["repeats"])
     return {
         **spec,
         "objective": "reward",
@@ -105,62 +96,28 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` in a fresh process (this script with ``--worker``)."""
-    env = {**os.environ, "PYTHONPATH": str(bench_bp.REPO_ROOT)}
+    """``spec`` in a fresh process (``cpu.py reward --worker``)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     if spec["device"] == "cpu":
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     print(f"[measure] mode={spec['mode']} seq_len={spec['seq_len']} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True, text=True
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode == 0 and lines:
-        return json.loads(lines[-1][len(RESULT_PREFIX) :])
+    cmd = [sys.executable, str(entry("cpu")), "reward", "--worker", json.dumps(spec)]
+    record, proc = prefixed_record(cmd, RESULT_PREFIX, env)
+    if proc.returncode == 0 and record is not None:
+        return record
     return {**spec, "status": "error", "returncode": proc.returncode, "error": proc.stderr[-2000:]}
 
 
 def render(meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    """The Markdown table of ``scripts/bench_objectives.py``, for the reward step (no logit tile: no LM head)."""
-    lengths = sorted({r["seq_len"] for r in records})
-    by = {(r["mode"], r["seq_len"]): r for r in records if r.get("status") == "ok"}
-
-    def fmt(value, spec: str = ".1f") -> str:
-        return "-" if value is None else format(value, spec)
-
-    lines = [
-        f"# One reward-model step ([chosen; rejected] scores, Bradley-Terry loss), {meta['model']}, {meta['dtype']}, "
-        f"{meta['device_name']}",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Versions: {json.dumps(meta['versions'])}; git {meta['git']}; engine {meta['engine_sha256']}  ",
-        f"Stream chunk {meta['stream_chunk_size']}; memory: {meta['memory']}; 1-minute load average at the "
-        f"measurements: {fmt(max((r.get('load_average_1m', 0) for r in records), default=None))} on "
-        f"{meta['cpu_cores']} cores",
-        "",
-        "| mode | "
-        + " | ".join(f"peak MiB at 2x{n}" for n in lengths)
-        + " | KiB per extra token | "
-        + " | ".join(f"time s at 2x{n}" for n in lengths)
-        + " |",
-        "|---|" + "---:|" * (2 * len(lengths) + 1),
-    ]
-    for mode in bench_objectives.MODES:
-        peaks = " | ".join(fmt(by.get((mode, n), {}).get("peak_mb")) for n in lengths)
-        times = " | ".join(fmt(by.get((mode, n), {}).get("time_s"), ".2f") for n in lengths)
-        lines.append(f"| {mode} | {peaks} | {fmt(summary['kib_per_token'].get(mode))} | {times} |")
-    if "memory_ratio" in summary:
-        lines += [
-            "",
-            f"Memory per extra token, stream / TRL: **{summary['memory_ratio']:.2f}x** (target <= "
-            f"{summary['target_memory_ratio']}); time at the longest length: {summary['time_ratio_at_longest']:.2f}x.",
-        ]
-    return "\n".join(lines) + "\n"
+    """The Markdown table of ``cpu.py objectives``, for the reward step (no logit tile: no LM head)."""
+    load = fmt(max((r.get("load_average_1m", 0) for r in records), default=None))
+    return render_table(HEADING, meta, records, summary, load=load)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3-cpu-bench", help="named size of bench_bp.py, Hub name or dir")
-    parser.add_argument("--mode", nargs="+", choices=bench_objectives.MODES, default=list(bench_objectives.MODES))
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-cpu-bench", help="named size of cpu.py bp, Hub name or dir")
+    parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048, 4096], help="tokens per sequence")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--stream-chunk-size", type=int, default=1024)
@@ -190,17 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     meta_args = argparse.Namespace(
         **vars(args), batch_size=2, logits_chunk_size=None, same_logits_tile=True, kv_mode="recompute"
     )
-    meta = {**bench_bp.metadata(meta_args, args.device), "objective": "reward"}
+    meta = {**cpu_bp.metadata(meta_args, args.device), "objective": "reward"}
     for key in ("logits_chunk_size", "trl_token_chunk_size"):  # no LM head, no logit tile
         del meta[key]
-    summary = bench_objectives.summarize(records, args.seq_len)
+    summary = summarize(records, args.seq_len)
     print(render(meta, records, summary))
-    if args.out:
-        bench_bp.BENCH_DIR.mkdir(exist_ok=True)
-        result = {"meta": meta, "records": records, "summary": summary}
-        (bench_bp.BENCH_DIR / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (bench_bp.BENCH_DIR / f"{args.out}.md").write_text(render(meta, records, summary))
-
-
-if __name__ == "__main__":
-    main()
+    write_results(args.out, meta, records, summary, render(meta, records, summary))

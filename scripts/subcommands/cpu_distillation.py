@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Memory and time of one distillation step: TRL's ``DistillationTrainer`` with its defaults against
 ``StreamDistillationTrainer``, each measurement in a fresh process.
 
@@ -24,7 +23,7 @@ where both peaks are per-token phases: at 2 x 2048 tokens TRL's peak is the tile
 fallback (a fixed few hundred MiB), which understates its growth between 2048 and 4096 (measured: 24.9 KiB/token,
 against 68.4 between 4096 and 8192).
 
-    python scripts/bench_distillation.py --seq-len 4096 8192 --out cpu_distillation_qwen3_4l_fp32
+    python scripts/cpu.py distillation --seq-len 4096 8192 --out cpu_distillation_qwen3_4l_fp32
 """
 
 from __future__ import annotations
@@ -35,17 +34,20 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_bp  # noqa: E402  (metadata and output directory)
+from . import cpu_bp
+from .common import REPO_ROOT, entry, prefixed_record
+from .cpu_objectives import MODES, measured_steps, render_table, summarize, write_results
 
-MODES = ("trl", "stream")
 RESULT_PREFIX = "BENCH_DISTILLATION_RESULT "
-TARGET_MEM_RATIO = 0.4  # stream KiB per extra token <= 0.4 x TRL's (reported, never enforced)
 VOCAB_TILE = 8192  # vocabulary columns per logit tile, in both modes (the stream kernel's default)
+HEADING = (  # the report's title and settings line (cpu_objectives.render_table)
+    "# One distillation step (student forward/backward, teacher forward, generalised JSD with beta 0.5), {model} "
+    "student, teacher {teacher_width}x as wide, {dtype}, {device_name}",
+    "Stream chunk {stream_chunk_size}, logit tile {logits_chunk_size} x {vocab_tile} (TRL's divergence kernel: the "
+    "same); memory: {memory}",
+)
 
 
 def teacher_config(model: str, width: float) -> Any:
@@ -61,13 +63,12 @@ def teacher_config(model: str, width: float) -> Any:
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build both models and the mode's trainer, warm up, measure one step (``spec``: this script's arguments)."""
+    """Build both models and the mode's trainer, warm up, measure one step (``spec``: this subcommand's arguments)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from streambp_trl import StreamDistillationConfig, StreamDistillationTrainer
-    from streambp_trl.bench.memory_meter import MemoryMeter
     from streambp_trl.bench.models import build_model
 
     device = torch.device("cpu")
@@ -86,7 +87,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         chunks = {k: spec[k] for k in ("stream_chunk_size", "logits_chunk_size")}
         trainer_cls, config = StreamDistillationTrainer, StreamDistillationConfig(**options, **chunks)
-    tokenizer = AutoTokenizer.from_pretrained(bench_bp.REPO_ROOT / "configs" / "tiny_model")
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / "configs" / "tiny_model")
     trainer = trainer_cls(
         model=student,
         teacher_model=teacher,
@@ -113,17 +114,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         loss.backward()
         return loss.item()
 
-    step()  # first-touch pages, lazy initialisation
-    model.zero_grad(set_to_none=True)
-    meter = MemoryMeter(device)
-    times, peaks, losses = [], [], []
-    for _ in range(spec["repeats"]):
-        meter.reset()
-        start = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - start)
-        peaks.append(meter.peak_above_baseline())
-        model.zero_grad(set_to_none=True)
+    times, peaks, losses = measured_steps(step, model, device, spec["repeats"])
     return {
         "mode": spec["mode"],
         "seq_len": spec["seq_len"],
@@ -138,76 +129,26 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure(spec: dict[str, Any], timeout: float | None) -> dict[str, Any]:
     """``spec`` in a fresh process (peak RSS tracks live tensors there); its record, or ``status: "error"``."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(bench_bp.REPO_ROOT)}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(REPO_ROOT)}
     print(f"[measure] mode={spec['mode']} seq_len={spec['seq_len']} ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, str(entry("cpu")), "distillation", "--worker", json.dumps(spec)]
     try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--worker", json.dumps(spec)], env=env, capture_output=True, text=True,
-            timeout=timeout,
-        )  # fmt: skip
+        record, proc = prefixed_record(cmd, RESULT_PREFIX, env, timeout)
     except subprocess.TimeoutExpired:
         return {**spec, "status": "error", "error": f"timed out after {timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
+    if proc.returncode != 0 or record is None:
         return {**spec, "status": "error", "error": proc.stderr[-2000:]}
-    record = json.loads(lines[-1][len(RESULT_PREFIX) :])
     print(f"[measure]   peak {record['peak_mb']:.1f} MiB, {record['time_s']:.2f} s", file=sys.stderr, flush=True)
     return record
 
 
-def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
-    by = {(r["mode"], r["seq_len"]): r for r in records if r.get("status") == "ok"}
-    lo, hi = min(lengths), max(lengths)
-    slopes = {
-        mode: (by[(mode, hi)]["peak_mb"] - by[(mode, lo)]["peak_mb"]) * 1024 / (2 * (hi - lo))  # two sequences
-        for mode in MODES
-        if (mode, lo) in by and (mode, hi) in by
-    }
-    summary: dict[str, Any] = {"kib_per_token": slopes}
-    if len(slopes) == 2:
-        summary["memory_ratio"] = slopes["stream"] / slopes["trl"]
-        summary["target_memory_ratio"] = TARGET_MEM_RATIO
-        summary["time_ratio_at_longest"] = by[("stream", hi)]["time_s"] / by[("trl", hi)]["time_s"]
-    return summary
-
-
 def render(meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
-    lengths = sorted({r["seq_len"] for r in records})
-    by = {(r["mode"], r["seq_len"]): r for r in records if r.get("status") == "ok"}
-    head = "| mode | " + " | ".join(f"peak MiB at 2x{n}" for n in lengths) + " | KiB per extra token | "
-    head += " | ".join(f"time s at 2x{n}" for n in lengths) + " |"
-    lines = [
-        f"# One distillation step (student forward/backward, teacher forward, generalised JSD with beta 0.5), "
-        f"{meta['model']} student, teacher {meta['teacher_width']}x as wide, {meta['dtype']}, {meta['device_name']}",
-        "",
-        f"Command: `{meta['command']}`  ",
-        f"Versions: {json.dumps(meta['versions'])}; git {meta['git']}; engine {meta['engine_sha256']}  ",
-        f"Stream chunk {meta['stream_chunk_size']}, logit tile {meta['logits_chunk_size']} x {VOCAB_TILE} (TRL's "
-        "divergence kernel: the same); memory: " + meta["memory"],
-        "",
-        head,
-        "|---|" + "---:|" * (2 * len(lengths) + 1),
-    ]
-    for mode in MODES:
-        peaks = " | ".join(_fmt(by.get((mode, n), {}).get("peak_mb")) for n in lengths)
-        times = " | ".join(_fmt(by.get((mode, n), {}).get("time_s"), ".2f") for n in lengths)
-        lines.append(f"| {mode} | {peaks} | {_fmt(summary['kib_per_token'].get(mode))} | {times} |")
-    if "memory_ratio" in summary:
-        lines += [
-            "",
-            f"Memory per extra token, stream / TRL: **{summary['memory_ratio']:.2f}x** (target <= "
-            f"{TARGET_MEM_RATIO}); time at the longest length: {summary['time_ratio_at_longest']:.2f}x.",
-        ]
-    return "\n".join(lines) + "\n"
+    return render_table(HEADING, meta, records, summary, vocab_tile=VOCAB_TILE)
 
 
-def _fmt(value, spec: str = ".1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen3-cpu-bench", help="the student: a named size of bench_bp.py")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen3-cpu-bench", help="the student: a named size of cpu.py bp")
     parser.add_argument("--teacher-width", type=float, default=1.5, help="the teacher's width over the student's")
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--seq-len", nargs="+", type=int, default=[4096, 8192], help="tokens per sequence")
@@ -231,15 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     meta_args = argparse.Namespace(
         **vars(args), dtype="float32", batch_size=2, kv_mode="recompute", same_logits_tile=True
     )
-    meta = {**bench_bp.metadata(meta_args, "cpu"), "objective": "distillation", "teacher_width": args.teacher_width}
+    meta = {**cpu_bp.metadata(meta_args, "cpu"), "objective": "distillation", "teacher_width": args.teacher_width}
     summary = summarize(records, args.seq_len)
     print(render(meta, records, summary))
-    if args.out:
-        bench_bp.BENCH_DIR.mkdir(exist_ok=True)
-        result = {"meta": meta, "records": records, "summary": summary}
-        (bench_bp.BENCH_DIR / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (bench_bp.BENCH_DIR / f"{args.out}.md").write_text(render(meta, records, summary))
-
-
-if __name__ == "__main__":
-    main()
+    write_results(args.out, meta, records, summary, render(meta, records, summary))

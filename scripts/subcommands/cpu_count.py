@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Count one training step instead of timing it: FLOPs, kernel operations and host syncs per mode.
 
 What: one SFT forward+backward (every token labelled, random ids, random weights, float32 on the CPU) of Hugging Face
@@ -18,7 +17,7 @@ launches, and the difference in host syncs is the syncs inside the layer loop (0
 Counts are exact and repeatable (they do not depend on the machine's load); a step on 2 CPU cores at the issue's
 size (``--model qwen3-1k-bench --seq-len 8192 --chunk 2048``) takes a few minutes per mode::
 
-    python scripts/count_step.py --model qwen3-1k-bench --seq-len 8192 --chunk 2048
+    python scripts/cpu.py count --model qwen3-1k-bench --seq-len 8192 --chunk 2048
 
 Outputs ``--out-dir``/``count_<model>_<seq_len>.{json,md}`` (``benchmarks/``): the command, environment, records and
 a table relative to ``checkpoint``.
@@ -38,6 +37,8 @@ from streambp_trl.bench.metadata import environment
 from streambp_trl.bench.models import build_config
 from streambp_trl.bench.spec import MeasureSpec
 from streambp_trl.sizing.shapes import canonical_model_name
+
+from .common import command_line
 
 MODES = ("checkpoint", "checkpoint+chunked-loss", "stream")
 
@@ -81,8 +82,8 @@ def table(records: dict[str, dict[str, Any]], layer_chunk: dict[str, float] | No
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-1k-bench")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=2048)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layer_chunk = per_layer_chunk(records["stream"], double, build_config(args.model).num_hidden_layers)
     name = args.name or f"count_{canonical_model_name(args.model)}_{args.seq_len}"
     out = {
-        "command": "python scripts/count_step.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("cpu", "count", sys.argv[1:] if argv is None else argv),
         "environment": environment("cpu"),
         "records": records,
         "stream_per_layer_chunk": layer_chunk,
@@ -120,7 +121,3 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     Path(args.out_dir, f"{name}.md").write_text(text)
     print(text)
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -3,8 +3,8 @@ at lengths around the physical limit, and a ``StreamSFTTrainer`` LoRA run, each 
 allocator capped as an 80 GB card's (``--cap``, on a card with more memory). Records the peak, the time and the plan
 "auto" chose, as JSON lines and a markdown table.
 
-    python scripts/gpu_long_context.py --out-dir benchmarks                               # the kit's check
-    python scripts/gpu_long_context.py --device cpu --model qwen3-tiny --lengths 512 1024 --trainer-length 256 \\
+    python scripts/gpu.py long-context --out-dir benchmarks                               # the kit's check
+    python scripts/gpu.py long-context --device cpu --model qwen3-tiny --lengths 512 1024 --trainer-length 256 \\
         --cap none --budget 2GiB --out-dir /tmp/lc                                         # a CPU smoke run
 
 Steps, in order, each under its own time limit (the whole fits one device call of under 9 minutes on an H200):
@@ -31,6 +31,8 @@ from pathlib import Path
 from streambp_trl.bench.measure import measure
 from streambp_trl.bench.metadata import environment
 from streambp_trl.bench.spec import MeasureSpec, Mode
+
+from .common import REPO_ROOT, command_line, entry, prefixed_record
 
 TRAINER_PREFIX = "LONG_CONTEXT_TRAINER="
 
@@ -73,7 +75,7 @@ def trainer_run(args: argparse.Namespace) -> dict:
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (args.trainer_length,)).tolist()
     data = Dataset.from_dict({"input_ids": [ids] * args.trainer_steps})
-    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "configs" / "tiny_model")
+    tokenizer = AutoTokenizer.from_pretrained(REPO_ROOT / "configs" / "tiny_model")
     peaks: list[float] = []
 
     class Peaks(TrainerCallback):
@@ -121,25 +123,24 @@ def _trainer_mode(args: argparse.Namespace) -> str:
     return trainer + ("+QLoRA (NF4)" if args.quantize else "+LoRA")
 
 
-def _trainer_record(args: argparse.Namespace, argv: list[str] | None) -> dict:
+def _trainer_record(args: argparse.Namespace, argv: list[str]) -> dict:
     """:func:`trainer_run` in a fresh process: its record, or one saying how it failed."""
-    cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--trainer-only"]
+    cmd = [sys.executable, str(entry("gpu")), "long-context", *argv, "--trainer-only"]
     failed = {"mode": _trainer_mode(args), "seq_len": args.trainer_length}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout * 2)
+        record, proc = prefixed_record(cmd, TRAINER_PREFIX, timeout=args.timeout * 2)
     except subprocess.TimeoutExpired:
         return {**failed, "status": "timeout"}
-    line = next((x for x in proc.stdout.splitlines() if x.startswith(TRAINER_PREFIX)), None)
-    if line is None:
+    if record is None:
         return {**failed, "status": "error", "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    return json.loads(line[len(TRAINER_PREFIX) :])
+    return record
 
 
-def _table(records: list[dict], env: dict, args: argparse.Namespace) -> str:
+def _table(records: list[dict], env: dict, args: argparse.Namespace, command: str) -> str:
     lines = [
         f"# Long context on {env['device_name']}: {args.model}, {args.dtype}, allocator capped at {args.cap}",
         "",
-        f"- command: `python scripts/gpu_long_context.py {' '.join(sys.argv[1:])}`",
+        f"- command: `{command}`",
         f"- {json.dumps(env)}",
         "",
         "| run | tokens | status | peak GiB | time s | plan |",
@@ -156,8 +157,8 @@ def _table(records: list[dict], env: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--model", default="qwen3-8b")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trainer-steps", type=int, default=2, help="the trainer run's optimizer steps")
     p.add_argument("--trl-trainer", action="store_true", help="the trainer run with TRL's SFTTrainer instead")
     p.add_argument("--trainer-only", action="store_true", help=argparse.SUPPRESS)  # the trainer run's own process
+    argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     args.cap = None if args.cap == "none" else args.cap
     if args.trainer_only:
@@ -196,9 +198,6 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out_dir / f"{name}.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps({**r, "env": env}) + "\n")
-    (args.out_dir / f"{name}.md").write_text(_table(records, env, args))
-    print(_table(records, env, args))
-
-
-if __name__ == "__main__":
-    main()
+    command = command_line("gpu", "long-context", argv)
+    (args.out_dir / f"{name}.md").write_text(_table(records, env, args, command))
+    print(_table(records, env, args, command))

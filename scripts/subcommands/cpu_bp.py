@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Benchmark the memory and time of ONE forward+backward of a causal LM under different backprop strategies.
 
 Modes (``--mode``, one or more): ``plain`` (no checkpointing, full logits), ``checkpoint`` (HF gradient
@@ -35,7 +34,7 @@ length in a fresh process, e.g. ``streambp-trl max-len --model qwen3-8b --json h
 
 Example::
 
-    python scripts/bench_bp.py --model qwen3-cpu-bench --dtype float32 --seq-len 8192 16384 \\
+    python scripts/cpu.py bp --model qwen3-cpu-bench --dtype float32 --seq-len 8192 16384 \\
         --mode plain checkpoint checkpoint+chunked-loss stream --out cpu_qwen3_4l_fp32
 """
 
@@ -48,15 +47,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO_ROOT / "benchmarks"
-sys.path.insert(0, str(REPO_ROOT))
-from streambp_trl.bench.measure import measure  # noqa: E402
-from streambp_trl.bench.metadata import environment  # noqa: E402
-from streambp_trl.bench.models import trl_token_chunk  # noqa: E402
-from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode  # noqa: E402
-from streambp_trl.layers import KV_MODES  # noqa: E402
-from streambp_trl.sizing.shapes import NAMED_MODELS  # noqa: E402
+from streambp_trl.bench.measure import measure
+from streambp_trl.bench.metadata import environment
+from streambp_trl.bench.models import trl_token_chunk
+from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode
+from streambp_trl.sizing.choices import KV_MODES
+from streambp_trl.sizing.shapes import NAMED_MODELS
+
+from .common import BENCH_DIR
 
 # Acceptance targets of the CPU benchmark (reported, never enforced).
 TARGET_MEM_RATIO = 0.35  # stream KiB per extra token <= 0.35 x checkpoint+chunked-loss's
@@ -342,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = build_parser()
+    parser.prog = prog or parser.prog  # "cpu.py bp" / "gpu.py bench" in its usage
     args = parser.parse_args(argv)
     for name in ("batch_size", "stream_chunk_size", "logits_chunk_size", "repeats"):
         if getattr(args, name) < 1:
@@ -391,7 +390,3 @@ def main(argv: list[str] | None = None) -> None:
     result["summary"] = summarize(result["records"])
     write_outputs(args.out, result)
     print(render_markdown(result))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Where a training step's GPU time goes: per mode, the step's wall time split by phase, and (profiled) the GPU
 kernels' time by kind and by phase, the GPU's busy share of the step and the host's launches and syncs.
 
@@ -24,20 +23,17 @@ then, for the configurations in ``--profile``, one step under ``torch.profiler``
 Output: ``--out-dir/NAME.json`` (one record per configuration, the environment and the command) and a summary
 printed as it goes. On a CPU the same runs (no kernels: the profile part records the host's operators only)::
 
-    python scripts/gpu_profile.py --device cpu --model qwen3-tiny --dtype float32 --seq-len 256 \\
+    python scripts/gpu.py profile --device cpu --model qwen3-tiny --dtype float32 --seq-len 256 \\
         --warmup-seq-len 64 --configs trl stream:64 --profile stream:64 --out-dir /tmp/prof
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
-import collections
 import contextlib
 import functools
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -45,10 +41,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from streambp_trl.bench.metadata import PACKAGE_ROOT, environment
+from streambp_trl.bench.spec import MeasureSpec, Mode
 
-from streambp_trl.bench.metadata import PACKAGE_ROOT, environment  # noqa: E402
-from streambp_trl.bench.spec import MeasureSpec, Mode  # noqa: E402
+from .common import command_line, entry, prefixed_record
+from .gpu_profile_trace import analyse_trace
 
 MODES = {
     "trl": Mode.CHECKPOINT_CHUNKED_LOSS,
@@ -57,7 +54,6 @@ MODES = {
     "stream+offload": Mode.STREAM_OFFLOAD,
 }
 RESULT_PREFIX = "GPU_PROFILE_RESULT "
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
 
 
 def parse_config(text: str) -> dict[str, Any]:
@@ -71,104 +67,6 @@ def parse_config(text: str) -> dict[str, Any]:
     if len(rest) > 1:
         fields["kv_mode"] = rest[1]
     return fields
-
-
-def kernel_kind(name: str) -> str:
-    """A kernel's kind, from its name."""
-    low = name.lower()
-    if any(k in low for k in ("flash", "fmha", "attention", "mem_eff")):
-        return "attention"
-    if any(k in low for k in ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "matmul")):
-        return "matmul"
-    if "memcpy" in low or "copy" in low:
-        return "copy"
-    if "memset" in low or "fill" in low:
-        return "fill"
-    if any(k in low for k in ("reduce", "softmax", "norm", "sum")):
-        return "reduction"
-    if any(k in low for k in ("elementwise", "vectorized", "unrolled", "pointwise", "triton")):
-        return "elementwise"
-    return "other"
-
-
-def _union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-def analyse_trace(trace: dict[str, Any], step_name: str = "profiled_step") -> dict[str, Any]:
-    """The figures of one profiled step from its chrome trace (``export_chrome_trace``'s JSON)."""
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    step = next((e for e in events if e.get("name") == step_name), None)
-    t0, t1 = (step["ts"], step["ts"] + step["dur"]) if step else (float("-inf"), float("inf"))
-    annotations: dict[Any, list[tuple[float, float, str]]] = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("sbp/"):
-            annotations[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"][4:]))
-    starts = {tid: sorted(v) for tid, v in annotations.items()}
-    launch_phase: dict[Any, str] = {}
-    launches, syncs = 0, collections.Counter()
-    for e in events:
-        # launches through the runtime API (cudaLaunchKernel) and the driver API (cuLaunchKernelEx: cuBLAS's and
-        # cuDNN's kernels), each tied to its kernel by the correlation id
-        if e.get("cat") not in ("cuda_runtime", "cuda_driver") or not t0 <= e["ts"] <= t1:
-            continue
-        name = str(e.get("name", ""))
-        if "Launch" in name:
-            launches += 1
-        if any(name.startswith(s.strip()) and (s != "cudaMemcpy " or name == "cudaMemcpy") for s in SYNC_CALLS):
-            syncs[name] += 1
-        corr = (e.get("args") or {}).get("correlation")
-        if corr is None:
-            continue
-        spans = starts.get(e.get("tid"), [])
-        i = bisect.bisect_right(spans, (e["ts"], float("inf"), ""))
-        inner = None
-        for _a, b, label in reversed(spans[:i]):  # innermost open span: the latest start that still covers ts
-            if b >= e["ts"]:
-                inner = label
-                break
-        launch_phase[corr] = inner or "outside"
-    by_kind: dict[str, float] = collections.Counter()
-    by_phase: dict[str, float] = collections.Counter()
-    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    intervals = []
-    count = 0
-    for e in events:
-        if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset") or not t0 <= e["ts"] <= t1:
-            continue
-        count += 1
-        dur = float(e["dur"])
-        name = str(e.get("name", ""))
-        kind = "copy" if e["cat"] == "gpu_memcpy" else "fill" if e["cat"] == "gpu_memset" else kernel_kind(name)
-        by_kind[kind] += dur
-        by_phase[launch_phase.get((e.get("args") or {}).get("correlation"), "outside")] += dur
-        by_name[name[:120]][0] += dur
-        by_name[name[:120]][1] += 1
-        intervals.append((e["ts"], e["ts"] + dur))
-    ops = collections.Counter(str(e["name"]) for e in events if e.get("cat") == "cpu_op" and t0 <= e["ts"] <= t1)
-    span_us = (t1 - t0) if step else None
-    busy = _union(intervals)
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:25]
-    return {
-        "step_span_ms": span_us / 1e3 if span_us is not None else None,
-        "kernels": count,
-        "kernel_ms": sum(by_kind.values()) / 1e3,
-        "gpu_busy_ms": busy / 1e3,
-        "gpu_busy_share": busy / span_us if span_us else None,
-        "kernel_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "kernel_ms_by_phase": {k: v / 1e3 for k, v in sorted(by_phase.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [{"name": n, "ms": t / 1e3, "count": c} for n, (t, c) in top],
-        "launches": launches,
-        "sync_calls": dict(syncs),
-        "cpu_ops": sum(ops.values()),
-        "top_cpu_ops": ops.most_common(25),
-    }
 
 
 @contextlib.contextmanager
@@ -347,8 +245,8 @@ def summary_lines(record: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
@@ -370,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per configuration")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     for config in args.configs:
         parse_config(config)
@@ -381,19 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = args.name or f"profile_{args.model}_{args.seq_len}"
     result: dict[str, Any] = {
-        "command": "python scripts/gpu_profile.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("gpu", "profile", argv),
         "environment": environment(args.device),
         "records": [],
     }
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")]))
     for config in args.configs:
-        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--worker", config]
+        cmd = [sys.executable, str(entry("gpu")), "profile", *argv, "--worker", config]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-            if lines:
-                record = json.loads(lines[-1][len(RESULT_PREFIX) :])
-            else:
+            record, proc = prefixed_record(cmd, RESULT_PREFIX, env, args.timeout)
+            if record is None:
                 record = {"config": config, "seq_len": args.seq_len, "status": "failed", "error": proc.stderr[-2000:]}
         except subprocess.TimeoutExpired:
             record = {"config": config, "seq_len": args.seq_len, "status": "timeout"}
@@ -401,7 +297,3 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(summary_lines(record)), flush=True)
         (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

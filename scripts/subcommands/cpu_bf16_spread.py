@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """How far one parameter's bf16 gradient lies from a float64 reference, for plain steps that differ only in rounding
 (SDPA or eager attention, HF gradient checkpointing) beside streamed steps at several chunk sizes, on a tiny model of
 the sweep, over seeds and paddings. A markdown table on stdout.
@@ -8,7 +7,7 @@ every position whose terms nearly cancel (Gated DeltaNet's ``dt_bias``: four num
 positions) lands one or two bf16 units from the reference by the luck of its rounding, and a ratio to one plain
 step's error says little. Example (``benchmarks/cpu_bf16_dt_bias_spread.md``)::
 
-    python scripts/bf16_spread.py --family qwen3_5_text --param model.layers.0.linear_attn.dt_bias
+    python scripts/cpu.py bf16-spread --family qwen3_5_text --param model.layers.0.linear_attn.dt_bias
 """
 
 from __future__ import annotations
@@ -17,13 +16,14 @@ import argparse
 import copy
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from streambp_trl import enable_streambp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model zoo and helpers live in tests/
+from .common import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # the tiny-model zoo and helpers live in tests/
 from model_support import Float64Internals  # noqa: E402
 from zoo import batch, tiny_causal_lm  # noqa: E402
 
@@ -48,15 +48,17 @@ def _steps(model: torch.nn.Module, chunks: list[int]) -> dict[str, torch.nn.Modu
     return steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--family", default="qwen3_5_text")
     parser.add_argument("--param", default="model.layers.0.linear_attn.dt_bias")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--paddings", nargs="+", default=["none", "right", "left"])
     parser.add_argument("--seq-len", type=int, default=515)
     parser.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 1024])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     header = None
     for seed in args.seeds:
@@ -73,7 +75,3 @@ def main() -> None:
                 header = ["seed", "padding", *errors]
                 print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
             print(f"| {seed} | {padding} | " + " | ".join(f"{e:.1e}" for e in errors.values()) + " |", flush=True)
-
-
-if __name__ == "__main__":
-    main()

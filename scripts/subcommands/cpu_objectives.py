@@ -1,5 +1,5 @@
 """Memory and time of one step of a preference or RL objective with TRL's defaults and with the stream engine,
-each measurement in a fresh process (``streambp_trl.bench.measure``, the measuring code of ``bench_bp.py`` and
+each measurement in a fresh process (``streambp_trl.bench.measure``, the measuring code of ``cpu.py bp`` and
 ``streambp-trl max-len``, which runs these objectives too).
 
 * ``--objective dpo``: a DPO step as TRL's ``DPOTrainer`` runs it: the batch is [chosen; rejected], two sequences of
@@ -20,31 +20,42 @@ Modes (:data:`streambp_trl.bench.spec.OBJECTIVE_MODES`):
 Memory is the peak above both loaded models (CPU: peak RSS with ``MALLOC_MMAP_THRESHOLD_=131072``; CUDA: peak
 allocated); the figure of merit is its growth per extra token (KiB/token) between the two lengths.
 
-    python scripts/bench_objectives.py --objective dpo --seq-len 2048 4096 --out cpu_dpo_qwen3_4l_fp32
+The summary and the table of two modes (TRL's defaults and stream) per length are also those of ``cpu.py reward``
+and ``cpu.py distillation`` (:func:`summarize`, :func:`render_table`, :func:`write_results`), and so is the measuring
+of their own fresh processes (:func:`measured_steps`).
+
+    python scripts/cpu.py objectives --objective dpo --seq-len 2048 4096 --out cpu_dpo_qwen3_4l_fp32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
+import time
+from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_bp  # noqa: E402  (metadata and output directory)
+from streambp_trl.bench.measure import measure
+from streambp_trl.bench.memory_meter import MemoryMeter
+from streambp_trl.bench.spec import DTYPES, OBJECTIVE_MODES, MeasureSpec
+from streambp_trl.sizing import memory_model as mm
 
-from streambp_trl.bench.measure import measure  # noqa: E402
-from streambp_trl.bench.spec import DTYPES, OBJECTIVE_MODES, MeasureSpec  # noqa: E402
-from streambp_trl.sizing import memory_model as mm  # noqa: E402
+from . import cpu_bp
+from .common import BENCH_DIR
 
-MODES = tuple(OBJECTIVE_MODES)  # this script's names of the modes: "trl", "stream"
+MODES = tuple(OBJECTIVE_MODES)  # the names of the two modes: "trl", "stream"
 OBJECTIVES = tuple(o for o in mm.OBJECTIVES if o != "sft")  # the preference / RL objectives
 TITLE = {"dpo": "One DPO step (reference + policy)", "grpo": "The policy update of a GRPO step (temperature 0.7)"}
 TARGET_MEM_RATIO = 0.4  # stream KiB per extra token <= 0.4 x TRL's (reported, never enforced)
+HEADING = (  # the report's title and settings line (render_table)
+    "# {title}, {model}, {dtype}, {device_name}",
+    "Stream chunk {stream_chunk_size}, logit tile {logits_chunk_size} (TRL's fused head: the same); memory: {memory}",
+)
 
 
 def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, Any]:
+    """Each mode's memory per extra token between the shortest and the longest length (two sequences a step), and
+    stream's ratios to TRL's."""
     by = {(r["mode"], r["seq_len"]): r for r in records if r.get("status") == "ok"}
     lo, hi = min(lengths), max(lengths)
     slopes = {}
@@ -60,26 +71,31 @@ def summarize(records: list[dict[str, Any]], lengths: list[int]) -> dict[str, An
     return summary
 
 
-def render(meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+def render_table(
+    heading: tuple[str, str], meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[str, Any], **fields
+) -> str:
+    """The Markdown of a two-mode run: ``heading`` (a title and a line of settings, formatted with ``meta`` and
+    ``fields``), the command and versions, then each mode's peak and time per length and its memory per extra
+    token."""
+    title, settings = (line.format_map({**meta, **fields}) for line in heading)
     lengths = sorted({r["seq_len"] for r in records})
     by = {(r["mode"], r["seq_len"]): r for r in records if r.get("status") == "ok"}
     head = "| mode | " + " | ".join(f"peak MiB at 2x{n}" for n in lengths) + " | KiB per extra token | "
     head += " | ".join(f"time s at 2x{n}" for n in lengths) + " |"
     lines = [
-        f"# {TITLE[meta['objective']]}, {meta['model']}, {meta['dtype']}, {meta['device_name']}",
+        title,
         "",
         f"Command: `{meta['command']}`  ",
         f"Versions: {json.dumps(meta['versions'])}; git {meta['git']}; engine {meta['engine_sha256']}  ",
-        f"Stream chunk {meta['stream_chunk_size']}, logit tile {meta['logits_chunk_size']} (TRL's fused head: the "
-        "same); memory: " + meta["memory"],
+        settings,
         "",
         head,
         "|---|" + "---:|" * (2 * len(lengths) + 1),
     ]
     for mode in MODES:
-        peaks = " | ".join(_fmt(by.get((mode, n), {}).get("peak_mb")) for n in lengths)
-        times = " | ".join(_fmt(by.get((mode, n), {}).get("time_s"), ".2f") for n in lengths)
-        lines.append(f"| {mode} | {peaks} | {_fmt(summary['kib_per_token'].get(mode))} | {times} |")
+        peaks = " | ".join(fmt(by.get((mode, n), {}).get("peak_mb")) for n in lengths)
+        times = " | ".join(fmt(by.get((mode, n), {}).get("time_s"), ".2f") for n in lengths)
+        lines.append(f"| {mode} | {peaks} | {fmt(summary['kib_per_token'].get(mode))} | {times} |")
     if "memory_ratio" in summary:
         lines += [
             "",
@@ -89,14 +105,49 @@ def render(meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[st
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value, spec: str = ".1f") -> str:
+def fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def measured_steps(step: Callable[[], float], model, device, repeats: int) -> tuple[list, list, list]:
+    """The measuring of the ``--worker`` processes of ``cpu.py reward`` and ``cpu.py distillation``: one warm-up
+    ``step()``, then ``repeats`` measured ones, the gradients cleared after each: their wall times (s), peaks above
+    the baseline (bytes, :class:`~streambp_trl.bench.memory_meter.MemoryMeter`) and losses."""
+    step()  # first-touch pages, lazy initialisation
+    model.zero_grad(set_to_none=True)
+    meter = MemoryMeter(device)
+    times, peaks, losses = [], [], []
+    for _ in range(repeats):
+        meter.reset()
+        start = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - start)
+        peaks.append(meter.peak_above_baseline())
+        model.zero_grad(set_to_none=True)
+    return times, peaks, losses
+
+
+def write_results(
+    name: str | None, meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[str, Any], markdown: str
+) -> None:
+    """``benchmarks/NAME.json`` (meta, records, summary) and ``benchmarks/NAME.md`` (``markdown``); nothing without
+    a name."""
+    if not name:
+        return
+    BENCH_DIR.mkdir(exist_ok=True)
+    result = {"meta": meta, "records": records, "summary": summary}
+    (BENCH_DIR / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (BENCH_DIR / f"{name}.md").write_text(markdown)
+
+
+def render(meta: dict[str, Any], records: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    return render_table(HEADING, meta, records, summary, title=TITLE[meta["objective"]])
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--objective", choices=OBJECTIVES, default="dpo")
-    parser.add_argument("--model", default="qwen3-cpu-bench", help="named size of bench_bp.py, Hub name or dir")
+    parser.add_argument("--model", default="qwen3-cpu-bench", help="named size of cpu.py bp, Hub name or dir")
     parser.add_argument("--mode", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--seq-len", nargs="+", type=int, default=[2048, 4096], help="tokens per sequence")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -127,15 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             records.append({**measure(spec, args.timeout), "mode": mode})
     meta_args = argparse.Namespace(**vars(args), batch_size=2, kv_mode="recompute", same_logits_tile=True)
-    meta = {**bench_bp.metadata(meta_args, args.device), "objective": args.objective}
+    meta = {**cpu_bp.metadata(meta_args, args.device), "objective": args.objective}
     summary = summarize(records, args.seq_len)
     print(render(meta, records, summary))
-    if args.out:
-        bench_bp.BENCH_DIR.mkdir(exist_ok=True)
-        result = {"meta": meta, "records": records, "summary": summary}
-        (bench_bp.BENCH_DIR / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (bench_bp.BENCH_DIR / f"{args.out}.md").write_text(render(meta, records, summary))
-
-
-if __name__ == "__main__":
-    main()
+    write_results(args.out, meta, records, summary, render(meta, records, summary))

@@ -1,17 +1,17 @@
-#!/usr/bin/env python
 """Simulated CUDA peak memory of one forward+backward (``../shared/cudasim``), appended to a JSON-lines file.
 
-Each (model, mode, length, options) runs ``sim.py`` in a fresh process; the record it prints gets the exact command
-and the memory model's estimate for the same setup (``streambp_trl.bench.simulator.estimate_peak_gib``) added.
-Parameter gradients are allocated before the step (``--grads-ready``: what every step after the first holds).
+Each (model, mode, length, options) runs the simulator's own ``sim.py`` (Qwen3 shapes) in a fresh process; the
+record it prints gets the exact command and the memory model's estimate for the same setup
+(``streambp_trl.bench.simulator.estimate_peak_gib``) added. Parameter gradients are allocated before the step
+(``--grads-ready``: what every step after the first holds).
 Examples::
 
-    python scripts/bench_sim.py --model qwen3-8b qwen3-4b --mode streambp --seq-len 16384 32768 65536
-    python scripts/bench_sim.py --model qwen3-8b --mode streambp --offload --chunk 8192 --seq-len 1048576
-    python scripts/bench_sim.py --model qwen3-8b --mode streambp --keep-every 6 --seq-len 393216
-    python scripts/bench_sim.py --model qwen3-8b --mode gc gc+fused --seq-len 16384 32768
+    python scripts/sim.py grid --model qwen3-8b qwen3-4b --mode streambp --seq-len 16384 32768 65536
+    python scripts/sim.py grid --model qwen3-8b --mode streambp --offload --chunk 8192 --seq-len 1048576
+    python scripts/sim.py grid --model qwen3-8b --mode streambp --keep-every 6 --seq-len 393216
+    python scripts/sim.py grid --model qwen3-8b --mode gc gc+fused --seq-len 16384 32768
 
-The records go to ``benchmarks/sim_qwen3_bf16.jsonl`` (``--out``); ``scripts/bench_report.py`` plots them and
+The records go to ``benchmarks/sim_qwen3_bf16.jsonl`` (``--out``); ``scripts/cpu.py report`` plots them and
 ``tests/test_memory_model.py`` holds the memory model to them.
 """
 
@@ -26,9 +26,10 @@ from pathlib import Path
 
 from streambp_trl.bench.simulator import SIMULATOR_MODES, estimate_peak_gib
 
-ROOT = Path(__file__).resolve().parent.parent
-SIM = ROOT.parent / "shared" / "cudasim" / "sim.py"
-OUT = ROOT / "benchmarks" / "sim_qwen3_bf16.jsonl"
+from .common import BENCH_DIR, CUDASIM, REPO_ROOT
+
+SIM = CUDASIM / "sim.py"
+OUT = BENCH_DIR / "sim_qwen3_bf16.jsonl"
 
 
 def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout: int, keep_every: int = 1) -> dict:
@@ -39,7 +40,7 @@ def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout:
     stream = SIMULATOR_MODES[mode].streams
     if stream:
         cmd += ["--chunk", str(chunk), "--logits-chunk", str(chunk), "--stream-kwargs", json.dumps(kwargs)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     line = next((x for x in out.stdout.splitlines() if x.startswith("{")), None)
     if line is None:
         raise RuntimeError(f"{shlex.join(cmd)} failed:\n{out.stderr[-3000:]}")
@@ -52,8 +53,8 @@ def run(model: str, mode: str, seq_len: int, chunk: int, offload: bool, timeout:
     return record
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", nargs="+", default=["qwen3-8b"])
     p.add_argument("--mode", nargs="+", default=["streambp"], choices=sorted(SIMULATOR_MODES))
     p.add_argument("--seq-len", nargs="+", type=int, required=True)
@@ -71,7 +72,3 @@ def main(argv: list[str] | None = None) -> None:
                 with open(a.out, "a") as f:
                     f.write(json.dumps(record) + "\n")
                 print(json.dumps(record), flush=True)
-
-
-if __name__ == "__main__":
-    main()

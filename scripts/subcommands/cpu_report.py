@@ -1,13 +1,12 @@
-#!/usr/bin/env python
 """Plots and a report from the benchmark records in ``benchmarks/``: ``benchmarks/*.png`` and
 ``benchmarks/REPORT.md``.
 
 Inputs (each optional; what is missing is said in the report, not an error):
 
-* ``scripts/bench_bp.py`` outputs (``{"metadata": ..., "records": [...]}``) measured on a CPU (default: the files
+* ``cpu.py bp`` outputs (``{"metadata": ..., "records": [...]}``) measured on a CPU (default: the files
   ``benchmarks/cpu_qwen3_4l_fp32*.json``) or a GPU (every ``benchmarks/*.json`` whose device is ``cuda``): peak
   memory above the model and time per token vs sequence length, one line per mode and setting.
-* ``scripts/bench_objectives.py`` outputs (``{"meta": ..., "records": [...]}``, ``benchmarks/cpu_dpo_*.json``,
+* ``cpu.py objectives`` outputs (``{"meta": ..., "records": [...]}``, ``benchmarks/cpu_dpo_*.json``,
   ``cpu_grpo_*``): peak memory of one DPO / GRPO step, TRL vs stream.
 * simulated CUDA records of ``../shared/cudasim/sim.py`` (``benchmarks/sim_*.jsonl``, one JSON object per line:
   ``model``, ``mode``, ``seq_len``, ``peak_gib``, ``host_peak_gib``, ``stream_kwargs``, ``grads_ready``, ``sdpa``;
@@ -16,7 +15,7 @@ Inputs (each optional; what is missing is said in the report, not an error):
 
 Needs matplotlib (``pip install -e ".[bench]"``)::
 
-    python scripts/bench_report.py
+    python scripts/cpu.py report
 """
 
 from __future__ import annotations
@@ -31,17 +30,10 @@ from typing import Any
 from streambp_trl.bench.simulator import SIMULATOR_MODES
 from streambp_trl.bench.spec import OBJECTIVE_MODES, Mode
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = REPO_ROOT / "benchmarks"
+from .common import BENCH_DIR
+from .plots import LABELS, new_axes, pyplot, save_figure
 
-LABELS = {
-    Mode.PLAIN: "no checkpointing",
-    Mode.CHECKPOINT: "HF checkpointing",
-    Mode.CHECKPOINT_CHUNKED_LOSS: "TRL default (ckpt + fused head)",
-    Mode.STREAM: "stream",
-    Mode.STREAM_OFFLOAD: "stream + offload",
-}
-# a record's mode by any of its names: bench_bp.py's, the simulator's and bench_objectives.py's
+# a record's mode by any of its names: cpu.py bp's, the simulator's and cpu.py objectives'
 MODE_NAMES: dict[str, Mode] = {**{m.value: m for m in Mode}, **SIMULATOR_MODES, **OBJECTIVE_MODES}
 SIMULATOR_ONLY = {"streambp-labels": "stream (labels= call)"}  # simulator modes no measured mode matches
 ORDER = ["no checkpointing", "HF checkpointing", "TRL default", "stream"]
@@ -62,7 +54,7 @@ def _order(label: str) -> tuple[int, str]:
 
 
 def read_bench(path: Path) -> dict[str, Any] | None:
-    """A bench_bp / bench_objectives output as ``{"path", "meta", "records"}`` (None for other files)."""
+    """A ``cpu.py bp`` / ``cpu.py objectives`` output as ``{"path", "meta", "records"}`` (None for other files)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -130,35 +122,6 @@ def _sim_label(rec: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------------------------
 # Plotting
 # --------------------------------------------------------------------------------------------------------------
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (files only, no display); ImportError without matplotlib."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def new_axes(title: str, ylabel: str, xlabel: str = "sequence length (tokens)"):
-    """A figure with one gridded axes in the style of every benchmark plot."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
-    ax.set_title(title, fontsize=11)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.grid(True, alpha=0.3)
-    return fig, ax
-
-
-def save_figure(fig, path: Path) -> Path:
-    """Writes ``fig`` to ``path`` and closes it."""
-    fig.tight_layout()
-    fig.savefig(path)
-    pyplot().close(fig)
-    return path
 
 
 def plot_bench(series, meta, out: Path, what: str) -> Path | None:
@@ -259,9 +222,9 @@ def _rel(path: Path, report: Path) -> str:
     return str(path.relative_to(report.parent)) if path.is_relative_to(report.parent) else str(path)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cpu", nargs="*", type=Path, help="bench_bp CPU outputs (default: cpu_qwen3_4l_fp32*)")
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cpu", nargs="*", type=Path, help="cpu.py bp CPU outputs (default: cpu_qwen3_4l_fp32*)")
     parser.add_argument("--sim", nargs="*", type=Path, help="simulated JSON-lines files (default: sim_*.jsonl)")
     parser.add_argument("--budget-gib", type=float, default=78.0, help="the GPU budget line of simulated plots")
     parser.add_argument("--out-dir", type=Path, default=BENCH_DIR)
@@ -269,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         pyplot()
     except ImportError:
-        sys.exit("bench_report.py needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)")
+        sys.exit("cpu.py report needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)")
     out_dir, bench_dir = args.out_dir, BENCH_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     report = out_dir / "REPORT.md"
@@ -285,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "# Benchmark report",
         "",
-        "Generated by `python scripts/bench_report.py` from the records in `benchmarks/` (the plots are beside this"
+        "Generated by `python scripts/cpu.py report` from the records in `benchmarks/` (the plots are beside this"
         " file). Memory is the peak of ONE forward+backward; each (mode, length) ran in a fresh process.",
         "",
         "## Measured on the CPU",
@@ -300,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
         lines += [f"![time per token vs length, CPU]({_rel(time, report)})", ""]
         lines += _describe(cpu)
     else:
-        lines.append("No CPU records (run `scripts/bench_bp.py ... --out cpu_qwen3_4l_fp32`).")
+        lines.append("No CPU records (run `scripts/cpu.py bp ... --out cpu_qwen3_4l_fp32`).")
     if objectives:
         obj = plot_objectives(objectives, out_dir / "cpu_objectives_memory.png")
         heading = "### DPO, GRPO, reward and distillation steps"
@@ -337,13 +300,9 @@ def main(argv: list[str] | None = None) -> None:
             lines += _describe([f])
     else:
         lines.append(
-            "No `scripts/bench_bp.py --device cuda` records. The GPU records of `scripts/gpu_bench.py`, "
-            "`scripts/gpu_profile.py` and `scripts/gpu_long_context.py` (`gpu_*.md`, each with its device, versions "
+            "No `scripts/cpu.py bp --device cuda` records. The GPU records of `scripts/gpu.py bench`, "
+            "`scripts/gpu.py profile` and `scripts/gpu.py long-context` (`gpu_*.md`, each with its device, versions "
             "and commands) are quoted in `docs/benchmarks.md`."
         )
     report.write_text("\n".join(lines) + "\n")
     print(f"wrote {report}")
-
-
-if __name__ == "__main__":
-    main()

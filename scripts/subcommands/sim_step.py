@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """One simulated CUDA training step (``../shared/cudasim``) of any named shape, with or without LoRA; one JSON line.
 
 The simulator's own ``sim.py`` builds Qwen3 shapes only. This runner builds any shape of
@@ -13,7 +12,7 @@ Modes as the simulator's: ``gc`` (Hugging Face checkpointing, the model's loss o
 Without an fla / causal-conv1d install the Gated DeltaNet layers run transformers' torch fallback, whose buffers are
 what is measured (the CUDA kernels hold fewer). Usage::
 
-    python scripts/sim_step.py --model qwen3.5-9b --lora --mode streambp --seq-len 65536 --chunk 2048 --grads-ready
+    python scripts/sim.py step --model qwen3.5-9b --lora --mode streambp --seq-len 65536 --chunk 2048 --grads-ready
 
 ``--model`` also takes a local config directory (``benchmarks/sim_configs/``: Qwen3.5-MoE's widths in 4 layers).
 """
@@ -24,11 +23,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SIM_DIR = ROOT.parent / "shared" / "cudasim"
-sys.path.insert(0, str(SIM_DIR))
+from .common import CUDASIM
+
+sys.path.insert(0, str(CUDASIM))
 import fakecuda  # noqa: E402, F401  (before torch)
 import sim  # noqa: E402
 import torch  # noqa: E402
@@ -145,8 +143,8 @@ def simulate(a: argparse.Namespace) -> dict:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a named shape (streambp_trl.sizing.shapes.NAMED_MODELS)")
     p.add_argument("--mode", required=True, choices=["gc", "gc+fused", "streambp"])
     p.add_argument("--seq-len", type=int, required=True)
@@ -157,7 +155,3 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", type=json.loads, default=None, help="config fields to override (JSON)")
     p.add_argument("--stream-kwargs", type=json.loads, default=None, help="extra enable_streambp arguments (JSON)")
     print(json.dumps(simulate(p.parse_args(argv))), flush=True)
-
-
-if __name__ == "__main__":
-    main()
