@@ -12,6 +12,7 @@ from streambp_trl.bench import plans
 from streambp_trl.bench.measure import bisect_max_len
 from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing import stream_step
 from streambp_trl.sizing.choices import PlanChoices, StepPlan
 from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.lengths import max_len
@@ -352,7 +353,10 @@ def test_keep_every_with_offload_says_why_it_fits_less(k, capsys, monkeypatch):
     one, every_k = (mm.StepSetup(mode="stream+offload", keep_every=j) for j in (1, k))
     assert max_len(shape, every_k, budget) < max_len(shape, one, budget)
     assert mm.estimate_host_bytes(shape, every_k.plan(), 2**20) < mm.estimate_host_bytes(shape, one.plan(), 2**20)
-    assert (mm._saved_inputs(shape.layers, Layout(every=k), True), mm._saved_inputs(shape.layers, Layout(), True)) == (
+    assert (
+        stream_step._saved_inputs(shape.layers, Layout(every=k), True),
+        stream_step._saved_inputs(shape.layers, Layout(), True),
+    ) == (
         k + 1,
         2,
     )

@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from streambp_trl import StreamOptions, enable_streambp
 from streambp_trl.bench.plans import plan_rows, render_plans
 from streambp_trl.layers.call import backward, layer_call
-from streambp_trl.sizing import auto
+from streambp_trl.sizing import auto, stream_step
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.choices import PlanChoices, StepPlan, Trained
 from streambp_trl.sizing.layout import Layout
@@ -87,7 +87,7 @@ def test_plans_capture_keys_values_where_they_fit():
     assert short.activations - recomputed.activations == 35 * 2 * shape.kv_dim * 2 * 65536  # the layers below the top
     # a segment of kept inputs holds every input of its layers at its top layer's backward, beside the keys/values
     # captured below that layer (6 layers in segments of 3: the top layer's 5 below, not the segment's lowest's 3)
-    assert mm._saved_inputs(6, Layout(every=3), False, None, 100, 0, lambda j: j) == 3 * 100 + 5
+    assert stream_step._saved_inputs(6, Layout(every=3), False, None, 100, 0, lambda j: j) == 3 * 100 + 5
     long = planner.best(1, 163840, limit, 100 * mm.GiB, True, True)
     assert long.kv_mode == "recompute" and "keys/values" not in long.describe(163840, 36)
     assert planner.kv_modes(offload=True, layout=Layout()) == ["recompute"]
