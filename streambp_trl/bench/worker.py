@@ -102,10 +102,54 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
     if spec.memory_cap is not None and device.type == "cuda":  # an 80 GB card's limits on a larger one
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(spec.memory_cap) / total), device.index or 0)
-    objective = spec.objective
+    record = _spec_record(spec)
+    try:
+        models = _models(spec, device)
+        policy = models[0]
+        model_bytes = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
+        # held through the step like optimizer states (zeros: resident on the CPU too); counted with the model
+        reserved = torch.zeros(spec.reserve_bytes, dtype=torch.uint8, device=device)
+        model_bytes += reserved.numel()
+        loss_fn, tokens = step_function(spec, device, models)
+        measured = _measured_steps(spec, device, models, loss_fn)
+        if spec.mode.streams:
+            record.update(_what_the_engine_chose(spec, policy, tokens))
+    except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
+        if not is_oom(exc):
+            raise
+        record.update(status="oom", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        return record
+    times, peaks, baselines = measured["times"], measured["peaks"], measured["baselines"]
+    time_s = statistics.median(times)
+    fixed_mb = (baselines[-1] if device.type == "cuda" else model_bytes) / 2**20
+    record.update(
+        status="ok",
+        peak_mb=max(peaks) / 2**20,
+        total_peak_mb=fixed_mb + max(peaks) / 2**20,
+        host_peak_mb=max(measured["host_peaks"]) / 2**20 if device.type == "cuda" else None,
+        time_s=time_s,
+        time_min_s=min(times),
+        cpu_s=statistics.median(measured["cpu_times"]),
+        tokens_per_s=tokens / time_s,
+        times_s=times,
+        loss=measured["losses"][-1],
+        grad_norm=measured["grad_norm"],
+        baseline_mb=baselines[-1] / 2**20,
+        model_mb=model_bytes / 2**20,
+        num_params=sum(p.numel() for p in policy.parameters()),
+        engine_sha256=engine_hash(),
+        torch_threads=torch.get_num_threads(),
+    )
+    if measured["phases"] is not None:
+        record["phases"] = measured["phases"]  # of the last repeat
+    return record
+
+
+def _spec_record(spec: MeasureSpec) -> dict[str, Any]:
+    """The record's description of what is measured, from the spec (the engine's own choices come after the steps)."""
     record: dict[str, Any] = {k: getattr(spec, k) for k in ("mode", "seq_len", "batch_size", "dtype", "model")}
-    if objective != "sft":
-        record["objective"] = objective
+    if spec.objective != "sft":
+        record["objective"] = spec.objective
     if spec.mode.streams:
         record.update({k: getattr(spec, k) for k in ("stream_chunk_size", "logits_chunk_size", "kv_mode")})
         if spec.kv_mode is None:  # (what the plan chose is in record["plan"])
@@ -114,96 +158,84 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         record["logits_chunk_size"] = spec.logits_chunk_size if spec.same_logits_tile else trl_token_chunk()
     if spec.warmup and spec.warmup_seq_len is not None:
         record["warmup_seq_len"] = spec.warmup_seq_len
-    try:
-        policy = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
-        models = [policy]
-        if objective == "dpo":
-            reference = build_model(spec.model, spec.dtype, device, spec.seed).eval()
-            reference.requires_grad_(False)
-            models.append(prepare_model(reference, spec, trainable=False))
-        model_bytes = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
-        # held through the step like optimizer states (zeros: resident on the CPU too); counted with the model
-        reserved = torch.zeros(spec.reserve_bytes, dtype=torch.uint8, device=device)
-        model_bytes += reserved.numel()
-        loss_fn, tokens = step_function(spec, device, models)
-        meter = MemoryMeter(device)
-        marks = PhaseMarks(policy, meter) if spec.phases else None
+    return record
 
-        def step(fn: Callable[[], Any] = loss_fn) -> float:
-            if marks is not None:
-                marks.armed = True
-                marks.begin()
-            loss = fn()
-            if marks is not None:
-                marks.armed = False
-                marks.mark("forward")
-            loss.backward()
-            value = loss.item()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if marks is not None:
-                marks.mark("rest")
-            return value
 
-        if spec.warmup:
-            warm_fn = loss_fn
-            if spec.warmup_seq_len is not None:  # its own ids, dropped before the measured steps
-                warm_fn = step_function(dataclasses.replace(spec, seq_len=spec.warmup_seq_len), device, models)[0]
-            step(warm_fn)  # first-touch pages, lazy initialisation, kernel selection
-            del warm_fn
-            policy.zero_grad(set_to_none=True)
-        times, cpu_times, peaks, host_peaks, losses, baselines = [], [], [], [], [], []
-        grad_norm = None
-        for i in range(spec.repeats):
-            baselines.append(meter.reset())
-            start, cpu_start = time.perf_counter(), time.process_time()
-            losses.append(step())
-            times.append(time.perf_counter() - start)
-            cpu_times.append(time.process_time() - cpu_start)
-            # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
-            peaks.append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else meter.peak_above_baseline())
-            host_peaks.append(meter.host_peak_above_baseline())
-            if i == spec.repeats - 1:
-                norms = [p.grad.detach().double().norm() for p in policy.parameters() if p.grad is not None]
-                grad_norm = float(torch.stack(norms).norm()) if norms else None
-            policy.zero_grad(set_to_none=True)
-        if spec.mode.streams and AUTO in (spec.stream_chunk_size, spec.logits_chunk_size):
-            record["stream_chunk_size"], record["logits_chunk_size"] = chunk_sizes(policy)  # what "auto" chose
-        if spec.mode.streams:  # the logit kernel's gradient form, chosen for the budget (or the free memory)
-            record.update(head_form=last_head_form(policy), memory_budget=spec.memory_budget)
-            plan = last_plan(policy)
-            record["plan"] = None if plan is None else plan.describe(tokens, len(policy._streambp.layers))
-            layers = len(policy._streambp.layers)
-            record["captured"] = spec.kv_mode == "capture" if plan is None else plan.kv_mode == "capture"
-            if plan is not None:  # what the memory model's estimate of the record needs to know of the plan
-                record.update(inputs_rebuilt=plan.layout.rebuilt(layers), offloaded=plan.offload)
-    except Exception as exc:  # OOM is a result (for the bisections); anything else propagates
-        if not is_oom(exc):
-            raise
-        record.update(status="oom", error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        return record
-    time_s = statistics.median(times)
-    fixed_mb = (baselines[-1] if device.type == "cuda" else model_bytes) / 2**20
-    record.update(
-        status="ok",
-        peak_mb=max(peaks) / 2**20,
-        total_peak_mb=fixed_mb + max(peaks) / 2**20,
-        host_peak_mb=max(host_peaks) / 2**20 if device.type == "cuda" else None,
-        time_s=time_s,
-        time_min_s=min(times),
-        cpu_s=statistics.median(cpu_times),
-        tokens_per_s=tokens / time_s,
-        times_s=times,
-        loss=losses[-1],
-        grad_norm=grad_norm,
-        baseline_mb=baselines[-1] / 2**20,
-        model_mb=model_bytes / 2**20,
-        num_params=sum(p.numel() for p in policy.parameters()),
-        engine_sha256=engine_hash(),
-        torch_threads=torch.get_num_threads(),
-    )
-    if marks is not None:
-        record["phases"] = marks.phases  # of the last repeat
+def _models(spec: MeasureSpec, device: Any) -> list:
+    """The trained policy, and for DPO a frozen reference beside it, each prepared as the spec's mode runs it."""
+    policy = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
+    if spec.objective != "dpo":
+        return [policy]
+    reference = build_model(spec.model, spec.dtype, device, spec.seed).eval()
+    reference.requires_grad_(False)
+    return [policy, prepare_model(reference, spec, trainable=False)]
+
+
+def _measured_steps(spec: MeasureSpec, device: Any, models: list, loss_fn: Callable[[], Any]) -> dict[str, Any]:
+    """The warm-up step (at its own length where the spec gives one), then ``spec.repeats`` measured steps: their
+    wall and CPU times, peaks above the baseline (the largest phase peak with phase marks), host peaks, losses,
+    baselines, the last step's gradient norm and phases."""
+    import torch
+
+    policy = models[0]
+    meter = MemoryMeter(device)
+    marks = PhaseMarks(policy, meter) if spec.phases else None
+
+    def step(fn: Callable[[], Any] = loss_fn) -> float:
+        if marks is not None:
+            marks.armed = True
+            marks.begin()
+        loss = fn()
+        if marks is not None:
+            marks.armed = False
+            marks.mark("forward")
+        loss.backward()
+        value = loss.item()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if marks is not None:
+            marks.mark("rest")
+        return value
+
+    if spec.warmup:
+        warm_fn = loss_fn
+        if spec.warmup_seq_len is not None:  # its own ids, dropped before the measured steps
+            warm_fn = step_function(dataclasses.replace(spec, seq_len=spec.warmup_seq_len), device, models)[0]
+        step(warm_fn)  # first-touch pages, lazy initialisation, kernel selection
+        del warm_fn
+        policy.zero_grad(set_to_none=True)
+    out: dict[str, Any] = {k: [] for k in ("times", "cpu_times", "peaks", "host_peaks", "losses", "baselines")}
+    out["grad_norm"] = None
+    for i in range(spec.repeats):
+        out["baselines"].append(meter.reset())
+        start, cpu_start = time.perf_counter(), time.process_time()
+        out["losses"].append(step())
+        out["times"].append(time.perf_counter() - start)
+        out["cpu_times"].append(time.process_time() - cpu_start)
+        # with phase marks the peak counter restarts at each phase: the step's peak is the largest phase peak
+        out["peaks"].append(max(p["peak_mb"] for p in marks.phases) * 2**20 if marks else meter.peak_above_baseline())
+        out["host_peaks"].append(meter.host_peak_above_baseline())
+        if i == spec.repeats - 1:
+            norms = [p.grad.detach().double().norm() for p in policy.parameters() if p.grad is not None]
+            out["grad_norm"] = float(torch.stack(norms).norm()) if norms else None
+        policy.zero_grad(set_to_none=True)
+    out["phases"] = marks.phases if marks is not None else None
+    return out
+
+
+def _what_the_engine_chose(spec: MeasureSpec, policy: Any, tokens: int) -> dict[str, Any]:
+    """A streamed step's choices, as the record states them: the chunks "auto" chose, the logit kernel's gradient
+    form (for the budget, or the free memory), the plan in words and what the memory model's estimate of the record
+    needs to know of it."""
+    record: dict[str, Any] = {}
+    if AUTO in (spec.stream_chunk_size, spec.logits_chunk_size):
+        record["stream_chunk_size"], record["logits_chunk_size"] = chunk_sizes(policy)  # what "auto" chose
+    record.update(head_form=last_head_form(policy), memory_budget=spec.memory_budget)
+    plan, layers = last_plan(policy), len(policy._streambp.layers)
+    record["plan"] = None if plan is None else plan.describe(tokens, layers)
+    record["captured"] = spec.kv_mode == "capture" if plan is None else plan.kv_mode == "capture"
+    if plan is not None:
+        record.update(inputs_rebuilt=plan.layout.rebuilt(layers), offloaded=plan.offload)
     return record
 
 
