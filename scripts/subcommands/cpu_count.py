@@ -54,6 +54,7 @@ def _spec(args: argparse.Namespace, mode: str, chunk: int) -> MeasureSpec:
         logits_chunk_size=args.chunk,
         same_logits_tile=True,
         planned=args.planned and mode == "stream",
+        memory_budget=args.memory_budget if mode == "stream" else None,
     )
 
 
@@ -68,13 +69,13 @@ def table(records: dict[str, dict[str, Any]], layer_chunk: dict[str, float] | No
     base = records["checkpoint"]
     groups = sorted({g for r in records.values() for g in r["flops_by"]})
     head = "| mode | FLOPs / checkpoint | " + " | ".join(f"{g} / checkpoint" for g in groups)
-    head += " | ops | ops / checkpoint | host syncs |"
-    lines = [head, "|" + "---|" * (5 + len(groups))]
+    head += " | ops | ops / checkpoint | host syncs | LM head's gradient |"
+    lines = [head, "|" + "---|" * (6 + len(groups))]
     for mode, r in records.items():
         by = " | ".join(f"{r['flops_by'].get(g, 0) / base['flops']:.4f}" for g in groups)
         lines.append(
             f"| {mode} | {r['flops'] / base['flops']:.4f} | {by} | {r['ops']} | {r['ops'] / base['ops']:.1f} | "
-            f"{r['syncs']} |"
+            f"{r['syncs']} | {r.get('head_form') or ''} |"
         )
     if layer_chunk is not None:
         ops, syncs = layer_chunk["ops"], layer_chunk["syncs"]
@@ -93,6 +94,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         action="store_true",
         help="stream as the trainers do: each call's plan decides the kept inputs, offload and whether keys/values "
         "are kept from the forward (default: every input kept, keys/values recomputed)",
+    )
+    parser.add_argument(
+        "--memory-budget",
+        default=None,
+        help="stream: enable_streambp's memory_budget ('40GiB'), which each call's plan and the LM head's form read "
+        "(default: none, the host memory available)",
     )
     parser.add_argument("--out-dir", default="benchmarks")
     parser.add_argument("--name", default=None, help="output name (default count_<model>_<seq_len>)")

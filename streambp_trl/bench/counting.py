@@ -177,7 +177,9 @@ class StepCounter(TorchDispatchMode):
 def count_step(spec: MeasureSpec) -> dict[str, Any]:
     """Counts of one training step of ``spec`` (its objective's loss on random ids, as the memory and time workers run
     it, :func:`streambp_trl.bench.worker.step_function`) after one uncounted warm-up step; the model's weights are
-    attributed by shape. Returns :meth:`Counts.summary` with the mode, length and chunk sizes."""
+    attributed by shape. Returns :meth:`Counts.summary` with the mode, length, chunk sizes and, streamed, the memory
+    budget and the form the logit kernel's gradient took."""
+    from ..engine import last_head_form
     from .models import build_model, prepare_model
     from .worker import step_function
 
@@ -191,4 +193,5 @@ def count_step(spec: MeasureSpec) -> dict[str, Any]:
     record = {"mode": spec.mode.value, "seq_len": spec.seq_len, "tokens": tokens}
     if spec.mode.streams:
         record |= {"stream_chunk_size": spec.stream_chunk_size, "logits_chunk_size": spec.logits_chunk_size}
+        record |= {"memory_budget": spec.memory_budget, "head_form": last_head_form(model)}
     return record | counter.counts.summary()

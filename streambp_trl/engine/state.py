@@ -115,7 +115,7 @@ class EngineState:
         call = functools.partial(
             DecoderCall, inputs_rebuildable=rebuildable, offloader=self.offloader, layers=len(self.layers)
         )
-        if inputs is None or inputs.dim() < 2:
+        if inputs is None or inputs.dim() < 2:  # (with nothing planned the chunk is fixed: no length is needed)
             return call(plan=None if self.auto is not None else choices.fixed(0))
         if self.auto is None:
             plan = choices.fixed(inputs.shape[1])
