@@ -36,6 +36,7 @@ from streambp_trl.bench.counting import count_step
 from streambp_trl.bench.metadata import environment
 from streambp_trl.bench.models import build_config
 from streambp_trl.bench.spec import MeasureSpec
+from streambp_trl.sizing.memory_model import OBJECTIVES
 from streambp_trl.sizing.shapes import canonical_model_name
 
 from .common import command_line
@@ -55,6 +56,7 @@ def _spec(args: argparse.Namespace, mode: str, chunk: int) -> MeasureSpec:
         same_logits_tile=True,
         planned=args.planned and mode == "stream",
         memory_budget=args.memory_budget if mode == "stream" else None,
+        objective=args.objective,
     )
 
 
@@ -96,6 +98,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         "are kept from the forward (default: every input kept, keys/values recomputed)",
     )
     parser.add_argument(
+        "--objective",
+        default="sft",
+        choices=OBJECTIVES,
+        help="the step's loss: SFT's token mean (default), DPO's or GRPO's, as the memory and time workers run them",
+    )
+    parser.add_argument(
         "--memory-budget",
         default=None,
         help="stream: enable_streambp's memory_budget ('40GiB'), which each call's plan and the LM head's form read "
@@ -123,7 +131,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     }
     os.makedirs(args.out_dir, exist_ok=True)
     Path(args.out_dir, f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
-    text = f"# Counted step: {args.model}, {args.seq_len} tokens, chunk {args.chunk}\n\n`{out['command']}`\n\n"
+    objective = "" if args.objective == "sft" else f" ({args.objective})"
+    text = f"# Counted step{objective}: {args.model}, {args.seq_len} tokens, chunk {args.chunk}\n\n"
+    text += f"`{out['command']}`\n\n"
     text += table(records, layer_chunk) + "\n"
     Path(args.out_dir, f"{name}.md").write_text(text)
     print(text)
