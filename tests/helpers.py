@@ -38,6 +38,9 @@ MODEL = ROOT / "configs" / "tiny_model"
 DATA = ROOT / "configs" / "data"
 CHUNK = 8  # the stream trainers' chunk in args(): far below the sequence lengths, so every layer really streams
 EXACT = 1e-10  # relative bound of a float64 streamed loss and gradients against plain autograd
+# every layer recomputed in backward, its attention too (the plan keeps activations or attention outputs where they
+# fit): for tests of the recompute itself
+RECOMPUTED = {"keep_activations": 0, "keep_attention": False}
 CUDASIM = ROOT.parent / "shared" / "cudasim"  # the CUDA peak-memory simulator, beside the checkout
 
 

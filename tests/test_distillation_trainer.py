@@ -174,6 +174,7 @@ def test_a_step_builds_no_full_mask_or_logits_teacher_included(tmp_path):
             generation_kwargs={"min_new_tokens": 200},
             stream_chunk_size=16,
             logits_chunk_size=16,
+            stream_keep_activations=0,  # (every layer recomputed: the student's first input is rebuilt)
         ),
         train_dataset=Dataset.from_list([{"prompt": f"Question {i}:{sentence * 3}\nAnswer:"} for i in range(2)]),
         processing_class=load_tokenizer(),

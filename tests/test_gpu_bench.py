@@ -255,16 +255,17 @@ def test_the_worker_records_the_plan_auto_chose():
 
     spec = dict(mode="stream", seq_len=64, model="qwen3-tiny", device="cpu", dtype="float32", stream_chunk_size=32)
     record = run_worker(MeasureSpec(**spec, memory_budget="1GiB", planned=True))
-    assert record["plan"] == "64 tokens: chunk 32, every layer input kept, keys/values kept from the forward"
-    assert (record["kv_mode"], record["captured"], record["inputs_rebuilt"], record["offloaded"]) == (
+    every_kept = "every layer's activations kept from the forward (nothing recomputed)"
+    assert record["plan"] == f"64 tokens: chunk 32, {every_kept}"
+    assert (record["kv_mode"], record["inputs_rebuilt"], record["offloaded"], record["layers_kept"]) == (
         "planned",
-        True,
         0,
         False,
+        2,
     )
     fixed = run_worker(MeasureSpec(**spec, memory_budget="1GiB"))  # chunk, kept inputs, offload fixed
     assert fixed["plan"] == "64 tokens: chunk 32, every layer input kept"
-    assert (fixed["kv_mode"], fixed["captured"]) == ("recompute", False)
+    assert (fixed["kv_mode"], fixed["captured"], fixed["layers_kept"]) == ("recompute", False, 0)
 
 
 @pytest.mark.parametrize(

@@ -50,8 +50,9 @@ def test_dropping_the_stream_gradient_is_caught(monkeypatch):
     """The router stream's gradient not chained into the chunks' backward: the routers' gradients go wrong."""
     backward_chunks = backward.ChunkBackward.backward_chunks
 
-    def dropped(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams=()):
-        return backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, (None,) * len(dstreams))
+    def dropped(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams=(), kept=None):
+        dropped = (None,) * len(dstreams)
+        return backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dropped, kept)
 
     monkeypatch.setattr(backward.ChunkBackward, "backward_chunks", dropped)
     reference = tiny_causal_lm("zaya", **THREE_LAYERS)

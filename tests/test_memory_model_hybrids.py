@@ -14,6 +14,7 @@ import model_support
 import pytest
 import torch
 import transformers
+from helpers import RECOMPUTED
 from zoo import batch, tiny_causal_lm, tiny_config
 
 from streambp_trl import enable_streambp
@@ -508,7 +509,7 @@ def test_capture_counts_what_each_layer_keeps(family, monkeypatch):
     monkeypatch.setattr(carry_store.CarryStore, "flat", counted)
     model = tiny_causal_lm(family, dtype=torch.float32)
     ids, mask, labels = (t[:1] for t in batch())
-    streamed = enable_streambp(model, stream_chunk_size=4, kv_mode="capture")
+    streamed = enable_streambp(model, stream_chunk_size=4, kv_mode="capture", **RECOMPUTED)
     streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     counts = mm.captured_bytes(mm.ModelShape.from_model(model), ids.numel(), 4, 4)
     assert len(kept) == len(counts) and any(kept)
@@ -525,7 +526,9 @@ def test_a_hybrids_plan_counts_its_captured_carries():
     layer_types = ["linear_attention", "linear_attention", "full_attention"]
     model = tiny_causal_lm("qwen3_5_text", dtype=torch.float32, num_hidden_layers=3, layer_types=layer_types)
     ids, mask, labels = batch()
-    streamed = enable_streambp(model, stream_chunk_size=4, kv_mode="capture", memory_budget="1GiB", verify=False)
+    streamed = enable_streambp(
+        model, stream_chunk_size=4, kv_mode="capture", memory_budget="1GiB", verify=False, **RECOMPUTED
+    )
     streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     plan = streamed._streambp.auto.last_plan
     shape, n = mm.ModelShape.from_model(model), ids.numel()

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from helpers import CopyingOffload, loss_and_grads
+from helpers import RECOMPUTED, CopyingOffload, loss_and_grads
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
@@ -15,8 +15,8 @@ from streambp_trl.layers.kept.offload import CheckpointOffload
 def test_offload_gives_identical_gradients_and_prefetches_one_layer_ahead(kv_mode):
     layers = 3
     model = tiny_model("qwen3", num_hidden_layers=layers)
-    plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4, kv_mode=kv_mode)
-    offloaded = enable_streambp(model, stream_chunk_size=4, kv_mode=kv_mode, offload_checkpoints=True)
+    plain = enable_streambp(copy.deepcopy(model), stream_chunk_size=4, kv_mode=kv_mode, **RECOMPUTED)
+    offloaded = enable_streambp(model, stream_chunk_size=4, kv_mode=kv_mode, offload_checkpoints=True, **RECOMPUTED)
     recorder = CopyingOffload()
     offloaded._streambp.offloader = recorder  # the model's one offloader, which each call's layers use
     data = batch(padding="left")

@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from helpers import CopyingOffload, count_calls, loss_and_grads, reference_loss
+from helpers import RECOMPUTED, CopyingOffload, count_calls, loss_and_grads, reference_loss
 from models import batch, tiny_model
 from transformers.utils import logging as hf_logging
 
@@ -76,11 +76,12 @@ def test_plans_capture_keys_values_where_they_fit():
     shape = mm.ModelShape.from_name("qwen3-8b")
     static, budget = mm.static_bytes(shape, mm.StepSetup(pending_grads=True)), 78 * mm.GiB
     limit = budget - static - margin(budget)
-    planner = Planner(shape, Trained(pending_grads=True), PlanChoices(kv_mode=None))
+    recomputing = {"keep_activations": 0, "keep_attention": False}  # (this test weighs keys/values alone)
+    planner = Planner(shape, Trained(pending_grads=True), PlanChoices(kv_mode=None, **recomputing))
     short = planner.best(1, 65536, limit, None, True, True)
     assert (short.kv_mode == "capture", short.chunk, short.layout, short.offload) == (True, 16384, Layout(), False)
     assert "keys/values kept from the forward" in short.describe(65536, 36)
-    recomputed = Planner(shape, Trained(pending_grads=True), PlanChoices(kv_mode="recompute")).best(
+    recomputed = Planner(shape, Trained(pending_grads=True), PlanChoices(kv_mode="recompute", **recomputing)).best(
         1, 65536, limit, None, True, True
     )  # kv_mode="recompute"
     assert recomputed.kv_mode == "recompute" and recomputed.time > short.time
@@ -110,10 +111,10 @@ def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
     collected = count_calls(monkeypatch, backward.ChunkBackward, "collect_kv", lambda self, x: self.call.layer)
     model = tiny_model("qwen3", num_hidden_layers=LAYERS)
     ids, mask, labels = batch(padding="left")
-    recompute = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, kv_mode="recompute")
+    recompute = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, kv_mode="recompute", **RECOMPUTED)
     loss, grads = loss_and_grads(recompute, ids, mask, labels)
     assert len(collected) == LAYERS
-    planned = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget="1GiB")
+    planned = enable_streambp(copy.deepcopy(model), stream_chunk_size=CHUNK, memory_budget="1GiB", **RECOMPUTED)
     loss_planned, grads_planned = loss_and_grads(planned, ids, mask, labels)
     assert (planned._streambp.auto.last_plan.kv_mode == "capture") and len(collected) == LAYERS
     assert torch.equal(loss, loss_planned)
@@ -135,7 +136,9 @@ def test_a_planned_capture_is_exact_and_skips_the_key_value_pass(monkeypatch):
     ]
     assert need[0] < need[1]
     budget = sum(p.numel() * 8 for p in model.parameters()) + (need[0] + need[1]) // 2
-    tight = enable_streambp(model, stream_chunk_size=CHUNK, keep_every=1, memory_budget=f"{budget + margin(budget)}B")
+    tight = enable_streambp(
+        model, stream_chunk_size=CHUNK, keep_every=1, memory_budget=f"{budget + margin(budget)}B", **RECOMPUTED
+    )
     loss_tight, _ = loss_and_grads(tight, ids, mask, labels)
     assert not (tight._streambp.auto.last_plan.kv_mode == "capture") and len(collected) == 2 * LAYERS
     assert torch.equal(loss, loss_tight)

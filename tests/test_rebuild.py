@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from helpers import count_calls, max_rel_grad_error, reference_loss, saved_hidden_sized
+from helpers import RECOMPUTED, count_calls, max_rel_grad_error, reference_loss, saved_hidden_sized
 from models import batch, tiny_model
 
 from streambp_trl import enable_streambp
@@ -22,7 +22,7 @@ def rebuilds(monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])  # gemma3: a scaled embedding (an nn.Embedding subclass)
 def test_first_layer_input_is_rebuilt_not_kept(family, rebuilds):
     reference = tiny_model(family, num_hidden_layers=3, layer_types=None)
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, **RECOMPUTED)
     ids, mask, labels = batch(padding="left")
     ref_loss = reference_loss(reference, ids, mask, labels)
     ref_loss.backward()
@@ -39,7 +39,7 @@ def test_a_hooked_embedding_is_kept(rebuilds):
     """A forward hook on the embedding (NEFTune's noise is one) could change its output or draw random numbers: the
     input is then kept, and the gradient is that of the hooked model."""
     reference = tiny_model("llama", num_hidden_layers=2)
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, **RECOMPUTED)
     for model in (reference, streamed):
         model.get_input_embeddings().register_forward_hook(lambda module, args, output: output * 1.5 + 0.25)
     ids, mask, labels = batch()
@@ -52,7 +52,7 @@ def test_a_hooked_embedding_is_kept(rebuilds):
 
 
 def test_hidden_states_asked_for_keep_the_input(rebuilds):
-    streamed = enable_streambp(tiny_model("qwen3", num_hidden_layers=2), stream_chunk_size=4)
+    streamed = enable_streambp(tiny_model("qwen3", num_hidden_layers=2), stream_chunk_size=4, **RECOMPUTED)
     ids, mask, labels = batch()
     out = streamed(input_ids=ids, attention_mask=mask, labels=labels, output_hidden_states=True)
     first = out.hidden_states[0].detach().clone()
@@ -61,7 +61,7 @@ def test_hidden_states_asked_for_keep_the_input(rebuilds):
 
 
 def test_an_embedding_changed_before_backward_is_an_error():
-    streamed = enable_streambp(tiny_model("qwen3", num_hidden_layers=2), stream_chunk_size=4)
+    streamed = enable_streambp(tiny_model("qwen3", num_hidden_layers=2), stream_chunk_size=4, **RECOMPUTED)
     loss = streamed(*batch()[:1], attention_mask=batch()[1], labels=batch()[2]).loss
     with torch.no_grad():
         streamed.get_input_embeddings().weight.mul_(2)
@@ -73,7 +73,7 @@ def test_an_embedding_output_changed_in_place_is_kept(rebuilds):
     """A pre-hook of the first layer that scales its input in place: the changed input is what the layer used, so it
     is kept (its version no longer matches the embedding's output) and the gradient is the hooked model's."""
     reference = tiny_model("llama", num_hidden_layers=2)
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, **RECOMPUTED)
     for model in (reference, streamed):
         model.model.layers[0].register_forward_pre_hook(lambda module, args: args[0].mul_(1.5))
     ids, mask, labels = batch()
@@ -89,7 +89,7 @@ def test_ids_changed_after_the_forward_do_not_change_the_gradient(rebuilds):
     frozen embedding plain autograd keeps no ids either)."""
     reference = tiny_model("llama", num_hidden_layers=2)
     reference.get_input_embeddings().weight.requires_grad_(False)
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, **RECOMPUTED)
     ids, mask, labels = batch()
     reference_loss(reference, ids, mask, labels).backward()
     buffer = ids.clone()
@@ -106,7 +106,7 @@ def test_input_require_grads_hook_still_rebuilds(rebuilds):
     output as requiring grad: the input is still rebuilt, and exact."""
     reference = tiny_model("qwen3", num_hidden_layers=2)
     reference.get_input_embeddings().weight.requires_grad_(False)
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=5, **RECOMPUTED)
     for model in (reference, streamed):
         model.enable_input_require_grads()
     ids, mask, labels = batch()

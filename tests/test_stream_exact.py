@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from helpers import EXACT, assert_matches_plain, max_rel_grad_error
+from helpers import EXACT, RECOMPUTED, assert_matches_plain, max_rel_grad_error
 from models import FAMILIES, batch, internals, tiny_model
 
 from streambp_trl import enable_streambp
@@ -105,7 +105,7 @@ def test_bf16_autocast_matches_checkpointing():
     """Under bf16 autocast the recompute in backward runs under the forward's autocast state."""
     reference = tiny_model("qwen3", dtype=torch.float32)
     reference.activation_checkpointing_enable()
-    streamed = enable_streambp(tiny_model("qwen3", dtype=torch.float32), stream_chunk_size=5)
+    streamed = enable_streambp(tiny_model("qwen3", dtype=torch.float32), stream_chunk_size=5, **RECOMPUTED)
     seen: list[torch.dtype] = []
     streamed.model.layers[0].mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     ids, mask, labels = batch(padding="left")

@@ -42,6 +42,7 @@ from streambp_trl.sizing.shapes import canonical_model_name
 from .common import command_line
 
 MODES = ("checkpoint", "checkpoint+chunked-loss", "stream")
+CHOICES = (*MODES, "plain")  # plain: no checkpointing (the FLOPs of a step that recomputes nothing)
 
 
 def _spec(args: argparse.Namespace, mode: str, chunk: int) -> MeasureSpec:
@@ -71,13 +72,13 @@ def table(records: dict[str, dict[str, Any]], layer_chunk: dict[str, float] | No
     base = records["checkpoint"]
     groups = sorted({g for r in records.values() for g in r["flops_by"]})
     head = "| mode | FLOPs / checkpoint | " + " | ".join(f"{g} / checkpoint" for g in groups)
-    head += " | ops | ops / checkpoint | host syncs | LM head's gradient |"
-    lines = [head, "|" + "---|" * (6 + len(groups))]
+    head += " | ops | ops / checkpoint | host syncs | LM head's gradient | layers kept |"
+    lines = [head, "|" + "---|" * (7 + len(groups))]
     for mode, r in records.items():
         by = " | ".join(f"{r['flops_by'].get(g, 0) / base['flops']:.4f}" for g in groups)
         lines.append(
             f"| {mode} | {r['flops'] / base['flops']:.4f} | {by} | {r['ops']} | {r['ops'] / base['ops']:.1f} | "
-            f"{r['syncs']} | {r.get('head_form') or ''} |"
+            f"{r['syncs']} | {r.get('head_form') or ''} | {r.get('layers_kept', '')} |"
         )
     if layer_chunk is not None:
         ops, syncs = layer_chunk["ops"], layer_chunk["syncs"]
@@ -90,12 +91,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     parser.add_argument("--model", default="qwen3-1k-bench")
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--chunk", type=int, default=2048)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=CHOICES)
     parser.add_argument(
         "--planned",
         action="store_true",
-        help="stream as the trainers do: each call's plan decides the kept inputs, offload and whether keys/values "
-        "are kept from the forward (default: every input kept, keys/values recomputed)",
+        help="stream as the trainers do: each call's plan decides the kept inputs, offload, whether keys/values "
+        "are kept from the forward and how many layers keep their activations (default: every input kept, "
+        "keys/values and every layer recomputed)",
     )
     parser.add_argument(
         "--objective",

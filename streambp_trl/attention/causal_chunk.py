@@ -22,7 +22,9 @@ backward takes a given output and log-sum-exp:
   SDPA's math kernel on a small problem (:func:`cudnn_usable`); where it fails or differs, the flash kernel is used.
 
 Holds what a fused backward holds (Q, K, V, O and L), and in forward one more (c x d) output per head; in backward
-each part's key/value gradient, joined. Without dropout only (a fused kernel draws its own mask per call).
+each part's key/value gradient, joined. Without dropout only (a fused kernel draws its own mask per call). Where the
+layer keeps its attention outputs (:mod:`.kept_outputs`), the forward records O and L and the recompute takes them
+back instead of running the two forward kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import warnings
 from collections.abc import Callable
 
 import torch
+
+from . import kept_outputs
 
 _cpu_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -115,6 +119,13 @@ class CausalChunkAttention(torch.autograd.Function):
         c = query.shape[2]
         p = key.shape[2] - c
         pad = -c % align
+        kept = kept_outputs.active()
+        if kept is not None and kept.replay:  # the forward's output and statistics (a recompute: kernels skipped)
+            out, lse, extras = kept.take(query, key)
+            ctx.save_for_backward(_pad(query, pad), key, value, out, lse)
+            ctx.scale, ctx.prefix, ctx.pad, ctx.kernel, ctx.extras = scale, p, pad, kernel, extras
+            return out[:, :, :c] if pad else out
+        query_in = query
         query, key_diag, value_diag = (_pad(t, pad) for t in (query, key[:, :, p:], value[:, :, p:]))
         out, lse, extra = kernel.forward(query, key_diag, value_diag, True, scale)
         extras = [extra]
@@ -130,6 +141,8 @@ class CausalChunkAttention(torch.autograd.Function):
                 out = out_prefix.mul_(w_prefix).add_(out.mul_(w))
             lse = merged
             extras.append(extra_prefix)
+        if kept is not None:
+            kept.keep(query_in, key, out, lse, extras)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.scale, ctx.prefix, ctx.pad, ctx.kernel, ctx.extras = scale, p, pad, kernel, extras
         return out[:, :, :c] if pad else out

@@ -178,8 +178,8 @@ def count_step(spec: MeasureSpec) -> dict[str, Any]:
     """Counts of one training step of ``spec`` (its objective's loss on random ids, as the memory and time workers run
     it, :func:`streambp_trl.bench.worker.step_function`) after one uncounted warm-up step; the model's weights are
     attributed by shape. Returns :meth:`Counts.summary` with the mode, length, chunk sizes and, streamed, the memory
-    budget and the form the logit kernel's gradient took."""
-    from ..engine import last_head_form
+    budget, the form the logit kernel's gradient took and how many layers kept their activations (not recomputed)."""
+    from ..engine import last_head_form, last_plan
     from .models import build_model, prepare_model
     from .worker import step_function
 
@@ -194,4 +194,6 @@ def count_step(spec: MeasureSpec) -> dict[str, Any]:
     if spec.mode.streams:
         record |= {"stream_chunk_size": spec.stream_chunk_size, "logits_chunk_size": spec.logits_chunk_size}
         record |= {"memory_budget": spec.memory_budget, "head_form": last_head_form(model)}
+        plan = last_plan(model)
+        record["layers_kept"] = 0 if plan is None else min(plan.keep_activations, len(model._streambp.layers))
     return record | counter.counts.summary()

@@ -86,6 +86,8 @@ def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
         "temperature": TEMPERATURE[spec.objective],
         "offload_checkpoints": True if spec.mode is Mode.STREAM_OFFLOAD else (None if spec.planned else False),
         "keep_every": None if spec.planned else spec.keep_every,
+        "keep_activations": None if spec.planned else 0,
+        "keep_attention": None if spec.planned else False,
         "token_mean_loss": spec.objective == "sft",  # as StreamSFTTrainer sets it for TRL's nll loss
         "memory_budget": spec.memory_budget,
     }

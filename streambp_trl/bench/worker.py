@@ -235,7 +235,11 @@ def _what_the_engine_chose(spec: MeasureSpec, policy: Any, tokens: int) -> dict[
     record["plan"] = None if plan is None else plan.describe(tokens, layers)
     record["captured"] = spec.kv_mode == "capture" if plan is None else plan.kv_mode == "capture"
     if plan is not None:
-        record.update(inputs_rebuilt=plan.layout.rebuilt(layers), offloaded=plan.offload)
+        record.update(
+            inputs_rebuilt=plan.layout.rebuilt(layers),
+            offloaded=plan.offload,
+            layers_kept=min(plan.keep_activations, layers),
+        )
     return record
 
 

@@ -218,7 +218,8 @@ def plan_fields(model: nn.Module) -> dict[str, float]:
     """The latest streamed call of a streaming ``model`` as a Trainer's log fields: ``stream_chunk_size`` (fixed, or
     what the plan chose) and, where a plan was made, whether that call streamed at all (``stream_streamed``: its
     sequence longer than one chunk), the layer inputs it rebuilt in backward (``stream_inputs_rebuilt``), whether it
-    offloaded them (``stream_offload``) and kept the keys/values from the forward (``stream_kv_capture``), and its
+    offloaded them (``stream_offload``), kept the keys/values from the forward (``stream_kv_capture``) and how many
+    layers kept their activations from the forward (``stream_layers_kept``, not recomputed in backward), and its
     predicted device peak (``stream_predicted_peak_gib``, where a memory figure is known). Empty before any call or
     without StreamBP."""
     state = getattr(causal_lm(model), "_streambp", None)
@@ -232,6 +233,7 @@ def plan_fields(model: nn.Module) -> dict[str, float]:
         stream_inputs_rebuilt=plan.layout.rebuilt(len(state.layers)),
         stream_offload=float(plan.offload),
         stream_kv_capture=float(plan.kv_mode == KVMode.CAPTURE),
+        stream_layers_kept=min(plan.keep_activations, len(state.layers)),
     )
     if state.auto.last_peak is not None:
         fields["stream_predicted_peak_gib"] = round(state.auto.last_peak / 2**30, 3)

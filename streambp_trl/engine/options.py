@@ -19,7 +19,13 @@ from ..sizing.memory_model import parse_budget
 
 def _config_name(name: str) -> str:
     """How a ``Stream*Config`` spells option ``name``, when that differs (its fields share TRL's namespace)."""
-    return {"kv_mode": "stream_kv_mode", "keep_every": "stream_keep_every"}.get(name, name)
+    aliases = {
+        "kv_mode": "stream_kv_mode",
+        "keep_every": "stream_keep_every",
+        "keep_activations": "stream_keep_activations",
+        "keep_attention": "stream_keep_attention",
+    }
+    return aliases.get(name, name)
 
 
 def _named(name: str) -> str:
@@ -66,6 +72,16 @@ class StreamOptions:
             other layers rebuild theirs in backward by one more chunked forward (see
             :mod:`streambp_trl.layers.kept.segments`). Not with ZeRO-3 or FSDP. ``None`` (default): each call's plan
             decides which layer inputs are kept (every one where they fit, or no memory figure is known).
+        keep_activations: how many of the top decoder layers keep their activations from the forward, so their
+            backward recomputes nothing (:mod:`streambp_trl.layers.call.kept`): about a quarter of those layers' step
+            saved, for one layer's full-length activations held per layer. Not with ``keep_every`` > 1, ZeRO-3 or
+            FSDP (their layers recompute). ``None`` (default): each call's plan keeps as many as the memory it has
+            leaves room for (none where no memory figure is known).
+        keep_attention: each layer that recomputes keeps its attention outputs (and their log-sum-exps) from the
+            forward, so its recompute skips the attention kernels (:mod:`streambp_trl.attention.kept_outputs`): query
+            heads x head_dim values per token per layer, for a plainly causal chunk's attention forward (the
+            quadratic part of a long sequence's recompute). ``None`` (default): each call's plan keeps them where they
+            fit (not where no memory figure is known).
         token_mean_loss: the loss of ``fused_lm_head=True`` calls weights every scored token alike (SFT's negative
             log-likelihood): the logit kernel may form the LM head's gradient in the forward, computing each logit
             once (:mod:`streambp_trl.logits.eager`); checked in backward, which recomputes otherwise. Calls without
@@ -90,6 +106,8 @@ class StreamOptions:
     offload_checkpoints: bool | None = None
     memory_budget: str | None = None
     keep_every: int | None = None
+    keep_activations: int | None = None
+    keep_attention: bool | None = None
     token_mean_loss: bool = False
     choices: PlanChoices = dataclasses.field(init=False, default=PlanChoices(), repr=False, compare=False)
 
@@ -128,9 +146,27 @@ class StreamOptions:
                 f"{_named('keep_every')} must be a positive integer number of layers (or None: planned per call), "
                 f"got {self.keep_every!r}."
             )
+        kept = self.keep_activations
+        if kept is not None and not (_positive_int(kept) or kept == 0):
+            raise ValueError(
+                f"{_named('keep_activations')} must be a number of layers, 0 or more (or None: planned per call), "
+                f"got {kept!r}."
+            )
+        if kept and self.keep_every is not None and self.keep_every > 1:
+            raise ValueError(
+                f"{_named('keep_activations')}={kept} keeps whole layers' activations while {_named('keep_every')}="
+                f"{self.keep_every} rebuilds layer inputs to save memory: set one of them, not both."
+            )
+        if self.keep_attention is not None and not isinstance(self.keep_attention, bool):
+            raise ValueError(
+                f"{_named('keep_attention')} must be True, False or None (planned per call), got "
+                f"{self.keep_attention!r}."
+            )
         choices = PlanChoices(
             chunk=None if self.stream_chunk_size == AUTO else self.stream_chunk_size,
             keep_every=self.keep_every,
+            keep_activations=kept,
+            keep_attention=self.keep_attention,
             offload=self.offload_checkpoints,
             kv_mode=self.kv_mode,
             budget=None if self.memory_budget is None else parse_budget(self.memory_budget),

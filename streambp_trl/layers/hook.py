@@ -27,7 +27,7 @@ from torch import nn
 from ..attention import StreamMask, stream_configs
 from ..sizing.choices import PlanChoices, StepPlan
 from .adapters import CallArguments, LayerAdapter, adapters_of, wrapped
-from .call import LayerCall, StreamLayerFunction, returned
+from .call import LayerCall, StreamLayerFunction, keeps_activations, returned
 from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
 from .kept import Segment
@@ -139,6 +139,8 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
     differentiated = torch.is_grad_enabled() and bool(x.requires_grad or grad_inputs or params)
     rebuildable = differentiated and input_rebuildable(layer, decoder)
     segment = _segment(decoder, decoder.segment_size(index, run), given, rebuildable, differentiated)
+    kept = run.keeps(index, decoder.layers)
+    whole = keeps_activations(layer, kept, bound.shared, bool(facts.compress_rates), segment is not None)
     call = LayerCall(
         layer=layer,
         func=wrapped(forward.func, facts.adapters),
@@ -157,6 +159,8 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
         segment=segment,
         position=segment.joined if segment is not None else 0,
         chunk=run.chunk,
+        keeps_activations=whole,
+        keeps_attention=run.keep_attention and not whole,
         min_chunk=facts.min_chunk,
         shared=bound.shared,
         compress_rates=facts.compress_rates,

@@ -285,7 +285,11 @@ class AutoChunks:
             return plan
         chunks, layout_choices, offloads = planner.choices_open(seq_len, rebuildable, can_offload)
         kv_mode = planner.kv_modes(False, Layout())[0]  # (the user's, else recomputed)
-        smallest = StepPlan(chunks[0], layout_choices[0], offloads[0] or on_cpu, kv_mode=kv_mode)
+        kept, attention = self.choices.keep_activations or 0, bool(self.choices.keep_attention)
+        smallest = StepPlan(
+            chunks[0], layout_choices[0], offloads[0] or on_cpu, kv_mode=kv_mode, keep_activations=kept,
+            keep_attention=attention,
+        )  # fmt: skip
         if not grad or (self.choices.budget is None and device.type == "cpu"):
             logger.warning(
                 f"StreamBP: no plan is predicted to fit {n:,} tokens in {size_text(room)}; running "

@@ -47,7 +47,9 @@ def rule_of_thumb(seq_len: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
     """How one streamed call runs: ``chunk`` tokens per chunk (and logit tile), the ``layout`` of kept layer inputs,
-    ``offload`` of the kept ones to pinned host memory, ``kv_mode`` of each layer's keys/values; what the memory model
+    ``offload`` of the kept ones to pinned host memory, ``kv_mode`` of each layer's keys/values, how many top layers
+    keep their activations from the forward (``keep_activations``) and whether the others keep their attention outputs
+    (``keep_attention``); what the memory model
     predicts for it (``activations``: device bytes beyond weights and gradients, with the LM head's gradient in its
     two-node form; ``host``: pinned host bytes), its predicted relative ``time``, and ``head_forms``: the forms of the
     LM head's gradient (:class:`~streambp_trl.logits.forms.HeadForm`) with which the predicted peak still fits the
@@ -62,17 +64,32 @@ class StepPlan:
     time: float = 1.0
     kv_mode: KVMode = KVMode.RECOMPUTE
     head_forms: tuple[HeadForm, ...] = ()
+    keep_activations: int = 0
+    keep_attention: bool = False
+
+    def keeps(self, index: int, layers: int) -> bool:
+        """Whether the ``index``-th of a decoder's ``layers`` stream layers keeps its activations from the forward
+        (the top ``keep_activations``: their backwards come first; a layer called outside a decoder: any)."""
+        return self.keep_activations > 0 and index >= layers - self.keep_activations
 
     def describe(self, tokens: int, layers: int, held: int | None = None, room: int | None = None) -> str:
         """The plan in plain words, e.g. ``262,144 tokens: chunk 4096, every layer input kept, checkpoints offloaded
         to host (70.0 GiB pinned), predicted peak 41.2 GiB of 78.0 GiB``; ``held``: the weights and gradients the
         peak adds to the activations, ``room``: what the device allows them (``None``: not known)."""
-        words = [f"{tokens:,} tokens: chunk {self.chunk}", self.layout.describe(layers)]
-        if self.offload:  # (no pinned bytes on the CPU, where offload keeps the checkpoints as they are)
-            pinned = f" ({size_text(self.host)} pinned)" if self.host else ""
-            words.append(f"checkpoints offloaded to host{pinned}")
-        if self.kv_mode == KVMode.CAPTURE:
-            words.append("keys/values kept from the forward")
+        words = [f"{tokens:,} tokens: chunk {self.chunk}"]
+        if self.keep_activations >= layers:  # (no layer recomputes: what the others keep does not arise)
+            words.append("every layer's activations kept from the forward (nothing recomputed)")
+        else:
+            words.append(self.layout.describe(layers))
+            if self.offload:  # (no pinned bytes on the CPU, where offload keeps the checkpoints as they are)
+                pinned = f" ({size_text(self.host)} pinned)" if self.host else ""
+                words.append(f"checkpoints offloaded to host{pinned}")
+            if self.kv_mode == KVMode.CAPTURE:
+                words.append("keys/values kept from the forward")
+            if self.keep_attention:
+                words.append("attention outputs kept from the forward")
+            if self.keep_activations:
+                words.append(f"the top {self.keep_activations} layers' activations kept from the forward")
         if held is not None:
             peak = f"predicted peak {size_text(held + self.activations)}"
             words.append(peak if room is None else f"{peak} of {size_text(held + room)}")
@@ -83,13 +100,17 @@ class StepPlan:
 class PlanChoices:
     """The user's choices of each call's plan; ``None``: the plan chooses. ``chunk``: tokens per chunk;
     ``keep_every``: only the first input of every ``keep_every`` layers kept; ``offload``: kept inputs in pinned host
-    memory; ``kv_mode``: how the backward gets keys/values; ``budget``: bytes of the whole device a step may use
-    (``None``: the memory free when a call starts)."""
+    memory; ``kv_mode``: how the backward gets keys/values; ``keep_activations``: how many top layers keep their
+    activations from the forward (no recompute); ``keep_attention``: the other layers keep their attention outputs
+    from the forward (their recompute skips the attention kernels); ``budget``: bytes of the whole device a step may
+    use (``None``: the memory free when a call starts)."""
 
     chunk: int | None = None
     keep_every: int | None = None
     offload: bool | None = None
     kv_mode: KVMode | None = None
+    keep_activations: int | None = None
+    keep_attention: bool | None = None
     budget: int | None = None
 
     def __post_init__(self):
@@ -98,9 +119,12 @@ class PlanChoices:
 
     def fixed(self, seq_len: int) -> StepPlan:
         """The plan without a memory figure for sequences of ``seq_len`` tokens: the user's choices, else the rule of
-        thumb's chunk (:func:`rule_of_thumb`), every input kept, nothing offloaded, keys/values recomputed."""
+        thumb's chunk (:func:`rule_of_thumb`), every input kept, nothing offloaded, keys/values recomputed, every layer
+        recomputed in backward, attention included."""
         chunk = self.chunk if self.chunk is not None else rule_of_thumb(seq_len)
-        plan = StepPlan(chunk, Layout(every=self.keep_every or 1), bool(self.offload))
+        kept, attention = self.keep_activations or 0, bool(self.keep_attention)
+        layout = Layout(every=self.keep_every or 1)
+        plan = StepPlan(chunk, layout, bool(self.offload), keep_activations=kept, keep_attention=attention)
         return plan if self.kv_mode is None else dataclasses.replace(plan, kv_mode=self.kv_mode)
 
 

@@ -41,6 +41,12 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
   moment also holds that of the layers below it (with offload, of the one layer whose copy may still run), and the
   host holds every layer's.
 
+  With ``keep_activations`` the top layers hold their activations at full length from their forward to their
+  backward (:func:`kept_bytes`), which the forward's peak, the LM head's backward and the top kept layer's backward
+  (with dY and a separate dx) count; the recomputing layers' backwards come after theirs. With ``keep_attention``
+  every softmax-attention layer that recomputes keeps its attention output and log-sum-exps from its forward to its
+  backward (:func:`attention_output_bytes`), counted as captured keys/values are, but never offloaded.
+
 * ``hf-gc`` (Hugging Face gradient checkpointing, the model's own loss over full logits) and ``trl-default``
   (checkpointing + TRL's fused LM head): the saved layer inputs, and either the logits with their float32 copies
   and gradients (``hf-gc``) or one layer recomputed at full length with its gradients (``trl-default``).
@@ -71,10 +77,19 @@ from .setup import (
     trained_params,
     weight_bytes,
 )
-from .stream_step import captured_bytes, estimate_activation_bytes, head_backward_bytes, per_token_bytes
+from .stream_step import (
+    attention_output_bytes,
+    captured_bytes,
+    estimate_activation_bytes,
+    head_backward_bytes,
+    kept_bytes,
+    kept_token_bytes,
+    per_token_bytes,
+)
 from .units import UNITS, GiB, gib, parse_budget, parse_size
 
 __all__ = [
+    "attention_output_bytes",
     "CHUNKS",
     "GiB",
     "HEAD_FORMS",
@@ -91,6 +106,8 @@ __all__ = [
     "estimate_peak_bytes",
     "gib",
     "head_backward_bytes",
+    "kept_bytes",
+    "kept_token_bytes",
     "lora_layer_params",
     "optimizer_bytes",
     "optimizer_step_bytes",

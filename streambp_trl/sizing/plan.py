@@ -24,7 +24,11 @@ The time model, per token of a step, relative to one that keeps every layer inpu
   state-carrying layers collect their chunk carries by a whole no-grad chunked forward, which capture saves too: the
   model counts them at the attention's saving, the least. The plan opens capture without offload (whose copies it
   has not timed with capture), or keeps the user's ``kv_mode``; the memory model counts what capture keeps for every
-  kind of layer (:func:`.memory_model.captured_bytes`), with offload too.
+  kind of layer (:func:`.memory_model.captured_bytes`), with offload too;
+* a layer that keeps its activations from the forward (the top ``keep_activations``, :mod:`streambp_trl.layers.call.
+  kept`) runs no recompute, ``REBUILD_COST`` of a layer's step, and no key/value pass: the plan keeps the most layers
+  whose predicted peak fits, where every layer input is kept (:meth:`Planner.most_kept`), so room a length does not
+  need goes to recomputing less.
 """
 
 from __future__ import annotations
@@ -54,12 +58,30 @@ def margin(room: int) -> int:
     return min(MARGIN, max(room, 0) // 64)
 
 
-def predicted_time(plan: StepPlan, layers: int) -> float:
-    """The relative time of a step run as ``plan`` says, for ``layers`` layers (see the module docstring)."""
-    rebuilt = plan.layout.rebuilt(layers) / max(layers, 1)
-    time = (1 + CHUNK_OVERHEAD_TOKENS / plan.chunk) * (1 + REBUILD_COST * rebuilt)
+def attention_share(shape: ModelShape, seq_len: int) -> float:
+    """The share of a softmax-attention layer's streamed step, on sequences of ``seq_len`` tokens, that is its
+    recompute's attention forward: per token, the attention's ``2 x 2 x q x seq_len / 2`` FLOPs (scores and weighted
+    values over half the sequence on average, causal) against a step of four forwards (forward, recompute, a backward
+    of twice the FLOPs), each of the layer's ``2 x params`` matmul FLOPs and the attention's; times the share of the
+    layers that are softmax attention."""
+    q = shape.heads * shape.head_dim
+    attention = 2 * q * seq_len
+    layer = 4 * (2 * shape.layer_params + attention)
+    return attention / layer * len(shape.plain_attention_layers) / max(shape.layers, 1)
+
+
+def predicted_time(plan: StepPlan, layers: int, attention: float = 0.0) -> float:
+    """The relative time of a step run as ``plan`` says, for ``layers`` layers (see the module docstring);
+    ``attention``: the share of the step a recompute's attention forward takes (:func:`attention_share`), which the
+    layers that recompute save where they keep their attention outputs."""
+    layers = max(layers, 1)
+    kept = min(plan.keep_activations, layers)
+    rebuilt = plan.layout.rebuilt(layers) / layers
+    saved = attention * (layers - kept) / layers if plan.keep_attention else 0.0
+    time = (1 + CHUNK_OVERHEAD_TOKENS / plan.chunk) * (1 + REBUILD_COST * (rebuilt - kept / layers) - saved)
     time *= OFFLOAD_COST if plan.offload else 1.0
-    return time * (1 - COLLECT_COST if plan.kv_mode == KVMode.CAPTURE else 1.0)
+    uncollected = 1.0 if plan.kv_mode == KVMode.CAPTURE else kept / layers
+    return time * (1 - COLLECT_COST * uncollected)
 
 
 def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layout]:
@@ -107,6 +129,35 @@ class Planner:
         open_ = not offload and not layout.rebuilt(self.shape.layers)
         return [KVMode.RECOMPUTE, KVMode.CAPTURE] if open_ else [KVMode.RECOMPUTE]
 
+    def attention_modes(self, offload: bool, layout: Layout) -> list[bool]:
+        """Whether the layers that recompute may keep their attention outputs: the user's ``keep_attention`` where
+        fixed; else either, where the model has softmax-attention layers, nothing is offloaded and every layer input
+        is kept (as :meth:`kv_modes` opens capture); not otherwise."""
+        if self.choices.keep_attention is not None:
+            return [self.choices.keep_attention]
+        open_ = bool(self.shape.plain_attention_layers) and not offload and not layout.rebuilt(self.shape.layers)
+        return [False, True] if open_ else [False]
+
+    def keeps_open(self, layout: Layout, rebuildable: bool) -> list[int]:
+        """How many top layers may keep their activations from the forward: the user's ``keep_activations`` where
+        fixed; else any number, where every layer input is kept and layers may keep more than their input
+        (``rebuildable``: weights whole, a call with grad), none otherwise."""
+        if self.choices.keep_activations is not None:
+            return [self.choices.keep_activations]
+        return list(range(self.shape.layers + 1)) if rebuildable and layout == Layout() else [0]
+
+    def most_kept(self, tokens: int, plan: StepPlan, limit: int, rebuildable: bool) -> StepPlan:
+        """``plan`` with the most top layers keeping their activations open (:meth:`keeps_open`) whose predicted
+        activations fit ``limit`` (the fewest open where none does): each kept layer saves its recompute, so the
+        most that fit is the fastest. The peak grows with every layer kept, so the count is bisected."""
+        open_ = self.keeps_open(plan.layout, rebuildable)
+        low, high = 0, len(open_) - 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            fits = self.estimate(tokens, dataclasses.replace(plan, keep_activations=open_[mid]))[0] <= limit
+            low, high = (mid, high) if fits else (low, mid - 1)
+        return dataclasses.replace(plan, keep_activations=open_[low])
+
     def best(
         self, rows: int, seq_len: int, limit: int, host_room: int | None, rebuildable: bool, can_offload: bool
     ) -> StepPlan | None:
@@ -115,18 +166,25 @@ class Planner:
         the smaller peak."""
         chunks, layout_choices, offloads = self.choices_open(seq_len, rebuildable, can_offload)
         best, key = None, None
+        share = attention_share(self.shape, seq_len)
         for offload in offloads:
             for layout in layout_choices:
-                for chunk in chunks:
-                    for kv_mode in self.kv_modes(offload, layout):
-                        plan = StepPlan(chunk, layout, offload, kv_mode=kv_mode)
-                        activations, host = self.estimate(rows * seq_len, plan)
-                        if activations > limit or (offload and (host_room is None or host > host_room)):
-                            continue
-                        time = predicted_time(plan, self.shape.layers)
-                        if key is None or (time, activations) < key:
-                            best = dataclasses.replace(plan, activations=activations, host=host, time=time)
-                            key = (time, activations)
+                combinations = [
+                    (chunk, kv_mode, attention)
+                    for chunk in chunks
+                    for kv_mode in self.kv_modes(offload, layout)
+                    for attention in self.attention_modes(offload, layout)
+                ]
+                for chunk, kv_mode, attention in combinations:
+                    plan = StepPlan(chunk, layout, offload, kv_mode=kv_mode, keep_attention=attention)
+                    plan = self.most_kept(rows * seq_len, plan, limit, rebuildable)
+                    activations, host = self.estimate(rows * seq_len, plan)
+                    if activations > limit or (offload and (host_room is None or host > host_room)):
+                        continue
+                    time = predicted_time(plan, self.shape.layers, share)
+                    if key is None or (time, activations) < key:
+                        best = dataclasses.replace(plan, activations=activations, host=host, time=time)
+                        key = (time, activations)
         if best is None:
             return None
         fitting = (f for f in HEAD_FORMS if self.estimate(rows * seq_len, best, f)[0] <= limit)
@@ -144,10 +202,15 @@ class Planner:
         fits no length, or reaches no further than one before it is left out (so none, where nothing fits)."""
         chunks, layout_choices, offloads = self.choices_open(1 << 30, rebuildable, can_offload)
         layers, chunk, configured = self.shape.layers, min(chunks), self.choices.kv_mode or KVMode.RECOMPUTE
+        # (the plan keeps activations and attention outputs only with room to spare)
+        kept, attention = self.choices.keep_activations or 0, bool(self.choices.keep_attention)
 
         def longest(layout: Layout, offload: bool, kv_mode: KVMode = configured) -> int:
             def fits(tokens: int) -> bool:
-                activations, host = self.estimate(rows * tokens, StepPlan(chunk, layout, offload, kv_mode=kv_mode))
+                plan = StepPlan(
+                    chunk, layout, offload, kv_mode=kv_mode, keep_activations=kept, keep_attention=attention
+                )
+                activations, host = self.estimate(rows * tokens, plan)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
             return longest_fitting(fits, step) or longest_fitting(fits, step=1)

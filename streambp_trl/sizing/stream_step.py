@@ -37,6 +37,53 @@ def per_token_bytes(shape: ModelShape, db: int) -> int:
     return 2 * (shape.rotary_dim or shape.head_dim) * db + 48 + 4 * shape.shared_topk * max(shape.layers - 1, 0)
 
 
+def kept_token_bytes(shape: ModelShape, db: int) -> int:
+    """What a softmax-attention layer that keeps its activations (``keep_activations``) holds per token from its
+    forward to its backward, its input aside: the SwiGLU MLP's four intermediate-sized products, the two norms'
+    float32 copies and outputs, the queries' projections, float32 norm copies and rotary outputs, the attention output
+    and its per-head statistics, the keys' likewise and the keys/values of every position with their gradient sums
+    (a Qwen3 layer's saved tensors as counted on the CPU, ``tests/test_kept_activations.py``; a layer without query
+    and key norms holds less)."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_dim
+    return (
+        4 * shape.intermediate * db
+        + shape.hidden * (4 * db + 8)
+        + q * (3 * db + 4)
+        + 8 * shape.heads
+        + kv * (6 * db + 4)
+        + 2 * shape.head_dim * db
+    )
+
+
+def attention_output_bytes(shape: ModelShape, n: int, db: int = 2) -> int:
+    """What a softmax-attention layer keeps of its attention from its forward to its backward with
+    ``keep_attention``, for ``n`` tokens: the output (query heads x head_dim values) and one log-sum-exp per query
+    head, float32 (float64 in a float64 model: :mod:`streambp_trl.attention.kept_outputs`)."""
+    return (shape.heads * shape.head_dim * db + max(db, 4) * shape.heads) * n
+
+
+def kept_bytes(shape: ModelShape, n: int, kept: int, db: int = 2) -> tuple[int, ...]:
+    """What each layer (by index) holds from its forward to its backward where the top ``kept`` layers keep their
+    activations (``keep_activations``), for ``n`` tokens: a softmax-attention layer :func:`kept_token_bytes`, a
+    state-carrying one its chunk backward's activations (:attr:`.mixers.RecurrentKind.token_bytes`, which count its
+    gradients too) at full length, a layer with no token mixer its MLP's; the first layer, kept, its input too (which
+    the other layouts rebuild from the token ids)."""
+    layers = shape.layers
+    held = [0] * layers
+    top = range(max(layers - kept, 0), layers)
+    attention = kept_token_bytes(shape, db)
+    for i in top:
+        held[i] = attention * n
+    for kind in recurrent_kinds(shape, db):
+        for i in set(kind.layers) & set(top):
+            held[i] = kind.token_bytes * n
+    for i in set(shape.mlp_layers) & set(top):
+        held[i] = (4 * shape.intermediate * db + shape.hidden * (2 * db + 4)) * n
+    if kept >= layers and layers:
+        held[0] += shape.residual * db * n
+    return tuple(held)
+
+
 def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2) -> tuple[int, ...]:
     """What each layer (by index) keeps from its forward to its backward with ``kv_mode="capture"``, for ``n`` tokens
     (rows x length) in chunks of ``chunk``: a softmax-attention layer its keys/values of every position ``2 kv db n``
@@ -149,17 +196,37 @@ class StreamStep:
 
     @functools.cached_property
     def kept(self) -> tuple[int, ...]:
-        """What each layer keeps from its forward for its backward with keys/values captured (none recomputed)."""
+        """What each layer keeps from its forward for its backward with keys/values captured (none recomputed; a
+        layer that keeps its activations captures nothing: :attr:`activations`)."""
         if self.plan.kv_mode != KVMode.CAPTURE:
             return (0,) * self.shape.layers
-        return captured_bytes(self.shape, self.n, self.chunk_rows, self.trained.db)
+        captured = captured_bytes(self.shape, self.n, self.chunk_rows, self.trained.db)
+        return tuple(0 if held else c for c, held in zip(captured, self.activations, strict=True))
+
+    @functools.cached_property
+    def activations(self) -> tuple[int, ...]:
+        """What each of the top ``keep_activations`` layers holds from its forward to its backward
+        (:func:`kept_bytes`), 0 for the others."""
+        return kept_bytes(self.shape, self.n, self.plan.keep_activations, self.trained.db)
+
+    @functools.cached_property
+    def attention_kept(self) -> tuple[int, ...]:
+        """What each softmax-attention layer that recomputes keeps of its attention from its forward with
+        ``keep_attention`` (:func:`attention_output_bytes`), 0 for the others."""
+        if not self.plan.keep_attention:
+            return (0,) * self.shape.layers
+        each = attention_output_bytes(self.shape, self.n, self.trained.db)
+        plain = set(self.shape.plain_attention_layers)
+        return tuple(each if i in plain and not held else 0 for i, held in enumerate(self.activations))
 
     def captured(self, below: int) -> int:
-        """What capture keeps on the device from the layers below layer ``below``: every one's, or with offload the
-        one just below's (its copy to the host in the forward, back in the backward)."""
+        """What the layers below layer ``below`` keep on the device from their forward for their backward: captured
+        keys/values (every one's, or with offload the one just below's: its copy to the host in the forward, back in
+        the backward) and kept attention outputs (every one's: they are not offloaded)."""
+        attention = sum(self.attention_kept[:below])
         if self.plan.offload:
-            return self.kept[below - 1] if below >= 1 else 0
-        return sum(self.kept[:below])
+            return attention + (self.kept[below - 1] if below >= 1 else 0)
+        return attention + sum(self.kept[:below])
 
     def common(self, among: Collection[int] | None) -> int:
         """The kept inputs, captured keys/values and token bookkeeping at the worst backward of a layer of ``among``
@@ -198,7 +265,8 @@ class StreamStep:
 
     def layer_backwards(self) -> list[int]:
         """The worst backward of each kind of decoder layer the model has, and the end of the backward."""
-        peaks = [self.attention_backward()] if self.shape.plain_attention_layers else []
+        peaks = [self.kept_backward()] if self.plan.keep_activations else []
+        peaks += [self.attention_backward()] if self.shape.plain_attention_layers else []
         peaks += self.recurrent_backwards()
         peaks += [self.mlp_backward()] if self.shape.mlp_layers else []
         return peaks + ([self.backward_end()] if self.trained.pending_grads else [])
@@ -213,11 +281,20 @@ class StreamStep:
         kv, d, h = shape.kv_dim, shape.head_dim, shape.hidden
         grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
         layer = self.common(shape.plain_attention_layers) + (shape.residual + 4 * kv) * db * n
-        layer += grads * self.sum_bytes
+        layer += grads * self.sum_bytes + max(self.attention_kept)  # (its own kept attention outputs too)
         group = shape.heads // shape.kv_heads
         attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
         attention += rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
         return layer + max(self.mlp, attention, indexer_scores_bytes(shape, n, rows))
+
+    def kept_backward(self) -> int:
+        """The backward of the top layer that keeps its activations: every kept layer's activations (its own among
+        them, freed chunk by chunk), every kept input, dY and dx (which does not take the input's place: the kept
+        graphs hold it), the layer's parameter gradient sums and one chunk's backward (bounded by a recompute's)."""
+        shape, db, n = self.shape, self.trained.db, self.n
+        grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
+        own = self.common(None) + self.head_grad + self.layer_grad + sum(self.activations)
+        return own + 2 * shape.residual * db * n + grads * self.sum_bytes + self.mlp
 
     def recurrent_backwards(self) -> list[int]:
         """Each state-carrying kind of layer's backward (Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short
@@ -264,7 +341,7 @@ class StreamStep:
         them under the simulator)."""
         shape, db, n, trained = self.shape, self.trained.db, self.n, self.trained
         h, r = shape.hidden, shape.residual
-        head = self.common(None) + h * db * n
+        head = self.common(None) + sum(self.activations) + h * db * n
         head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=trained.head, form=head_form)
         if shape.streams > 1:
             head = max(head, self.common(None) + self.head_grad + (h + 2 * r) * db * n + 5 * 4 * r * n)
@@ -277,7 +354,7 @@ class StreamStep:
             shape, n, self.chunk_rows, db, lora=self.trained.adapters, layout=plan.layout, offload=plan.offload,
             captured=self.captured,
         )  # fmt: skip
-        return per_token_bytes(shape, db) * n + peak
+        return per_token_bytes(shape, db) * n + peak + sum(self.activations)
 
 
 def head_backward_bytes(

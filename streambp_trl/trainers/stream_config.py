@@ -49,6 +49,16 @@ class StreamArguments:
             forward. Divides the kept inputs (and the host memory of offload) by about k, for k - 1 extra layer
             forwards out of every k. Not with FSDP or DeepSpeed ZeRO-3. `None`: each batch shape's plan keeps every
             input where they fit, else rebuilds the fewest that make the step fit.
+        stream_keep_activations (`int` or `None`, defaults to `None`):
+            How many of the top decoder layers keep their activations from the forward, so their backward recomputes
+            nothing: about a quarter of those layers' step saved, for one layer's full-length activations held per
+            layer, bit-identical gradients. Not with `stream_keep_every` > 1, FSDP or DeepSpeed ZeRO-3. `None`: each
+            batch shape's plan keeps as many as the memory leaves room for.
+        stream_keep_attention (`bool` or `None`, defaults to `None`):
+            Each decoder layer that recomputes keeps its attention outputs (and log-sum-exps) from the forward, so its
+            recompute in backward skips the attention kernels, the quadratic part of a long sequence: query heads x
+            head_dim values per token per layer, the same gradients bit for bit. `None`: each batch shape's plan
+            keeps them where they fit.
         activation_checkpointing (`bool`, defaults to `True`):
             TRL's default (which TRL writes as the deprecated `gradient_checkpointing=True`, a FutureWarning on every
             config), under the current name. A stream trainer takes it over: the engine checkpoints and streams every
@@ -97,6 +107,20 @@ class StreamArguments:
             "chosen by each batch shape's plan)."
         },
     )
+    stream_keep_activations: int | None = field(
+        default=None,
+        metadata={
+            "help": "How many top decoder layers keep their activations from the forward, not recomputed in backward "
+            "(default: as many as each batch shape's plan has room for)."
+        },
+    )
+    stream_keep_attention: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Keep each layer's attention outputs from the forward, so the backward's recompute skips the "
+            "attention kernels (default: where each batch shape's plan has room)."
+        },
+    )
     activation_checkpointing: bool | None = field(
         default=None,
         metadata={
@@ -135,6 +159,8 @@ class StreamArguments:
             ),
             memory_budget=self.memory_budget,
             keep_every=self.stream_keep_every,
+            keep_activations=self.stream_keep_activations,
+            keep_attention=self.stream_keep_attention,
             **engine_options,
         )
 

@@ -5,11 +5,13 @@
   forward returns;
 * :mod:`.backward`: each chunk's backward, last to first, and the key/value collection, functions of the call and
   its record;
+* :mod:`.kept`: a layer call whose forward keeps its chunks' graphs, so its backward recomputes nothing;
 * :mod:`.unread`: the linear maps whose output no gradient reads, which the chunk recompute skips;
 * :mod:`.guards`: what a backward checks first (versions, a second backward, ``create_graph``).
 """
 
 from .backward import ChunkBackward
+from .kept import keeps_activations
 from .layer_call import (
     ChunkedForward,
     ForwardRecord,
@@ -27,6 +29,7 @@ __all__ = [
     "LayerCall",
     "RecordedCall",
     "StreamLayerFunction",
+    "keeps_activations",
     "layer_name",
     "returned",
 ]

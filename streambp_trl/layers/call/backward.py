@@ -10,11 +10,40 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ...attention.kept_outputs import replaying
 from ...sizing.setup import adapter_sums, whole_numel
 from ..carry import INDEXER, CarryStore, ChunkCache, LayerCarry, StopAfterCacheUpdate, queries_skipped
 from ..rng import rng_fork
+from ..shared_kv import ChunkShared
 from .layer_call import ForwardRecord, LayerCall
 from .unread import outputs_skipped
+
+
+@dataclasses.dataclass
+class ChunkGraph:
+    """One chunk's graph, from its leaves (its input ``xc``, the per-token argument ``leaves``, the carry entering it
+    in ``cache``, the shared keys/values in ``shared``) to its outputs (``yc``, ``extras``; ``nones``: how many
+    ``None`` the layer returned beside them), for chunk ``n`` = [``s``, ``e``)."""
+
+    n: int
+    s: int
+    e: int
+    cache: ChunkCache
+    xc: torch.Tensor
+    leaves: dict[str, torch.Tensor]
+    yc: torch.Tensor
+    extras: tuple[torch.Tensor, ...]
+    nones: int | None
+    shared: ChunkShared | None
+
+
+@dataclasses.dataclass
+class KeptGraphs:
+    """What a forward that keeps its chunks' graphs hands its backward: every chunk's graph (first chunk first) and
+    the carry they were built over (the store of every position's keys/values, the gradient sums of its slots)."""
+
+    carry: LayerCarry
+    graphs: list[ChunkGraph]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +65,20 @@ class ChunkBackward:
         need_extra: tuple[bool, ...],
         dx_over_x: bool,
         dstreams: tuple[torch.Tensor | None, ...] = (),
+        kept: KeptGraphs | None = None,
     ) -> tuple[torch.Tensor | None, list[torch.Tensor | None], list[torch.Tensor | None]]:
         """``dx_over_x``: nothing but this backward holds ``x``'s memory, so dx may take its place. ``dstreams``: the
-        gradients of the floating per-token outputs (``streams``; ``None`` where none reached them)."""
+        gradients of the floating per-token outputs (``streams``; ``None`` where none reached them). ``kept``: the
+        chunks' graphs and carry the forward kept (:mod:`.kept`), taken (emptied) here instead of recomputed."""
         with rng_fork(x):
-            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams)
+            return self._backward_chunks(x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams, kept)
 
-    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams):
+    def _backward_chunks(self, x, dy, kv, params, need_dx, need_extra, dx_over_x, dstreams, kept):
         call = self.call
-        carry = LayerCarry(kv if kv is not None else self.collect_kv(x))
+        if kept is not None:
+            carry, graphs = kept.carry, kept.graphs
+        else:
+            carry, graphs = LayerCarry(kv if kv is not None else self.collect_kv(x)), None
         for kind, slot in self.record.stores.items():  # what the later layers reusing these keys/values handed back
             grads = call.shared.take_grads(kind)
             if grads is not None:
@@ -52,11 +86,7 @@ class ChunkBackward:
         # x[:, s:e] is not read again once chunk [s, e) is done (keys/values are already collected), so its
         # gradient can take its place when nothing else holds x
         dx = (x if dx_over_x else torch.empty_like(x)) if need_dx else None
-        extra = [
-            (n, call.kwargs[n], call.per_token[n])
-            for n, need in zip(call.grad_inputs, need_extra, strict=True)
-            if need
-        ]
+        extra = self.extra(need_extra)
         dextra = [torch.zeros_like(t) for _, t, _ in extra]
         dparams: list[torch.Tensor | None] = [None] * len(params)
         # the parameters' own tensor hooks are set aside meanwhile: they run once, on the sums this Function returns
@@ -68,7 +98,7 @@ class ChunkBackward:
         wide = adapters_only(call.layer, params)
         hooks = [p.register_hook(functools.partial(_absorb, dparams, zeros, wide, j)) for j, p in enumerate(params)]
         try:
-            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params, dstreams)
+            self._chunk_backwards(x, dy, carry, dx, extra, dextra, params, dstreams, graphs)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -80,49 +110,87 @@ class ChunkBackward:
             [g if g is None or g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(dparams, params, strict=True)],
         )
 
-    def _chunk_backwards(self, x, dy, carry: LayerCarry, dx, extra, dextra, params, dstreams) -> None:
-        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
-        through the parameters' hooks, the parameter gradient sums); the chunk's outputs are its hidden states, its
-        floating per-token outputs (given ``dstreams``) and what later chunks took from it."""
-        need_dx = dx is not None
+    def extra(self, need_extra: tuple[bool, ...]) -> list[tuple[str, torch.Tensor, object]]:
+        """The gradient-carrying per-token arguments whose gradient is asked for: (name, tensor, sequence dims)."""
+        call = self.call
+        return [
+            (n, call.kwargs[n], call.per_token[n])
+            for n, need in zip(call.grad_inputs, need_extra, strict=True)
+            if need
+        ]
+
+    def build(
+        self,
+        n: int,
+        s: int,
+        e: int,
+        x: torch.Tensor,
+        carry: LayerCarry,
+        extra: list,
+        need_dx: bool,
+        kept: bool = False,
+    ) -> ChunkGraph:
+        """Chunk ``n`` = [s, e) run with grad on ``x[:, s:e]`` as a leaf, its incoming carry as leaves over the carry's
+        store: its graph. In a backward (``kept`` False) the chunk replays its recorded random state and skips the
+        outputs no backward reads; in a forward that keeps its graphs (``kept``) it draws its random numbers as they
+        come (the caller records the state), computes every output (the layer's output is the forward's) and runs over
+        the store under fresh version counters, since later chunks write the store while this graph waits. A recompute
+        takes back the attention outputs its forward kept, if any (:mod:`streambp_trl.attention.kept_outputs`)."""
         call, record = self.call, self.record
-        for n, (s, e) in reversed(list(enumerate(call.chunks()))):
-            cache = carry.chunk_cache(n, s, call.prefix_start(s), resets=s in call.resets)
-            xc = x[:, s:e].detach().requires_grad_(need_dx)
-            leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
+        cache = carry.chunk_cache(n, s, call.prefix_start(s), resets=s in call.resets, aliased=kept)
+        xc = x[:, s:e].detach().requires_grad_(need_dx)
+        leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
+        if not kept:
             record.rng[n].restore()
-            shared = call.shared_view(cache, s - cache.prefix_len, e)
-            with torch.enable_grad(), outputs_skipped(record.unread):
-                yc, extras, _ = call.run(xc, s, e, cache, leaves, shared)
-            reused = shared.leaves_list() if shared is not None else []
-            streams = [(extras[j], d[:, s:e]) for j, d in zip(record.streams, dstreams, strict=True) if d is not None]
-            carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
-            outputs = [yc, *(t for t, _ in streams), *carried]
-            grad_outputs = [dy[:, s:e], *(d for _, d in streams), *carried_grads]
-            # keys/values computed only from frozen weights and a gradient-free input carry no gradient
-            keep = [j for j, out in enumerate(outputs) if out.requires_grad]
-            outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
-            incoming = carry.incoming(cache)
-            inputs = ([xc] if need_dx else []) + list(leaves.values()) + incoming + reused
-            grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
-            it: Iterator = iter(grads)
-            if need_dx:
-                dx[:, s:e] = next(it)
-            for (_, _, dim), acc in zip(extra, dextra, strict=True):
-                g = next(it)
-                if g is not None:
-                    acc.narrow(dim, s, e - s).copy_(g)
-            carry.absorb(
-                cache, n, [next(it) for _ in incoming]
-            )  # (unless the attention added them itself: PrefixGrad)
-            if reused:
-                shared.absorb([next(it) for _ in reused])
-            # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`)
-            # this chunk's gradients (views of the attention's full-length key/value gradients among them) and its
-            # graph go before the next chunk's backward allocates its own
-            g = None
-            del grads, it, g, outputs, grad_outputs, yc, extras, streams, cache, carried, carried_grads, incoming
-            del inputs, leaves, xc, shared, reused
+        shared = call.shared_view(cache, s - cache.prefix_len, e)
+        attention = record.attention[n] if record.attention else None
+        with torch.enable_grad(), outputs_skipped(() if kept else record.unread), replaying(attention):
+            yc, extras, nones = call.run(xc, s, e, cache, leaves, shared)
+        return ChunkGraph(n, s, e, cache, xc, leaves, yc, extras, nones, shared)
+
+    def _chunk_backwards(
+        self, x, dy, carry: LayerCarry, dx, extra, dextra, params, dstreams, graphs: list[ChunkGraph] | None = None
+    ) -> None:
+        """Each chunk's backward, last to first, writing into ``dx``, ``dextra`` and the carry's gradient sums (and,
+        through the parameters' hooks, the parameter gradient sums); each chunk's graph is recomputed
+        (:meth:`build`), or taken from ``graphs`` (kept from the forward, first chunk first)."""
+        for n, (s, e) in reversed(list(enumerate(self.call.chunks()))):
+            graph = graphs.pop() if graphs else self.build(n, s, e, x, carry, extra, dx is not None)
+            self._propagate(graph, dy, carry, dx, extra, dextra, params, dstreams)
+            del graph  # this chunk's graph goes before the next chunk's backward allocates its own
+            if self.record.attention:  # and the attention outputs its forward kept
+                self.record.attention[n].release()
+
+    def _propagate(self, graph: ChunkGraph, dy, carry: LayerCarry, dx, extra, dextra, params, dstreams) -> None:
+        """One chunk's backward through its graph: the chunk's outputs are its hidden states, its floating per-token
+        outputs (given ``dstreams``) and what later chunks took from it."""
+        n, s, e, cache, shared = graph.n, graph.s, graph.e, graph.cache, graph.shared
+        need_dx = dx is not None
+        reused = shared.leaves_list() if shared is not None else []
+        streams = [
+            (graph.extras[j], d[:, s:e]) for j, d in zip(self.record.streams, dstreams, strict=True) if d is not None
+        ]
+        carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
+        outputs = [graph.yc, *(t for t, _ in streams), *carried]
+        grad_outputs = [dy[:, s:e], *(d for _, d in streams), *carried_grads]
+        # keys/values computed only from frozen weights and a gradient-free input carry no gradient
+        keep = [j for j, out in enumerate(outputs) if out.requires_grad]
+        outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
+        incoming = carry.incoming(cache)
+        inputs = ([graph.xc] if need_dx else []) + list(graph.leaves.values()) + incoming + reused
+        grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
+        it: Iterator = iter(grads)
+        if need_dx:
+            dx[:, s:e] = next(it)
+        for (_, _, dim), acc in zip(extra, dextra, strict=True):
+            g = next(it)
+            if g is not None:
+                acc.narrow(dim, s, e - s).copy_(g)
+        carry.absorb(cache, n, [next(it) for _ in incoming])  # (unless the attention added them itself: PrefixGrad)
+        if reused:
+            shared.absorb([next(it) for _ in reused])
+        # the parameters' gradients went into their sums as autograd produced them (:func:`_absorb`); this chunk's
+        # gradients (views of the attention's full-length key/value gradients among them) go on return
 
     def collect_kv(self, x: torch.Tensor) -> CarryStore:
         """Keys/values of every position, each chunk replaying its recorded random state.

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...attention import StreamMask, streaming
+from ...attention.kept_outputs import KeptOutputs, recording, replaying
 from ...sizing.choices import KVMode
 from ..carry import CarryStore, ChunkCache
 from ..kept import CheckpointOffload, EmbeddingSource, Segment
@@ -35,8 +36,9 @@ class ForwardRecord:
     and the (state key, chunk) of the states entering chunks (how its keys/values and carried states are laid out),
     the linear maps whose output no backward reads (``unread``, which the recompute skips), the layer types whose
     keys/values later layers reuse (``stores``: type -> cache slot), which per-token outputs are floating (``streams``:
-    a second per-token stream, with gradient) and, once the Function has its kept input, the versions of what the
-    backward reads again (``versions``)."""
+    a second per-token stream, with gradient), once the Function has its kept input, the versions of what the
+    backward reads again (``versions``), and each chunk's attention outputs where the call keeps them
+    (``attention``, :mod:`streambp_trl.attention.kept_outputs`; ``()`` otherwise)."""
 
     rng: tuple[RngState, ...] = ()
     slots: tuple[int, ...] = ()
@@ -45,6 +47,7 @@ class ForwardRecord:
     stores: Mapping[str, int] = dataclasses.field(default_factory=dict)
     streams: tuple[int, ...] = ()
     versions: Versions | None = None
+    attention: tuple[KeptOutputs, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +100,8 @@ class LayerCall:
     segment: Segment | None = None  # with keep_every > 1: the segment of layers this call belongs to
     position: int = 0  # its place in the segment (0: the one keeping its input)
     chunk: int = 0  # tokens per chunk of this call (the call's plan)
+    keeps_activations: bool = False  # its chunks' graphs are kept from the forward, not recomputed (:mod:`.kept`)
+    keeps_attention: bool = False  # its attention outputs are kept from the forward for the recompute
     min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
     shared: SharedKV | None = None  # the decoder call's keys/values shared across layers (``shared_kv_states``)
     compress_rates: Mapping[int, int] = dataclasses.field(default_factory=dict)  # compressed attentions' slots
@@ -205,11 +210,15 @@ class LayerCall:
         nothing is recorded. Either way the keys/values later layers reuse go to the decoder call's shared ones."""
         kv = CarryStore(self.seq_len, rates=self.compress_rates)
         y, full, streams, states, unread, stores, nones = None, [], (), [], [], {}, None
+        attention: list[KeptOutputs] = []
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 if recorded:
                     states.append(RngState(x))
-                out, extras, nones, shared, found = self._chunk(x, kv, i, s, e, find_unread=recorded and i == 0)
+                kept = KeptOutputs() if recorded and self.keeps_attention else None
+                attention += [kept] if kept is not None else []
+                with recording(kept):
+                    out, extras, nones, shared, found = self._chunk(x, kv, i, s, e, find_unread=recorded and i == 0)
                 unread = found if i == 0 else unread
                 stores.update(shared.stored if shared is not None else {})
                 if y is None:
@@ -234,19 +243,22 @@ class LayerCall:
             unread=tuple(unread),
             stores=types.MappingProxyType(stores),
             streams=streams,
+            attention=tuple(attention),
         )
         return ChunkedForward(y, kv, tuple(full), nones, made)
 
     def replay_chunks(self, x: torch.Tensor, record: ForwardRecord) -> ChunkedForward:
         """The recorded forward again from its input ``x``, first chunk to last under no grad, each chunk with the
         random state ``record`` holds for it: a segment's rebuilt input, or a backward's collection of the keys/values
-        and carried states. Its per-token outputs are the forward's, not formed again."""
+        and carried states. Its per-token outputs are the forward's, not formed again; its attention outputs too,
+        where the forward kept them."""
         kv = CarryStore(self.seq_len, rates=self.compress_rates)
         y, nones = None, None
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
                 record.rng[i].restore()
-                out, _, nones, _, _ = self._chunk(x, kv, i, s, e)
+                with replaying(record.attention[i] if record.attention else None):
+                    out, _, nones, _, _ = self._chunk(x, kv, i, s, e)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
                 y[:, s:e] = out

@@ -46,6 +46,9 @@ The first layer's input, when it is the input embedding's output, is not kept bu
 (:mod:`streambp_trl.layers.kept.rebuild`). With ``offload`` the saved inputs wait in host memory
 (:mod:`streambp_trl.layers.kept.offload`), and the device holds the current and the next layer's.
 
+A layer the plan keeps whole (``LayerCall.keeps_activations``, the top ``keep_activations``) builds each chunk's graph
+in the forward instead and its backward runs through them, recomputing nothing (:mod:`.kept`).
+
 What the backward reads again besides its saved tensors (the layer's parameters, trainable or frozen, its tensor
 arguments) must be as the forward left it, and a layer's backward runs once per forward and is not differentiable:
 :mod:`streambp_trl.layers.call.guards` checks both before anything else runs.
@@ -62,6 +65,7 @@ from ...sizing.choices import KVMode
 from ..carry import CarryStore
 from .backward import ChunkBackward
 from .guards import check_backward, saved_tensors_hooked, sole_holder
+from .kept import forward_kept
 from .layer_call import LayerCall, RecordedCall, layer_name
 
 
@@ -88,6 +92,13 @@ class StreamLayerFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: LayerCall, x: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | tuple:
+        ctx.graphs, ctx.x = None, None
+        if call.keeps_activations:
+            need_extra = tuple(ctx.needs_input_grad[2 : 2 + len(call.grad_inputs)])
+            ran, ctx.graphs = forward_kept(call, x, ctx.needs_input_grad[1], need_extra)
+            ctx.recorded = RecordedCall(call, dataclasses.replace(ran.record, versions=call.versions(None)))
+            ctx.params, ctx.nones, ctx.x = inputs[len(call.grad_inputs) :], ran.nones, x.detach()
+            return _returned(ctx, ran.y, ran.extras)
         capture = call.kv_mode == KVMode.CAPTURE
         ran = call.forward_chunks(x, recorded=True)
         y, kv, extras = ran.y, ran.kv, ran.extras
@@ -109,12 +120,7 @@ class StreamLayerFunction(torch.autograd.Function):
         ctx.save_for_backward(*(kept if ctx.kept is None else ()))
         # a pack hook may keep what save_for_backward is given: x then comes back as nobody's alone
         ctx.packed = keeps_x and ctx.kept is None and saved_tensors_hooked()
-        if not extras:
-            return y
-        ctx.mark_non_differentiable(*(t for t in extras if not t.is_floating_point()))
-        ctx.set_materialize_grads(False)  # a stream no later computation read has no gradient, and gets no zeros
-        ctx.y_like = (y.shape, y.dtype, y.device)
-        return (y, *extras)
+        return _returned(ctx, y, extras)
 
     @staticmethod
     def nones_of(y: torch.Tensor) -> int | None:
@@ -129,27 +135,46 @@ class StreamLayerFunction(torch.autograd.Function):
             dy = torch.zeros(shape, dtype=dtype, device=device)
         check_backward(ctx, layer_name(call.layer))
         record.versions.check()
-        saved = ctx.saved_tensors if ctx.kept is None else call.offload.load(ctx.kept)
-        ctx.kept = None
-        if call.segment is not None:
-            x, flat = call.segment.input(call.position, functools.partial(_segment_first_input, call)), saved
-        elif call.embedding_source is not None:
-            x, flat = call.embedding_source.rebuild(call.autocast), saved
-        else:
-            x, *flat = saved
-        kv = None
-        if call.kv_mode == KVMode.CAPTURE:
-            layout = record.state_layout
-            kv = CarryStore.from_flat(call.seq_len, record.slots, layout, tuple(flat), call.compress_rates)
+        kept, ctx.graphs = ctx.graphs, None
+        x, kv, dx_over_x = (ctx.x, None, False) if kept is not None else _inputs_again(ctx, call, record)
+        ctx.x = None
         n_extra = len(call.grad_inputs)
         need_extra = tuple(ctx.needs_input_grad[2 : 2 + n_extra])
-        dx_over_x = not ctx.packed and sole_holder(x)
         dstreams = tuple(dextras[j] for j in record.streams) if dextras else ()
         dx, dextra, dparams = ChunkBackward(call, record).backward_chunks(
-            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, dx_over_x, dstreams
+            x, dy, kv, list(ctx.params), ctx.needs_input_grad[1], need_extra, dx_over_x, dstreams, kept
         )
         it = iter(dextra)
         return (None, dx, *(next(it) if need else None for need in need_extra), *dparams)
+
+
+def _inputs_again(ctx, call: LayerCall, record) -> tuple[torch.Tensor, CarryStore | None, bool]:
+    """A recomputing backward's input: the layer input (kept, loaded from the host, rebuilt from the token ids or by
+    its segment), the keys/values captured in the forward (``None``: recomputed) and whether the input gradient may
+    take the input's memory (nothing else holds it)."""
+    saved = ctx.saved_tensors if ctx.kept is None else call.offload.load(ctx.kept)
+    ctx.kept = None
+    if call.segment is not None:
+        x, flat = call.segment.input(call.position, functools.partial(_segment_first_input, call)), saved
+    elif call.embedding_source is not None:
+        x, flat = call.embedding_source.rebuild(call.autocast), saved
+    else:
+        x, *flat = saved
+    kv = None
+    if call.kv_mode == KVMode.CAPTURE:
+        kv = CarryStore.from_flat(call.seq_len, record.slots, record.state_layout, tuple(flat), call.compress_rates)
+    return x, kv, not ctx.packed and sole_holder(x)
+
+
+def _returned(ctx, y: torch.Tensor, extras: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple:
+    """What the Function's forward returns: ``y``, or ``y`` and the layer's per-token outputs (the integer ones
+    without gradient; a floating one no later computation read gets no gradient, and no zeros either)."""
+    if not extras:
+        return y
+    ctx.mark_non_differentiable(*(t for t in extras if not t.is_floating_point()))
+    ctx.set_materialize_grads(False)
+    ctx.y_like = (y.shape, y.dtype, y.device)
+    return (y, *extras)
 
 
 def _segment_first_input(call: LayerCall, kept: object) -> torch.Tensor:

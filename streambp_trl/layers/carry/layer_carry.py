@@ -40,17 +40,23 @@ class LayerCarry:
         self.grads[slot] = grads
         self.seeded = True
 
-    def chunk_cache(self, n: int, s: int, p: int, resets: bool = False) -> ChunkCache:
+    def chunk_cache(self, n: int, s: int, p: int, resets: bool = False, aliased: bool = False) -> ChunkCache:
         """The cache of chunk ``n`` = [s, ...) in backward: the prefix [p, s) and the incoming states as leaves with
         grad (when not empty), the prefix's gradient sums for the attention (:class:`PrefixGrad`); ``resets``: the
-        chunk starts a document of a packed row, whose mixers start from a zero state (no states enter it)."""
+        chunk starts a document of a packed row, whose mixers start from a zero state (no states enter it).
+        ``aliased``: over the store under fresh version counters (:meth:`CarryStore.aliased`), for a graph built in
+        the forward while the store fills (the sums of slots written so far are allocated then)."""
+        store = self.store.aliased() if aliased else self.store
+        for i, (k, v) in self.store.kv.items():
+            if i not in self.grads:
+                self.grads[i] = (torch.zeros_like(k), torch.zeros_like(v))
         prefix = {
             i: (k.detach().requires_grad_(s > p), v.detach().requires_grad_(s > p))
-            for i, (k, v) in self.store.range(p, s).items()
+            for i, (k, v) in store.range(p, s).items()
         }
         sums = {i: (dk[:, :, p:s], dv[:, :, p:s]) for i, (dk, dv) in self.grads.items()}
         incoming = {key: _leaf(t) for key, t in self.store.incoming(n).items()}
-        return ChunkCache(self.store, s, s - p, prefix, prefix_sums=sums, incoming=incoming, resets=resets)
+        return ChunkCache(store, s, s - p, prefix, prefix_sums=sums, incoming=incoming, resets=resets)
 
     @staticmethod
     def incoming(cache: ChunkCache) -> list[torch.Tensor]:

@@ -42,6 +42,18 @@ class CarryStore:
         self.indexer: dict[int, torch.Tensor] = indexer or {}
         self.rates = rates or {}  # cache slot -> compress rate of a compressed attention (:mod:`.compressed`)
         self.entries: States = {}  # a compressed attention's entries of every window, per (kind, slot, name) key
+        self.base: CarryStore | None = None  # the store this one aliases (:meth:`aliased`)
+
+    def aliased(self) -> CarryStore:
+        """This store under fresh version counters, for one chunk whose graph outlives the next chunks' writes (a
+        forward that keeps its chunks' graphs, :mod:`..call.kept`): its keys/values are aliases of this store's
+        memory (``Tensor.data``: the same elements, a version counter of their own), and a slot the chunk allocates
+        is allocated here. The chunks write disjoint positions, so what a chunk's graph saved of the store keeps its
+        values; the aliases keep autograd from taking a later chunk's write for a change of them."""
+        kv = {i: (k.data, v.data) for i, (k, v) in self.kv.items()}
+        alias = CarryStore(self.seq_len, kv, self.states, {i: t.data for i, t in self.indexer.items()}, self.rates)
+        alias.entries, alias.base = self.entries, self
+        return alias
 
     def incoming(self, n: int) -> States:
         """The states entering chunk ``n`` (none for the first)."""
@@ -79,6 +91,8 @@ class CarryStore:
 
     def slot(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Slot ``i``'s full-length keys and values, allocated like ``key``/``value`` on first use."""
+        if i not in self.kv and self.base is not None:
+            self.kv[i] = tuple(t.data for t in self.base.slot(i, key, value))
         if i not in self.kv:
             full = key.shape[:2] + (self.seq_len,) + key.shape[3:]
             self.kv[i] = (key.new_empty(full), value.new_empty(value.shape[:2] + (self.seq_len,) + value.shape[3:]))
@@ -89,6 +103,8 @@ class CarryStore:
         (the chunk's, (batch, chunk, index_head_dim)) on first use. Zeros, not uninitialised memory: a chunk's indexer
         scores the positions not yet written too, and masks them, which a NaN there would survive under an additive
         mask."""
+        if i not in self.indexer and self.base is not None:
+            self.indexer[i] = self.base.index_keys(i, keys).data
         if i not in self.indexer:
             self.indexer[i] = keys.new_zeros(keys.shape[:1] + (self.seq_len,) + keys.shape[2:])
         return self.indexer[i]
