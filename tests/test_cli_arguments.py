@@ -97,8 +97,9 @@ def test_stream_options_are_one_titled_group_each_default_once(objective):
     group = text[text.index(title) :]
     group = group[: group.find("\n\n", group.index("\n  --"))]
     options = re.findall(r"^  (--\w+)", group, flags=re.MULTILINE)
-    # a boolean whose default is decided later (offload_checkpoints: None, planned per call) has its --no_ form too
-    negated = {"offload_checkpoints"}
+    # a boolean whose default is decided later (offload_checkpoints, stream_keep_attention: None, planned per call)
+    # has its --no_ form too
+    negated = {"offload_checkpoints", "stream_keep_attention"}
     assert options == [f"--{p}{name}" for name in STREAM_FIELDS for p in ("", "no_")[: 1 + (name in negated)]]
     entries = re.split(r"\n  (?=--)", group)[1:]
     for entry in entries:

@@ -46,14 +46,17 @@ def record_setup(record: dict[str, Any]) -> mm.StepSetup:
     mode, lora = record_mode(record), bool(record.get("lora"))
     if not mode.streams:
         return mm.StepSetup(mode=mode.memory_model_mode, lora=lora)
+    kwargs = record.get("stream_kwargs") or {}
     return mm.StepSetup(
         mode=mode.memory_model_mode,
         lora=lora,
         chunk=record.get("chunk"),
         logits_chunk=record.get("logits_chunk"),
-        keep_every=(record.get("stream_kwargs") or {}).get("keep_every", 1),
+        keep_every=kwargs.get("keep_every", 1),
         pending_grads=record.get("grads_ready") is False,
-        kv_mode=(record.get("stream_kwargs") or {}).get("kv_mode") or "recompute",
+        kv_mode=kwargs.get("kv_mode") or "recompute",
+        keep_activations=kwargs.get("keep_activations") or 0,
+        keep_attention=bool(kwargs.get("keep_attention")),
     )
 
 

@@ -138,19 +138,20 @@ class Planner:
         open_ = bool(self.shape.plain_attention_layers) and not offload and not layout.rebuilt(self.shape.layers)
         return [False, True] if open_ else [False]
 
-    def keeps_open(self, layout: Layout, rebuildable: bool) -> list[int]:
+    def keeps_open(self, layout: Layout, offload: bool, rebuildable: bool) -> list[int]:
         """How many top layers may keep their activations from the forward: the user's ``keep_activations`` where
-        fixed; else any number, where every layer input is kept and layers may keep more than their input
-        (``rebuildable``: weights whole, a call with grad), none otherwise."""
+        fixed; else any number, where every layer input is kept on the device and layers may keep more than their
+        input (``rebuildable``: weights whole, a call with grad), none otherwise."""
         if self.choices.keep_activations is not None:
             return [self.choices.keep_activations]
-        return list(range(self.shape.layers + 1)) if rebuildable and layout == Layout() else [0]
+        open_ = rebuildable and layout == Layout() and not offload
+        return list(range(self.shape.layers + 1)) if open_ else [0]
 
     def most_kept(self, tokens: int, plan: StepPlan, limit: int, rebuildable: bool) -> StepPlan:
         """``plan`` with the most top layers keeping their activations open (:meth:`keeps_open`) whose predicted
         activations fit ``limit`` (the fewest open where none does): each kept layer saves its recompute, so the
         most that fit is the fastest. The peak grows with every layer kept, so the count is bisected."""
-        open_ = self.keeps_open(plan.layout, rebuildable)
+        open_ = self.keeps_open(plan.layout, plan.offload, rebuildable)
         low, high = 0, len(open_) - 1
         while low < high:
             mid = (low + high + 1) // 2

@@ -65,6 +65,8 @@ class StepSetup:
     # the backward forms it (estimate_activation_bytes' pending_grads), not beside the whole step
     pending_grads: bool = False
     kv_mode: KVMode = KVMode.RECOMPUTE  # stream modes: how each layer's backward gets its keys/values
+    keep_activations: int = 0  # stream modes: top layers that keep their activations from the forward
+    keep_attention: bool = False  # stream modes: the other layers keep their attention outputs from the forward
     optimizer_offload: bool = False
     quantized: str | None = None
 
@@ -92,9 +94,13 @@ class StepSetup:
 
     def plan(self) -> StepPlan:
         """The stream modes' plan this setup runs: its chunk (``None``: the smallest of :data:`CHUNKS`, where
-        ``"auto"`` ends up at the longest lengths), kept layer inputs, offload and key/value mode."""
+        ``"auto"`` ends up at the longest lengths), kept layer inputs, offload, key/value mode, the layers that keep
+        their activations and whether the others keep their attention outputs."""
         layout = Layout(every=self.keep_every, drop=self.drop)
-        return StepPlan(self.chunk or CHUNKS[0], layout, self.offload, kv_mode=self.kv_mode)
+        return StepPlan(
+            self.chunk or CHUNKS[0], layout, self.offload, kv_mode=self.kv_mode,
+            keep_activations=self.keep_activations, keep_attention=self.keep_attention,
+        )  # fmt: skip
 
     def trained(self, shape: ModelShape) -> Trained:
         """What the step trains (the head and whole layers, or LoRA adapters on the layers of ``shape``)."""

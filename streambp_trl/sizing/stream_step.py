@@ -40,17 +40,19 @@ def per_token_bytes(shape: ModelShape, db: int) -> int:
 def kept_token_bytes(shape: ModelShape, db: int) -> int:
     """What a softmax-attention layer that keeps its activations (``keep_activations``) holds per token from its
     forward to its backward, its input aside: the SwiGLU MLP's four intermediate-sized products, the two norms'
-    float32 copies and outputs, the queries' projections, float32 norm copies and rotary outputs, the attention output
-    and its per-head statistics, the keys' likewise and the keys/values of every position with their gradient sums
-    (a Qwen3 layer's saved tensors as counted on the CPU, ``tests/test_kept_activations.py``; a layer without query
-    and key norms holds less)."""
+    float32 copies and outputs, the residual sum between them, the queries' float32 norm copies, norm outputs and
+    rotary outputs, the attention output and its copy in the heads' order, the per-head statistics, the keys
+    likewise, the values' projection and the keys/values of every position with their gradient sums: a Qwen3 layer's
+    tensors live at the simulator's peak (``../shared/cudasim``, Qwen3-8B, bfloat16;
+    ``benchmarks/sim_qwen3_8b_kept.jsonl``), which its saved tensors on the CPU stay under
+    (``tests/test_kept_activations.py``). A layer without query and key norms holds less."""
     q, kv = shape.heads * shape.head_dim, shape.kv_dim
     return (
         4 * shape.intermediate * db
-        + shape.hidden * (4 * db + 8)
-        + q * (3 * db + 4)
+        + shape.hidden * (5 * db + 8)
+        + q * (4 * db + 4)
         + 8 * shape.heads
-        + kv * (6 * db + 4)
+        + kv * (7 * db + 4)
         + 2 * shape.head_dim * db
     )
 
@@ -290,11 +292,13 @@ class StreamStep:
     def kept_backward(self) -> int:
         """The backward of the top layer that keeps its activations: every kept layer's activations (its own among
         them, freed chunk by chunk), every kept input, dY and dx (which does not take the input's place: the kept
-        graphs hold it), the layer's parameter gradient sums and one chunk's backward (bounded by a recompute's)."""
+        graphs hold it), the layer's parameter gradient sums and one chunk's backward beside its kept activations."""
         shape, db, n = self.shape, self.trained.db, self.n
         grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
         own = self.common(None) + self.head_grad + self.layer_grad + sum(self.activations)
-        return own + 2 * shape.residual * db * n + grads * self.sum_bytes + self.mlp
+        # one chunk's backward beside its kept activations (counted above): its gradients and one weight's fresh one
+        chunk = max(self.mlp - self.chunk_rows * kept_token_bytes(shape, db), self.fresh_grad)
+        return own + 2 * shape.residual * db * n + grads * self.sum_bytes + chunk
 
     def recurrent_backwards(self) -> list[int]:
         """Each state-carrying kind of layer's backward (Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short
@@ -342,7 +346,10 @@ class StreamStep:
         shape, db, n, trained = self.shape, self.trained.db, self.n, self.trained
         h, r = shape.hidden, shape.residual
         head = self.common(None) + sum(self.activations) + h * db * n
-        head += head_backward_bytes(shape.vocab, h, n, logits_chunk, db, head_trained=trained.head, form=head_form)
+        head += head_backward_bytes(
+            shape.vocab, h, n, logits_chunk, db, head_trained=trained.head, form=head_form,
+            weight_grad_formed=trained.pending_grads,
+        )  # fmt: skip
         if shape.streams > 1:
             head = max(head, self.common(None) + self.head_grad + (h + 2 * r) * db * n + 5 * 4 * r * n)
         return head
@@ -366,13 +373,16 @@ def head_backward_bytes(
     *,
     head_trained: bool = True,
     form: HeadForm = HeadForm.TWO_NODE,
+    weight_grad_formed: bool = False,
 ) -> int:
     """Peak bytes the logit kernel's gradient takes for ``n`` rows (:data:`HEAD_FORMS`), beyond the hidden states it
     reads: logit tiles (the matmul product, its float32 copy and the probabilities: 10 bytes per element, beside a
     tile of hidden rows), and
 
     * ``two-node``: the larger of the weight node's dW ``V H db`` with one float32 vocabulary tile of it, and the
-      hidden node's dh ``H db n``;
+      hidden node's dh ``H db n`` with its tile's float32 and gathered copies of the hidden rows; where the backward
+      forms the head's gradient (``weight_grad_formed``: pending gradients), dW stays beside the hidden node (as the
+      simulator shows it, ``benchmarks/sim_qwen3_8b_kept.jsonl``);
     * ``fused``: dh and dW together, with a float32 (V, H) accumulator beside dW when ``db`` < 4 (half precision);
     * ``eager`` (the gradient in the forward): the bases dh and dW in the accumulation dtype (float32 at least), then
       their casts to the parameter dtype beside them (half precision), and the forward's whole-vocabulary tiles
@@ -392,4 +402,7 @@ def head_backward_bytes(
         return h * db * n + tile
     if form == "fused":
         return h * db * n + v * h * db + (v * h * 4 if db < 4 else 0) + tile
-    return max(v * h * db + _VOCAB_TILE * h * 4, h * db * n) + tile
+    hidden_node = h * db * n + min(logits_chunk, n) * h * (4 + 2 * db)
+    if weight_grad_formed:
+        return v * h * db + max(_VOCAB_TILE * h * 4, hidden_node) + tile
+    return max(v * h * db + _VOCAB_TILE * h * 4, hidden_node) + tile
