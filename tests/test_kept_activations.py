@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from zoo import batch as zoo_batch
 
 from streambp_trl import StreamOptions, enable_streambp
 from streambp_trl.attention import causal_chunk, kept_outputs
+from streambp_trl.bench.simulator import record_setup, record_shape
 from streambp_trl.engine import last_plan, plan_fields
 from streambp_trl.layers.call import backward, stream_layer
 from streambp_trl.sizing import memory_model as mm
@@ -121,7 +124,9 @@ def test_kept_layers_with_lora_left_padding_and_packed_rows():
 def test_the_memory_model_counts_what_a_kept_layer_holds(monkeypatch):
     """What a kept Qwen3 layer's chunk graphs save (distinct storages other than the weights) and its keys/values'
     gradient sums, per token, against :func:`memory_model.kept_token_bytes`, in bfloat16 and float32 for several
-    widths: counted at most 1% over, never under."""
+    widths: never under, at most 15% over (the model counts the tensors live at the simulator's peak, of which the
+    saved ones are a part: the residual sum, the values' projection and the attention output's copy are held beside
+    them; :func:`test_kept_layers_against_the_simulator`)."""
     seen = []
     original = stream_layer.forward_kept
 
@@ -159,7 +164,7 @@ def test_the_memory_model_counts_what_a_kept_layer_holds(monkeypatch):
             (counted,) = seen
             db = torch.finfo(dtype).bits // 8
             predicted = mm.kept_token_bytes(mm.ModelShape.from_model(model), db) * tokens
-            assert counted <= predicted <= 1.01 * counted, (dtype, hidden, intermediate, heads, counted, predicted)
+            assert counted <= predicted <= 1.15 * counted, (dtype, hidden, intermediate, heads, counted, predicted)
 
 
 def test_the_plan_keeps_the_top_layers_its_room_holds():
@@ -297,3 +302,22 @@ def test_the_plan_keeps_attention_outputs_first():
     assert "attention outputs kept from the forward" in plan.describe(tokens, 36)
     fixed = Planner(shape, Trained(), PlanChoices(chunk=4096, kv_mode="recompute", keep_attention=False))
     assert not fixed.best(1, tokens, limit, None, rebuildable=True, can_offload=False).keep_attention
+
+
+KEPT_RECORDS = Path(__file__).parents[1] / "benchmarks" / "sim_qwen3_8b_kept.jsonl"
+
+
+def test_kept_layers_against_the_simulator():
+    """Steps whose top layers keep their activations (Qwen3-8B, bfloat16, 16k to 64k tokens, 2 to 36 layers kept,
+    gradients formed in backward or held, keys/values recomputed or captured; ``scripts/sim.py grid``): the memory
+    model's peak is within 1.1% of the simulator's, and the same plans with no layer kept are predicted more than
+    3 GiB lower (what is kept is counted)."""
+    records = [json.loads(line) for line in KEPT_RECORDS.read_text().splitlines() if line.startswith("{")]
+    assert len(records) >= 5 and {r["stream_kwargs"]["keep_activations"] for r in records} >= {2, 8, 36}
+    for r in records:
+        setup = record_setup(r)
+        assert setup.keep_activations == r["stream_kwargs"]["keep_activations"]
+        estimate = mm.gib(mm.estimate_peak_bytes(record_shape(r), setup, r["seq_len"]))
+        assert abs(estimate - r["peak_gib"]) <= 0.011 * r["peak_gib"], (r["command"], estimate, r["peak_gib"])
+        none_kept = dataclasses.replace(setup, keep_activations=0)
+        assert mm.gib(mm.estimate_peak_bytes(record_shape(r), none_kept, r["seq_len"])) < r["peak_gib"] - 3
