@@ -321,3 +321,23 @@ def test_kept_layers_against_the_simulator():
         assert abs(estimate - r["peak_gib"]) <= 0.011 * r["peak_gib"], (r["command"], estimate, r["peak_gib"])
         none_kept = dataclasses.replace(setup, keep_activations=0)
         assert mm.gib(mm.estimate_peak_bytes(record_shape(r), none_kept, r["seq_len"])) < r["peak_gib"] - 3
+
+
+def test_a_recompute_that_attends_otherwise_than_its_forward_computes_its_attention(monkeypatch):
+    """Where a chunk's recompute makes an attention call its forward did not keep (another query shape), the call
+    computes its attention (the step stays exact) and a warning says so, once."""
+    model = tiny_model("qwen3", num_hidden_layers=2)
+    ids, mask, labels = batch(padding="none")
+    options = {"stream_chunk_size": CHUNK, "kv_mode": "recompute", "keep_every": 1, "keep_activations": 0}
+    reference = _seeded_step(enable_streambp(copy.deepcopy(model), keep_attention=False, **options), ids, mask, labels)
+    keep = kept_outputs.KeptOutputs.keep
+    kept_outputs._warn_once.cache_clear()
+    monkeypatch.setattr(
+        kept_outputs.KeptOutputs, "keep", lambda self, q, k, out, lse, state: keep(self, q[:, :1], k, out, lse, state)
+    )
+    streamed = enable_streambp(copy.deepcopy(model), keep_attention=True, **options)
+    with pytest.warns(UserWarning, match="its attention is recomputed"):
+        loss, grads = _seeded_step(streamed, ids, mask, labels)
+    assert torch.equal(loss, reference[0])
+    for n, g in reference[1].items():
+        assert torch.equal(g, grads[n]), n

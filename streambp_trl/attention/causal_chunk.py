@@ -120,8 +120,9 @@ class CausalChunkAttention(torch.autograd.Function):
         p = key.shape[2] - c
         pad = -c % align
         kept = kept_outputs.active()
-        if kept is not None and kept.replay:  # the forward's output and statistics (a recompute: kernels skipped)
-            out, lse, extras = kept.take(query, key)
+        taken = kept.take(query, key) if kept is not None and kept.replay else None
+        if taken is not None:  # the forward's output and statistics (a recompute: kernels skipped)
+            out, lse, extras = taken
             ctx.save_for_backward(_pad(query, pad), key, value, out, lse)
             ctx.scale, ctx.prefix, ctx.pad, ctx.kernel, ctx.extras = scale, p, pad, kernel, extras
             return out[:, :, :c] if pad else out
@@ -141,7 +142,7 @@ class CausalChunkAttention(torch.autograd.Function):
                 out = out_prefix.mul_(w_prefix).add_(out.mul_(w))
             lse = merged
             extras.append(extra_prefix)
-        if kept is not None:
+        if kept is not None and not kept.replay:
             kept.keep(query_in, key, out, lse, extras)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.scale, ctx.prefix, ctx.pad, ctx.kernel, ctx.extras = scale, p, pad, kernel, extras

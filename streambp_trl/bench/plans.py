@@ -131,6 +131,8 @@ def plan_rows(
                 "layout": None if plan is None else {"every": plan.layout.every, "drop": plan.layout.drop},
                 "offload": None if plan is None else plan.offload,
                 "capture": None if plan is None else plan.kv_mode == KVMode.CAPTURE,
+                "layers_kept": None if plan is None else min(plan.keep_activations, shape.layers),
+                "attention_kept": None if plan is None else plan.keep_attention,
                 "peak_bytes": None if plan is None else static + plan.activations,
                 "host_bytes": None if plan is None else plan.host,
             }
