@@ -271,6 +271,7 @@ def test_the_plan_shows_at_log_level_info(tmp_path):
     out = _sft_tiny(tmp_path, "--max_steps", "1", "--log_level", "info")
     assert out.returncode == 0, out.stderr[-3000:]
     plans = [line for line in out.stderr.splitlines() if "StreamBP plan for " in line]
-    assert len(plans) == 1 and "chunk 32, every layer input kept" in plans[0], out.stderr[-3000:]
+    # (a tiny model on the CPU: room for every layer's activations)
+    assert len(plans) == 1 and "chunk 32, every layer's activations kept" in plans[0], out.stderr[-3000:]
     quiet = _sft_tiny(tmp_path, "--max_steps", "1")
     assert "StreamBP plan for " not in quiet.stderr

@@ -111,6 +111,7 @@ def test_three_steps_build_no_full_mask_or_logits_old_policy_and_reference_inclu
             stream_chunk_size=16,
             logits_chunk_size=16,
             logging_steps=1,
+            stream_keep_activations=0,  # (every layer recomputed: the policy's first input is rebuilt)
         ),  # fmt: skip
         train_dataset=Dataset.from_list([{"prompt": f"Question {i}:{sentence * 3}\nAnswer:"} for i in range(4)]),
         processing_class=load_tokenizer(),
