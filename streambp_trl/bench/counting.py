@@ -180,12 +180,12 @@ def count_step(spec: MeasureSpec) -> dict[str, Any]:
     attributed by shape. Returns :meth:`Counts.summary` with the mode, length, chunk sizes and, streamed, the memory
     budget, the form the logit kernel's gradient took and how many layers kept their activations (not recomputed)."""
     from ..engine import last_head_form, last_plan
-    from .models import build_model, prepare_model
-    from .worker import step_function
+    from .worker import models_of, step_function
 
     device = torch.device(spec.device)
-    model = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
-    loss_fn, tokens = step_function(spec, device, [model])
+    models = models_of(spec, device)  # (DPO: a frozen reference beside the policy)
+    model = models[0]
+    loss_fn, tokens = step_function(spec, device, models)
     loss_fn().backward()  # warm-up: lazy initialisation and "auto" decisions are not the step's
     model.zero_grad(set_to_none=True)
     with StepCounter(model) as counter:

@@ -104,7 +104,7 @@ def run_worker(spec: MeasureSpec) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(spec.memory_cap) / total), device.index or 0)
     record = _spec_record(spec)
     try:
-        models = _models(spec, device)
+        models = models_of(spec, device)
         policy = models[0]
         model_bytes = sum(t.numel() * t.element_size() for m in models for t in [*m.parameters(), *m.buffers()])
         # held through the step like optimizer states (zeros: resident on the CPU too); counted with the model
@@ -161,7 +161,7 @@ def _spec_record(spec: MeasureSpec) -> dict[str, Any]:
     return record
 
 
-def _models(spec: MeasureSpec, device: Any) -> list:
+def models_of(spec: MeasureSpec, device: Any) -> list:
     """The trained policy, and for DPO a frozen reference beside it, each prepared as the spec's mode runs it."""
     policy = prepare_model(build_model(spec.model, spec.dtype, device, spec.seed), spec)
     if spec.objective != "dpo":
