@@ -211,13 +211,10 @@ class ChunkCache(Cache):
         full = self.store.slot(layer_idx, key_states, value_states)
         p, s = self.start - self.prefix_len, self.start
         if self.prefix is not None:  # a backward recompute: gradient reaches the prefix leaves and the chunk
-            if self.prefix_len == 0:
-                if (
-                    self.store.base is not None
-                ):  # a graph kept from the forward: later chunks read these from the store
-                    with torch.no_grad():
-                        full[0][:, :, s : s + key_states.shape[2]] = key_states
-                        full[1][:, :, s : s + value_states.shape[2]] = value_states
+            if self.prefix_len == 0:  # (written, as _Extend writes a chunk after a prefix: a forward that keeps its
+                with torch.no_grad():  # chunks' graphs fills the store this way, a recompute writes the same values)
+                    full[0][:, :, s : s + key_states.shape[2]] = key_states
+                    full[1][:, :, s : s + value_states.shape[2]] = value_states
                 return key_states, value_states
             pairs = zip(full, self.prefix[layer_idx], (key_states, value_states), strict=True)
             joined = tuple(_Extend.apply([f], p, s, leaf, new) for f, leaf, new in pairs)
