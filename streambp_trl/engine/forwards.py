@@ -12,6 +12,7 @@ import contextlib
 import inspect
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -21,6 +22,7 @@ from .. import families
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
 from ..layers.layer_args import CACHE_KWARGS, cache_argument
+from ..layers.sequence_split import SequenceSplit
 from ..layers.sharding import check_segmentable
 from ..layers.traits import takes_state_argument
 from ..logits import chunked_logprobs
@@ -93,6 +95,8 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
         call = DecoderCall(plan, state.offloader, len(state.layers), inputs_rebuildable=not hidden_states_kept)
     else:
         call = state.call_for(inputs, rebuildable=not hidden_states_kept)
+        if state.sequence_group is not None:
+            _split(call, state.sequence_group, inputs, kwargs)
         if torch.is_grad_enabled() and call.plan is not None:
             state.say_if_unstreamed(inputs, call.plan.chunk)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
@@ -105,6 +109,22 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
         call.embeddings.watch(decoder) if call.inputs_rebuildable else contextlib.nullcontext(),
     ):
         return original(decoder, "forward")(*args, **kwargs)
+
+
+def _split(call: DecoderCall, group, inputs: torch.Tensor | None, kwargs: dict) -> None:
+    """Make ``call`` one rank's share of sequences split across ``group``: its :class:`SequenceSplit`, the plan of the
+    group's first rank (every rank then issues the same collectives: :mod:`~streambp_trl.layers.sequence_split`) and,
+    where none are given, global ``position_ids`` from the rank's offset."""
+    if inputs is None or inputs.dim() < 2:
+        raise ValueError("StreamBP: a sequence split across ranks needs input_ids or inputs_embeds of (batch, T).")
+    call.split = SequenceSplit.of(group, inputs.shape[1])
+    plans = [call.plan]
+    dist.broadcast_object_list(plans, src=dist.get_global_rank(group, 0), group=group)
+    call.plan = plans[0]
+    if kwargs.get("position_ids") is None:
+        split = call.split
+        positions = torch.arange(split.offset, split.end, device=inputs.device)
+        kwargs["position_ids"] = positions.expand(inputs.shape[0], -1)
 
 
 def _check_router_logits(model: nn.Module, kwargs: dict, config) -> None:
@@ -273,6 +293,12 @@ def stream_forward(
         return _model_forward(self, state, args, {**kwargs, **{k: v for k, v in given.items() if v is not None}})
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
+    if state.sequence_group is not None and shift_labels is None:
+        raise ValueError(
+            "StreamBP: with the sequence split across ranks, a rank's last label is the next rank's first token: "
+            "pass shift_labels (the labels shifted by one over the whole sequence, then split like the inputs, as "
+            "DeepSpeed's Ulysses data path does), and num_items_in_batch for the whole sequence's token count."
+        )
     logits_to_keep, ignore_index, shifted = _loss_call(self, kwargs, fused_lm_head)
     if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)
         check_unshifted_call(self, shift_labels, ignore_index)

@@ -58,7 +58,9 @@ from .support import check_peft_method, check_supported, refuse
 from .zero3 import mark_zero3_leaves, zero3_enabled
 
 
-def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **overrides) -> nn.Module:
+def enable_streambp(
+    model: nn.Module, options: StreamOptions | None = None, *, sequence_group=None, **overrides
+) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
     Args:
@@ -68,6 +70,11 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
         options: a :class:`~streambp_trl.engine.options.StreamOptions` (e.g. a config's ``to_options()``).
         overrides: :class:`~streambp_trl.engine.options.StreamOptions` fields, given one by one
             (``stream_chunk_size=4096``, ``kv_mode="capture"``, ...) or replacing those of ``options``.
+        sequence_group: a ``torch.distributed`` process group whose ranks each hold an equal, consecutive share of
+            every row of a training call (rank q positions [q L, (q + 1) L), with their global ``position_ids`` and
+            ``shift_labels``): each layer's attention then sees the whole sequence, streamed on every rank
+            (:mod:`streambp_trl.layers.sequence_split`). The parameters' gradients are each rank's share: summing
+            them over the group (DDP, DeepSpeed or an ``all_reduce``) gives the whole sequence's.
 
     Returns:
         ``model``, changed in place (see the module docstring); :func:`disable_streambp` undoes it.
@@ -112,6 +119,9 @@ def enable_streambp(model: nn.Module, options: StreamOptions | None = None, **ov
     if baseline is not None and not baseline.norm_last:
         norm_name = None
     state = _engine_state(lm, decoder, layers, options, norm_name)
+    if sequence_group is not None:
+        _check_splittable(lm, state)
+        state.sequence_group = sequence_group
     _install(lm, state)
     if baseline is not None:
         _check_streamed(lm, state, baseline)
@@ -129,6 +139,21 @@ def _check_streamed(lm: PreTrainedModel, state: EngineState, baseline: probe.Pro
     except ValueError:
         disable_streambp(lm)
         raise
+
+
+def _check_splittable(lm: PreTrainedModel, state: EngineState) -> None:
+    """Refuse a sequence split for a model whose layers carry more than softmax keys/values between positions or need
+    a family adapter (recurrent or convolution mixers, whose state would cross ranks; shared, compressed or indexed
+    keys/values; nested or stacked layers), naming the first such layer and what it has."""
+    for layer, facts in zip(state.layers, state.facts, strict=True):
+        if facts.adapters:
+            names = ", ".join(type(a).__name__ for a in facts.adapters)
+            refuse(
+                lm,
+                f"its {type(layer).__name__} layers need the engine's {names} adapter, which a sequence split "
+                "across ranks does not serve (only layers of one softmax attention are split); train it without "
+                "sequence_group",
+            )
 
 
 def _engine_state(

@@ -67,6 +67,8 @@ class EngineState:
     offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
     unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
     fixed_said: set = dataclasses.field(default_factory=set, compare=False)  # the call shapes _say_fixed said
+    # the process group each training call's sequences are split across (:mod:`~streambp_trl.layers.sequence_split`)
+    sequence_group: object = dataclasses.field(default=None, compare=False)
 
     def final_norm(self) -> nn.Module | None:
         """The final norm the decoder holds now, where the probe found its final norm to be its last step and the

@@ -18,6 +18,7 @@ import torch
 
 from ..sizing.choices import StepPlan
 from .kept import CheckpointOffload, EmbeddingOutputs, Segment
+from .sequence_split import SequenceSplit
 from .shared_kv import SharedKV
 
 
@@ -36,7 +37,8 @@ class DecoderCall:
     ``embeddings``: the outputs of the input embedding during the call that can be rebuilt from the token ids.
     ``segment``: the segment of the last stream layer that ran, where the plan rebuilds layer inputs (its output may
     be the next layer's input in the same segment). ``shared_kv``: the keys/values layers share with later layers
-    (:mod:`.shared_kv`), which the layer calls keep until their backwards.
+    (:mod:`.shared_kv`), which the layer calls keep until their backwards. ``split``: the call's rows are this
+    rank's share of sequences split across ranks (:mod:`.sequence_split`), or ``None``.
     """
 
     plan: StepPlan | None = None
@@ -47,6 +49,7 @@ class DecoderCall:
     segment: Segment | None = None
     shared_kv: SharedKV = dataclasses.field(default_factory=SharedKV)
     layers_called: int = 0  # stream layers called so far in this call
+    split: SequenceSplit | None = None
 
     def segment_size(self, index: int, plan: StepPlan) -> int:
         """The size of a segment the call's ``index``-th stream layer starts under ``plan``: ``keep_every`` for

@@ -141,6 +141,7 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
     segment = _segment(decoder, decoder.segment_size(index, run), given, rebuildable, differentiated)
     kept = run.keeps(index, decoder.layers)
     whole = keeps_activations(layer, kept, bound.shared, bool(facts.compress_rates), segment is not None)
+    split = decoder.split
     call = LayerCall(
         layer=layer,
         func=wrapped(forward.func, facts.adapters),
@@ -148,7 +149,7 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
         per_token=sliced,
         kv_mode=run.kv_mode,
         offload=decoder.offload(run),
-        seq_len=seq_len,
+        seq_len=split.end if split is not None else seq_len,
         autocast=_autocast_state(x.device.type),
         configs=facts.configs,
         cache_name=facts.cache_name,
@@ -159,12 +160,15 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
         segment=segment,
         position=segment.joined if segment is not None else 0,
         chunk=run.chunk,
-        keeps_activations=whole,
+        keeps_activations=whole and split is None,  # (a split layer's backward recomputes: :mod:`.sequence_split`)
         keeps_attention=run.keep_attention and not whole,
         min_chunk=facts.min_chunk,
         shared=bound.shared,
         compress_rates=facts.compress_rates,
+        split=split,
     )
+    if split is not None:
+        _check_split(call, seq_len)
     if not differentiated:
         ran = call.forward_chunks(x, recorded=False)
         return returned(_left(ran.y, facts.adapters), ran.extras, ran.nones)
@@ -175,6 +179,24 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
         segment.left(y)
         decoder.segment = segment
     return returned(y, extras, nones)
+
+
+def _check_split(call: LayerCall, seq_len: int) -> None:
+    """Refuse a layer call on one rank's share of a split sequence (:mod:`.sequence_split`) that the split does not
+    serve: a padding mask, a user-given 4D mask or packed rows (whose positions the other ranks' keys would be read
+    against), or an input of another length than the split's share."""
+    name = type(call.layer).__name__
+    if seq_len != call.split.length:
+        raise ValueError(
+            f"StreamBP: {name} got {seq_len} tokens on a rank whose share of the sequence is {call.split.length}."
+        )
+    masked = any(m.padding is not None or m.dense is not None or m.documents for m in call.masks)
+    if masked or call.resets:
+        raise ValueError(
+            f"StreamBP cannot split the sequence of {name} across ranks with padding, a 4D mask or packed rows: "
+            "pass unpadded rows (attention_mask all ones or None) with their global position_ids, as DeepSpeed's "
+            "Ulysses data path hands them out."
+        )
 
 
 def _bound_arguments(

@@ -20,6 +20,20 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.devices, self.states = checkpoint.get_device_states(x)
 
+    @classmethod
+    def drawn(cls, x: torch.Tensor, count: int, salt: int) -> list[RngState]:
+        """``count`` independent states for chunks whose state must be known before any of them runs (a sequence
+        split's collecting pass comes first): each is the generators (CPU and ``x``'s devices) seeded by a number
+        drawn from the current CPU generator plus ``salt`` (the rank, so ranks seeded alike draw apart). The global
+        state moves on by the draw alone."""
+        seeds = torch.randint(0, 2**62, (count,)).tolist()
+        states = []
+        with rng_fork(x):
+            for seed in seeds:
+                torch.manual_seed(seed + salt)
+                states.append(cls(x))
+        return states
+
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)
         checkpoint.set_device_states(self.devices, self.states, device_type=self.device_type)

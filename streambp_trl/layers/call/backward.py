@@ -99,6 +99,8 @@ class ChunkBackward:
         hooks = [p.register_hook(functools.partial(_absorb, dparams, zeros, wide, j)) for j, p in enumerate(params)]
         try:
             self._chunk_backwards(x, dy, carry, dx, extra, dextra, params, dstreams, graphs)
+            if call.split is not None:
+                self._later_ranks(x, carry, dx, extra, dextra, params)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -138,8 +140,9 @@ class ChunkBackward:
         takes back the attention outputs its forward kept, if any (:mod:`streambp_trl.attention.kept_outputs`)."""
         call, record = self.call, self.record
         cache = carry.chunk_cache(n, s, call.prefix_start(s), resets=s in call.resets, aliased=kept)
-        xc = x[:, s:e].detach().requires_grad_(need_dx)
-        leaves = {name: t.narrow(dim, s, e - s).detach().requires_grad_() for name, t, dim in extra}
+        xc = x[:, call.local(s, e)].detach().requires_grad_(need_dx)
+        o = call.offset
+        leaves = {name: t.narrow(dim, s - o, e - s).detach().requires_grad_() for name, t, dim in extra}
         if not kept:
             record.rng[n].restore()
         shared = call.shared_view(cache, s - cache.prefix_len, e)
@@ -165,14 +168,15 @@ class ChunkBackward:
         """One chunk's backward through its graph: the chunk's outputs are its hidden states, its floating per-token
         outputs (given ``dstreams``) and what later chunks took from it."""
         n, s, e, cache, shared = graph.n, graph.s, graph.e, graph.cache, graph.shared
+        here = self.call.local(s, e)
         need_dx = dx is not None
         reused = shared.leaves_list() if shared is not None else []
         streams = [
-            (graph.extras[j], d[:, s:e]) for j, d in zip(self.record.streams, dstreams, strict=True) if d is not None
+            (graph.extras[j], d[:, here]) for j, d in zip(self.record.streams, dstreams, strict=True) if d is not None
         ]
         carried, carried_grads = carry.outgoing(cache, n, e)  # what later chunks took from this one
         outputs = [graph.yc, *(t for t, _ in streams), *carried]
-        grad_outputs = [dy[:, s:e], *(d for _, d in streams), *carried_grads]
+        grad_outputs = [dy[:, here], *(d for _, d in streams), *carried_grads]
         # keys/values computed only from frozen weights and a gradient-free input carry no gradient
         keep = [j for j, out in enumerate(outputs) if out.requires_grad]
         outputs, grad_outputs = [outputs[j] for j in keep], [grad_outputs[j] for j in keep]
@@ -181,11 +185,11 @@ class ChunkBackward:
         grads = torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True)
         it: Iterator = iter(grads)
         if need_dx:
-            dx[:, s:e] = next(it)
+            dx[:, here] = next(it)
         for (_, _, dim), acc in zip(extra, dextra, strict=True):
             g = next(it)
             if g is not None:
-                acc.narrow(dim, s, e - s).copy_(g)
+                acc.narrow(dim, here.start, e - s).copy_(g)
         carry.absorb(cache, n, [next(it) for _ in incoming])  # (unless the attention added them itself: PrefixGrad)
         if reused:
             shared.absorb([next(it) for _ in reused])
@@ -210,17 +214,49 @@ class ChunkBackward:
         if len(record.slots) != 1 or states:
             return call.replay_chunks(x, record).kv
         kv = CarryStore(call.seq_len, rates=call.compress_rates)
-        with torch.no_grad(), queries_skipped(call.layer):
-            for i, (s, e) in enumerate(call.chunks()):
-                record.rng[i].restore()
-                try:  # stops before attention
-                    cache = ChunkCache(kv, s, stop=True, indexed=indexed)
-                    call.run(x[:, s:e], s, e, cache, shared=call.shared_view(cache, s, e))
+        call.collect(x, kv, record.rng, indexed=indexed)
+        return kv
+
+    def _later_ranks(self, x, carry: LayerCarry, dx, extra, dextra, params) -> None:
+        """With a sequence split (:mod:`..sequence_split`), once the chunks' backwards are done: the key/value
+        gradients this rank's queries took from earlier ranks' positions go to those ranks (a collective every rank
+        joins), and what the later ranks' queries returned for this rank's keys/values is backpropagated through each
+        chunk's key/value projections (the collecting pass, with grad), into ``dx``, ``dextra`` and, through the
+        parameters' hooks, the parameter gradient sums."""
+        call, record = self.call, self.record
+        returned = call.split.returned_grads({i: carry.grads[i] for i in carry.store.kv})
+        if not call.split.returns_grads:
+            return
+        need_dx = dx is not None
+        for n, (s, e) in enumerate(call.chunks()):
+            here = call.local(s, e)
+            record.rng[n].restore()
+            xc = x[:, here].detach().requires_grad_(need_dx)
+            leaves = {name: t.narrow(dim, here.start, e - s).detach().requires_grad_() for name, t, dim in extra}
+            cache = ChunkCache(carry.store, s, stop=True)
+            with torch.enable_grad(), queries_skipped(call.layer):
+                try:
+                    call.run(xc, s, e, cache, leaves, shared=call.shared_view(cache, s, e))
                 except StopAfterCacheUpdate:
                     pass
-                else:
-                    raise RuntimeError(f"{type(call.layer).__name__} never updated its key/value cache.")
-        return kv
+            outputs, grad_outputs = [], []
+            for i, (k, v) in cache.chunk.items():
+                for t, g in zip((k, v), returned[i], strict=True):
+                    if t.requires_grad:
+                        outputs.append(t)
+                        grad_outputs.append(g[:, :, here])
+            if not outputs:
+                continue
+            inputs = ([xc] if need_dx else []) + list(leaves.values())
+            grads = iter(torch.autograd.grad(outputs, inputs + params, grad_outputs, allow_unused=True))
+            if need_dx:
+                g = next(grads)
+                if g is not None:
+                    dx[:, here] += g
+            for (_, _, dim), acc in zip(extra, dextra, strict=True):
+                g = next(grads)
+                if g is not None:
+                    acc.narrow(dim, here.start, e - s).add_(g)
 
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

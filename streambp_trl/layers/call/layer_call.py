@@ -10,6 +10,7 @@ maps its recompute skips); the chunks' backward, :class:`~.backward.ChunkBackwar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 from collections.abc import Mapping
@@ -20,10 +21,11 @@ from torch import nn
 from ...attention import StreamMask, streaming
 from ...attention.kept_outputs import KeptOutputs, recording, replaying
 from ...sizing.choices import KVMode
-from ..carry import CarryStore, ChunkCache
+from ..carry import CarryStore, ChunkCache, StopAfterCacheUpdate, queries_skipped
 from ..kept import CheckpointOffload, EmbeddingSource, Segment
 from ..layer_args import slice_arg
-from ..rng import RngState
+from ..rng import RngState, rng_fork
+from ..sequence_split import SequenceSplit
 from ..shared_kv import ChunkShared, SharedKV
 from .guards import Versions
 from .unread import unread_outputs
@@ -81,6 +83,10 @@ class LayerCall:
     ``per_token`` maps each argument to slice to its sequence dimension (a tuple of them for a tuple argument); those
     named in ``from_prefix`` are sliced from the chunk's first key position, not its own first position (a position
     history, see :mod:`..layer_args`).
+
+    Positions are global: with a sequence ``split`` across ranks (:mod:`..sequence_split`) the call's input holds
+    positions [``offset``, ``seq_len``) and its chunks start at ``offset``; every per-token tensor is sliced at
+    :meth:`local` positions. Without one, ``offset`` is 0 and ``seq_len`` the input's length.
     """
 
     layer: nn.Module
@@ -105,6 +111,16 @@ class LayerCall:
     min_chunk: int = 1  # the fewest tokens a chunk may have (2 for a layer with a recurrent mixer)
     shared: SharedKV | None = None  # the decoder call's keys/values shared across layers (``shared_kv_states``)
     compress_rates: Mapping[int, int] = dataclasses.field(default_factory=dict)  # compressed attentions' slots
+    split: SequenceSplit | None = None  # the sequence split across ranks this call is one rank's share of
+
+    @property
+    def offset(self) -> int:
+        """The global position of the call's first token (0 without a sequence split)."""
+        return self.split.offset if self.split is not None else 0
+
+    def local(self, s: int, e: int) -> slice:
+        """Global positions [s, e) as a slice of the call's per-token tensors."""
+        return slice(s - self.offset, e - self.offset)
 
     def versions(self, kept: torch.Tensor | None) -> Versions:
         """The versions of the layer's parameters, its tensor arguments and the input it keeps (``kept``)."""
@@ -138,7 +154,7 @@ class LayerCall:
         starts (``resets``); a chunk shorter than ``min_chunk`` that starts no document joins the one before (a
         document's first chunk starts from a zero state, so it may be shorter)."""
         c = max(self.chunk, self.min_chunk)
-        cuts = sorted({*range(0, self.seq_len, c), *self.resets})
+        cuts = sorted({*range(self.offset, self.seq_len, c), *self.resets})
         bounds: list[tuple[int, int]] = []
         for s, e in zip(cuts, [*cuts[1:], self.seq_len], strict=True):
             if bounds and e - s < self.min_chunk and s not in self.resets:
@@ -180,7 +196,8 @@ class LayerCall:
             for name, value in self.kwargs.items()
         }
         for name, dims in self.per_token.items():
-            kwargs[name] = slice_arg(kwargs[name], dims, p if name in self.from_prefix else s, e)
+            first = p if name in self.from_prefix else s
+            kwargs[name] = slice_arg(kwargs[name], dims, first - self.offset, e - self.offset)
         kwargs.update(leaves or {})
         if shared is not None:
             kwargs["shared_kv_states"] = shared
@@ -211,10 +228,16 @@ class LayerCall:
         kv = CarryStore(self.seq_len, rates=self.compress_rates)
         y, full, streams, states, unread, stores, nones = None, [], (), [], [], {}, None
         attention: list[KeptOutputs] = []
-        with torch.no_grad():
+        # with a sequence split, every chunk's state is known before the collecting pass runs them
+        drawn = RngState.drawn(x, len(self.chunks()), self.split.rank) if self.split is not None else None
+        with torch.no_grad(), rng_fork(x) if drawn is not None else contextlib.nullcontext():
+            if drawn is not None:
+                self.collect(x, kv, drawn)
             for i, (s, e) in enumerate(self.chunks()):
+                if drawn is not None:
+                    drawn[i].restore()
                 if recorded:
-                    states.append(RngState(x))
+                    states.append(drawn[i] if drawn is not None else RngState(x))
                 kept = KeptOutputs() if recorded and self.keeps_attention else None
                 attention += [kept] if kept is not None else []
                 with recording(kept):
@@ -225,7 +248,7 @@ class LayerCall:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
                     full = [t.new_empty(x.shape[:2] + t.shape[2:]) for t in extras]
                     streams = tuple(j for j, t in enumerate(extras) if t.is_floating_point())
-                y[:, s:e] = out
+                y[:, self.local(s, e)] = out
                 if len(extras) > len(streams) and self.prefix_start(s) > 0:
                     raise ValueError(
                         f"StreamBP cannot stream {type(self.layer).__name__}: it returns per-token indices beside its "
@@ -233,7 +256,7 @@ class LayerCall:
                         "counted from."
                     )
                 for t_full, t in zip(full, extras, strict=True):
-                    t_full[:, s:e] = t
+                    t_full[:, self.local(s, e)] = t
         for kind, slot in stores.items():  # the keys/values later layers reuse: every position's, detached
             self.shared.kv[kind] = tuple(t.detach() for t in kv.kv[slot])
         made = ForwardRecord(
@@ -253,6 +276,8 @@ class LayerCall:
         and carried states. Its per-token outputs are the forward's, not formed again; its attention outputs too,
         where the forward kept them."""
         kv = CarryStore(self.seq_len, rates=self.compress_rates)
+        if self.split is not None:
+            self.collect(x, kv, record.rng)
         y, nones = None, None
         with torch.no_grad():
             for i, (s, e) in enumerate(self.chunks()):
@@ -261,8 +286,35 @@ class LayerCall:
                     out, _, nones, _, _ = self._chunk(x, kv, i, s, e)
                 if y is None:
                     y = x.new_empty(x.shape[:2] + out.shape[2:], dtype=out.dtype)
-                y[:, s:e] = out
+                y[:, self.local(s, e)] = out
         return ChunkedForward(y, kv, (), nones, record)
+
+    def collect(
+        self, x: torch.Tensor, kv: CarryStore, rng: tuple[RngState, ...] | list, indexed: bool = False
+    ) -> None:
+        """The collecting pass: each chunk run from its random state in ``rng`` only as far as its cache update (its
+        query projection skipped, :func:`~..carry.queries_skipped`), under no grad, so ``kv`` holds the keys/values of
+        every position of the call (with ``indexed``, on to its indexer-key update); with a sequence split, then
+        those of the earlier ranks' positions too (:meth:`~..sequence_split.SequenceSplit.gather_prefix`)."""
+        with torch.no_grad(), queries_skipped(self.layer):
+            for i, (s, e) in enumerate(self.chunks()):
+                rng[i].restore()
+                try:  # stops before attention
+                    cache = ChunkCache(kv, s, stop=True, indexed=indexed)
+                    self.run(x[:, self.local(s, e)], s, e, cache, shared=self.shared_view(cache, s, e))
+                except StopAfterCacheUpdate:
+                    pass
+                else:
+                    raise RuntimeError(f"{type(self.layer).__name__} never updated its key/value cache.")
+        if self.split is None:
+            return
+        if len(kv.kv) != 1 or kv.states or kv.indexer:
+            raise ValueError(
+                f"StreamBP cannot split the sequence of {layer_name(self.layer)} across ranks: only a layer of one "
+                "softmax attention (its keys/values the one carry between positions) is split; train it on one "
+                "process per sequence (no sequence_group)."
+            )
+        self.split.gather_prefix(kv)
 
     def _chunk(
         self, x: torch.Tensor, kv: CarryStore, i: int, s: int, e: int, find_unread: bool = False
@@ -276,9 +328,9 @@ class LayerCall:
         unread: list[nn.Module] = []
         if find_unread:
             with unread_outputs(self.layer, cache.outgoing.values) as unread:
-                out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
+                out, extras, nones = self.run(x[:, self.local(s, e)], s, e, cache, shared=shared)
         else:
-            out, extras, nones = self.run(x[:, s:e], s, e, cache, shared=shared)
+            out, extras, nones = self.run(x[:, self.local(s, e)], s, e, cache, shared=shared)
         if e < self.seq_len and e not in self.resets:
             kv.record(i, cache.outgoing)
         return out, extras, nones, shared, unread

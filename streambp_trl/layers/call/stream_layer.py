@@ -163,7 +163,8 @@ def _inputs_again(ctx, call: LayerCall, record) -> tuple[torch.Tensor, CarryStor
     kv = None
     if call.kv_mode == KVMode.CAPTURE:
         kv = CarryStore.from_flat(call.seq_len, record.slots, record.state_layout, tuple(flat), call.compress_rates)
-    return x, kv, not ctx.packed and sole_holder(x)
+    # (a sequence split reads x again after the chunks' backwards: its returned key/value gradients' pass)
+    return x, kv, not ctx.packed and call.split is None and sole_holder(x)
 
 
 def _returned(ctx, y: torch.Tensor, extras: tuple[torch.Tensor, ...]) -> torch.Tensor | tuple:

@@ -1,0 +1,185 @@
+"""One streamed forward/backward of a tiny float64 model whose sequences are split across processes, for
+tests/test_sequence_split.py.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/sequence_split_step.py --family qwen3 --out F [...]
+
+Every rank builds the same model and batch (2 rows of ``--per-rank`` x world tokens). Rank q streams positions
+[q L, (q + 1) L) of each row (``sequence_group`` = the world) with its share of ``shift_labels`` and the whole batch's
+token count, so the sum of the ranks' losses is the whole sequence's mean loss; the ranks' gradients are summed by an
+``all_reduce``. Each rank also runs plain autograd (no engine) on the whole rows, and rank 0 writes both losses, the
+largest relative gradient error and where, and the collectives the split issued, to ``--out``.
+
+Both run under :class:`~model_support.Float64Internals`: the norms' float32 upcasts (RMSNorm's ``.to(float32)``)
+compute in float64. Otherwise they round the key path's gradient to float32 in backward, and the split, which sends
+the later ranks' part of a key's gradient through the norm apart from the rank's own part (their sum is the same
+gradient), rounds it differently from plain autograd: ~1e-7 relative, the float32 rounding of the model itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import faulthandler
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_support import Float64Internals  # noqa: E402
+from models import VOCAB, tiny_model  # noqa: E402
+
+from streambp_trl import enable_streambp  # noqa: E402
+
+COUNTED = ("all_gather", "all_to_all_single")
+
+
+def split_loss(model, ids, shift, tokens: int, rank: int) -> torch.Tensor:
+    """The whole rows' loss, from each rank's share (every call draws the same dropout masks: the seed is fixed)."""
+    torch.manual_seed(100 + rank)
+    with Float64Internals():
+        loss = model(input_ids=ids, shift_labels=shift, num_items_in_batch=tokens).loss.detach()
+    dist.all_reduce(loss)
+    return loss
+
+
+def directional(model, loss_of, eps: float = 1e-5) -> dict:
+    """The gradient (already summed over the ranks) along a random direction v, against the derivative of the loss
+    the forward returns along v, its dropout masks drawn alike each time: central differences D(h) = (L(θ + hv) -
+    L(θ - hv)) / 2h at h = ε and ε/2, extrapolated as (4 D(ε/2) - D(ε)) / 3, which cancels their h² error (a float64
+    accuracy of ~1e-10 at ε = 1e-5)."""
+    g = torch.Generator().manual_seed(3)
+    params = [p for p in model.parameters() if p.grad is not None]
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    along = sum((p.grad * v).sum() for p, v in zip(params, direction, strict=True)).item()
+    originals = [p.detach().clone() for p in params]
+
+    def at(h: float) -> float:
+        with torch.no_grad():
+            for p, p0, v in zip(params, originals, direction, strict=True):
+                p.copy_(p0 + h * v)
+        return loss_of().item()
+
+    def central(h: float) -> float:
+        return (at(h) - at(-h)) / (2 * h)
+
+    return {"along": along, "difference": (4 * central(eps / 2) - central(eps)) / 3}
+
+
+def refusals(rank: int) -> dict[str, str]:
+    """What each input a sequence split does not serve raises (its message, or "accepted")."""
+    from zoo import tiny_causal_lm
+
+    group = dist.group.WORLD
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
+    shift = ids.roll(-1, dims=1)
+    cases = {
+        "hybrid": lambda: enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=4, sequence_group=group),
+    }
+    model = enable_streambp(tiny_model("qwen3"), stream_chunk_size=4, sequence_group=group)
+    padded = torch.ones_like(ids)
+    padded[0, :2] = 0
+    cases["padding"] = lambda: model(input_ids=ids, attention_mask=padded, shift_labels=shift).loss
+    cases["labels"] = lambda: model(input_ids=ids, labels=ids).loss
+    mine = ids[:, : 4 + 2 * rank]  # rank 0: 4 tokens, rank 1: 6
+    cases["lengths"] = lambda: model(input_ids=mine, shift_labels=shift[:, : mine.shape[1]]).loss
+    said = {}
+    for name, run in cases.items():
+        try:
+            run()
+        except ValueError as e:
+            said[name] = str(e)
+        else:
+            said[name] = "accepted"
+    return said
+
+
+def main() -> None:
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung collective shows where, instead of hanging the suite
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--family", default="qwen3")
+    parser.add_argument("--per-rank", type=int, default=6)
+    parser.add_argument("--chunk", type=int, default=4)
+    parser.add_argument("--kv-mode", default="recompute")
+    parser.add_argument("--keep-attention", action="store_true")
+    parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--refusals", action="store_true", help="write what each input the split refuses raises")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.refusals:
+        said = refusals(rank)
+        if rank == 0:
+            Path(args.out).write_text(json.dumps(said))
+        dist.barrier()
+        os._exit(0)
+    overrides = {"attention_dropout": args.dropout} if args.dropout else {}
+    reference = tiny_model(args.family, num_hidden_layers=3, **overrides)
+    model = copy.deepcopy(reference)
+    length = args.per_rank * world
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (2, length), generator=g)
+    labels = ids.clone()
+    labels[0, : length // 3] = -100  # a prompt without labels, crossing ranks
+    shift = F.pad(labels[:, 1:], (0, 1), value=-100)
+    tokens = int((shift != -100).sum())
+
+    enable_streambp(
+        model,
+        stream_chunk_size=args.chunk,
+        kv_mode=args.kv_mode,
+        keep_activations=0,
+        keep_attention=args.keep_attention,
+        sequence_group=dist.group.WORLD,
+    )
+    counts = dict.fromkeys(COUNTED, 0)
+    for name in COUNTED:
+        original = getattr(dist, name)
+
+        def counted(*a, _original=original, _name=name, **kw):
+            counts[_name] += 1
+            return _original(*a, **kw)
+
+        setattr(dist, name, counted)
+    mine = slice(rank * args.per_rank, (rank + 1) * args.per_rank)
+    torch.manual_seed(100 + rank)
+    with Float64Internals():  # (see the module docstring)
+        loss = model(input_ids=ids[:, mine], shift_labels=shift[:, mine], num_items_in_batch=tokens).loss
+        loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+    out = {"loss": total.item(), "collectives": counts, "chunks": args.chunk}
+    if args.dropout:  # the masks are the split's own, which no plain forward draws: a central difference instead
+        out.update(directional(model, lambda: split_loss(model, ids[:, mine], shift[:, mine], tokens, rank)))
+    else:
+        with Float64Internals():
+            logits = reference(input_ids=ids).logits
+            ref = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / tokens
+            ref.backward()
+        worst, where = 0.0, ""
+        grads = dict(model.named_parameters())
+        for name, p in reference.named_parameters():
+            q = grads[name].grad
+            if q is None:
+                worst, where = float("inf"), f"{name} (no gradient)"
+                break
+            err = ((p.grad - q).norm() / p.grad.norm().clamp_min(1e-300)).item()
+            if err > worst:
+                worst, where = err, name
+        out.update(reference_loss=ref.item(), error=worst, where=where)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(out))
+    dist.barrier()
+    os._exit(0)  # gloo's process-group teardown can hang on this machine; everything is written
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""One sequence split across CPU processes (gloo), streamed on each (``enable_streambp(..., sequence_group=...)``):
+the loss and every gradient, summed over the ranks, equal one process's plain autograd on the whole rows, in float64
+(tests/sequence_split_step.py runs both)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import EXACT, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+CASES = {
+    # (ranks, tokens per rank, chunk, family, further arguments)
+    "dense GQA, 2 ranks": (2, 6, 4, "qwen3", ()),
+    "keys/values captured, attention outputs kept": (2, 6, 4, "qwen3", ("--kv-mode", "capture", "--keep-attention")),
+    "one chunk per rank": (2, 6, 6, "llama", ()),
+    "sliding window across the ranks' boundary": (2, 6, 4, "mistral", ()),
+    "sliding and full layers, softcapped logits": (2, 6, 4, "gemma3", ()),
+    "GQA with fewer key/value heads than ranks": (4, 5, 2, "qwen3", ()),
+    "window over two earlier ranks": (4, 3, 2, "mistral", ()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_sequence_equals_one_process(tmp_path, case):
+    ranks, per_rank, chunk, family, extra = CASES[case]
+    out = tmp_path / "out.json"
+    args = ("--family", family, "--per-rank", str(per_rank), "--chunk", str(chunk), *extra, "--out", str(out))
+    torchrun("sequence_split_step.py", *args, log=tmp_path / "log", nproc=ranks)
+    result = json.loads(out.read_text())
+    assert abs(result["loss"] - result["reference_loss"]) <= EXACT * abs(result["reference_loss"])
+    assert result["error"] < EXACT, f"relative gradient error {result['error']:.3e} at {result['where']}"
+    layers = 3  # per layer: keys and values gathered in the forward (and again in a recomputing backward), their
+    # gradients returned once
+    gathers = 2 * layers * (1 if "capture" in extra else 2)
+    assert result["collectives"] == {"all_gather": gathers, "all_to_all_single": 2 * layers}
+
+
+def test_split_with_dropout_is_the_gradient_of_the_loss_it_returned(tmp_path):
+    """Attention dropout: each chunk's masks are drawn once per forward and replayed by the collecting passes and the
+    recompute, so the summed gradient is the derivative of the loss the split forward returns (against extrapolated
+    central differences of that loss, its masks drawn alike: float64 accuracy ~1e-10; a mask not replayed is off by
+    order one)."""
+    out = tmp_path / "out.json"
+    torchrun("sequence_split_step.py", "--dropout", "0.2", "--out", str(out), log=tmp_path / "log")
+    result = json.loads(out.read_text())
+    assert abs(result["along"] - result["difference"]) <= 1e-8 * abs(result["along"])
+
+
+def test_split_refusals_name_the_problem_and_the_fix(tmp_path):
+    out = tmp_path / "out.json"
+    torchrun("sequence_split_step.py", "--refusals", "--out", str(out), log=tmp_path / "log")
+    said = json.loads(out.read_text())
+    assert "Qwen3_5DecoderLayer" in said["hybrid"] and "RecurrentMixers" in said["hybrid"]
+    assert "without sequence_group" in said["hybrid"]
+    assert "padding" in said["padding"] and "position_ids" in said["padding"]
+    assert "shift_labels" in said["labels"] and "num_items_in_batch" in said["labels"]
+    assert "different lengths (4 to 6 tokens)" in said["lengths"] and "pad_to_multiple_of" in said["lengths"]
