@@ -81,9 +81,8 @@ def refusals(rank: int) -> dict[str, str]:
         "hybrid": lambda: enable_streambp(tiny_causal_lm("qwen3_5_text"), stream_chunk_size=4, sequence_group=group),
     }
     model = enable_streambp(tiny_model("qwen3"), stream_chunk_size=4, sequence_group=group)
-    padded = torch.ones_like(ids)
-    padded[0, :2] = 0
-    cases["padding"] = lambda: model(input_ids=ids, attention_mask=padded, shift_labels=shift).loss
+    dense = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    cases["4D mask"] = lambda: model(input_ids=ids, attention_mask=dense, shift_labels=shift).loss
     cases["labels"] = lambda: model(input_ids=ids, labels=ids).loss
     mine = ids[:, : 4 + 2 * rank]  # rank 0: 4 tokens, rank 1: 6
     cases["lengths"] = lambda: model(input_ids=mine, shift_labels=shift[:, : mine.shape[1]]).loss
@@ -107,6 +106,7 @@ def main() -> None:
     parser.add_argument("--kv-mode", default="recompute")
     parser.add_argument("--keep-attention", action="store_true")
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--padding", action="store_true", help="row 0 left-padded, row 1 right-padded, over ranks")
     parser.add_argument("--refusals", action="store_true", help="write what each input the split refuses raises")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -126,6 +126,11 @@ def main() -> None:
     ids = torch.randint(3, VOCAB, (2, length), generator=g)
     labels = ids.clone()
     labels[0, : length // 3] = -100  # a prompt without labels, crossing ranks
+    mask = torch.ones_like(ids)
+    if args.padding:  # each pad run longer than a rank's share
+        pad = args.per_rank + 2
+        mask[0, :pad], mask[1, -pad:] = 0, 0
+        labels[mask == 0] = -100
     shift = F.pad(labels[:, 1:], (0, 1), value=-100)
     tokens = int((shift != -100).sum())
 
@@ -149,7 +154,12 @@ def main() -> None:
     mine = slice(rank * args.per_rank, (rank + 1) * args.per_rank)
     torch.manual_seed(100 + rank)
     with Float64Internals():  # (see the module docstring)
-        loss = model(input_ids=ids[:, mine], shift_labels=shift[:, mine], num_items_in_batch=tokens).loss
+        loss = model(
+            input_ids=ids[:, mine],
+            attention_mask=mask[:, mine],
+            shift_labels=shift[:, mine],
+            num_items_in_batch=tokens,
+        ).loss
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
@@ -161,7 +171,7 @@ def main() -> None:
         out.update(directional(model, lambda: split_loss(model, ids[:, mine], shift[:, mine], tokens, rank)))
     else:
         with Float64Internals():
-            logits = reference(input_ids=ids).logits
+            logits = reference(input_ids=ids, attention_mask=mask).logits
             ref = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / tokens
             ref.backward()
         worst, where = 0.0, ""

@@ -3,6 +3,7 @@ sequence parallelism is refused when a stream trainer is built, and ZeRO-3 gets 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from helpers import ROOT, args, load_model, load_tokenizer, max_rel_grad_error, 
 from models import batch, tiny_model
 
 from streambp_trl import StreamSFTConfig, StreamSFTTrainer
-from streambp_trl.trainers.mixin import _refuse_unsupported_parallelism
+from streambp_trl.trainers.mixin import _sequence_split
 
 CONFIGS = ROOT / "configs" / "accelerate"
 
@@ -70,8 +71,9 @@ def test_readme_launches_the_shipped_configs():
     assert yaml.safe_load((ROOT / "configs" / "sft_qwen3_8b.yaml").read_text())  # the config the commands name
 
 
-@pytest.mark.parametrize("sizes", [{"cp_size": 2}, {"sp_size": 2}], ids=["context", "sequence"])
-def test_context_and_sequence_parallelism_are_refused_at_construction(tmp_path, sizes):
+def test_context_parallelism_and_unserved_sequence_splits_are_refused_at_construction(tmp_path):
+    """torch's context parallelism (cp_size) is refused by every trainer; DeepSpeed's sequence parallelism (sp_size
+    with sp_backend="deepspeed") is served by StreamSFTTrainer alone (tests/test_sequence_split.py trains with it)."""
     # on a CPU, accelerate cannot build a cp/sp mesh at all: set the config on a built trainer and install again
     trainer = StreamSFTTrainer(
         model=load_model(),
@@ -80,18 +82,19 @@ def test_context_and_sequence_parallelism_are_refused_at_construction(tmp_path, 
         processing_class=load_tokenizer(),
     )
     trainer.stream_options = None
-    trainer.args.parallelism_config = ParallelismConfig(**sizes)
-    with pytest.raises(
-        ValueError, match=r"StreamSFTTrainer: context/sequence parallelism .* Set cp_size=1 and sp_size=1"
-    ):
+    trainer.args.parallelism_config = ParallelismConfig(cp_size=2)
+    with pytest.raises(ValueError, match=r"StreamSFTTrainer: context/sequence parallelism .* Set cp_size=1"):
         trainer._install_stream_engine()
-    # the same from the accelerator's config (an accelerate YAML sets it there)
-    fake = SimpleNamespace(
-        args=SimpleNamespace(), accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(**sizes))
-    )
-    with pytest.raises(ValueError, match="shards each sequence across ranks"):
-        _refuse_unsupported_parallelism(fake)
-    _refuse_unsupported_parallelism(SimpleNamespace(args=SimpleNamespace(parallelism_config=ParallelismConfig())))
+
+    sft = functools.partial(SimpleNamespace, sequence_split=True, args=SimpleNamespace())
+    dpo = functools.partial(SimpleNamespace, sequence_split=False, args=SimpleNamespace())
+    deepspeed = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # on the accelerator, as an accelerate YAML sets
+    assert _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=deepspeed)))
+    with pytest.raises(ValueError, match=r"StreamSFTTrainer \(not this trainer yet\)"):
+        _sequence_split(dpo(accelerator=SimpleNamespace(parallelism_config=deepspeed)))
+    with pytest.raises(ValueError, match="cp_size=2"):
+        _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=2))))
+    assert not _sequence_split(sft(args=SimpleNamespace(parallelism_config=ParallelismConfig())))
 
 
 def test_zero3_marks_the_decoder_layers_as_leaf_modules_and_the_mark_survives():

@@ -20,6 +20,8 @@ CASES = {
     "sliding and full layers, softcapped logits": (2, 6, 4, "gemma3", ()),
     "GQA with fewer key/value heads than ranks": (4, 5, 2, "qwen3", ()),
     "window over two earlier ranks": (4, 3, 2, "mistral", ()),
+    "left and right padding across ranks": (2, 6, 4, "qwen3", ("--padding",)),
+    "padding on every rank, a window": (4, 3, 2, "mistral", ("--padding",)),
 }
 
 
@@ -34,7 +36,7 @@ def test_split_sequence_equals_one_process(tmp_path, case):
     assert result["error"] < EXACT, f"relative gradient error {result['error']:.3e} at {result['where']}"
     layers = 3  # per layer: keys and values gathered in the forward (and again in a recomputing backward), their
     # gradients returned once
-    gathers = 2 * layers * (1 if "capture" in extra else 2)
+    gathers = 2 * layers * (1 if "capture" in extra else 2) + ("--padding" in extra)  # (+ the padding mask, once)
     assert result["collectives"] == {"all_gather": gathers, "all_to_all_single": 2 * layers}
 
 
@@ -55,6 +57,32 @@ def test_split_refusals_name_the_problem_and_the_fix(tmp_path):
     said = json.loads(out.read_text())
     assert "Qwen3_5DecoderLayer" in said["hybrid"] and "RecurrentMixers" in said["hybrid"]
     assert "without sequence_group" in said["hybrid"]
-    assert "padding" in said["padding"] and "position_ids" in said["padding"]
+    assert "4D attention mask" in said["4D mask"] and "without the sequence split" in said["4D mask"]
     assert "shift_labels" in said["labels"] and "num_items_in_batch" in said["labels"]
     assert "different lengths (4 to 6 tokens)" in said["lengths"] and "pad_to_multiple_of" in said["lengths"]
+
+
+def _relative(a, b) -> float:
+    return max(((a[n] - b[n]).norm() / a[n].norm().clamp_min(1e-30)).item() for n in a)
+
+
+def test_stream_sft_under_deepspeed_sequence_parallelism_trains_as_one_process_and_as_trl(tmp_path):
+    """StreamSFTTrainer configured as TRL documents sequence parallelism for SFT (parallelism_config with
+    sp_backend="deepspeed", sp_size=2; ZeRO-3, tests/sequence_split_trainer.py): each rank streams half of every row
+    (the engine's split, recorded), and two SGD steps log the losses of one process training the same rows without
+    the split, with the same update (to float32 rounding of the weights over two steps), and those of TRL's own
+    SFTTrainer under DeepSpeed's Ulysses attention."""
+    import torch
+
+    runs = {}
+    for name, flags, ranks in (("split", (), 2), ("one", ("--world-one",), 1), ("trl", ("--trainer", "trl"), 2)):
+        out = tmp_path / f"{name}.pt"
+        torchrun("sequence_split_trainer.py", *flags, "--out", str(out), log=tmp_path / f"{name}.log", nproc=ranks)
+        runs[name] = torch.load(out)
+    split, one, trl = runs["split"], runs["one"], runs["trl"]
+    tokens = split["splits"][0][2]
+    assert split["splits"] == [(0, 2, tokens)] * 2 and one["splits"] == [] and trl["splits"] == []
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    assert split["losses"] == pytest.approx(trl["losses"], rel=1e-6)
+    assert _relative(one["update"], split["update"]) < 1e-5
+    assert _relative(trl["update"], split["update"]) < 1e-4  # (DeepSpeed's Ulysses path: 3e-5 from ours here)

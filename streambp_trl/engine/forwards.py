@@ -95,8 +95,8 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
         call = DecoderCall(plan, state.offloader, len(state.layers), inputs_rebuildable=not hidden_states_kept)
     else:
         call = state.call_for(inputs, rebuildable=not hidden_states_kept)
-        if state.sequence_group is not None:
-            _split(call, state.sequence_group, inputs, kwargs)
+        if state.sequence_group is not None and decoder.training:  # (eval-mode calls stream whole rows)
+            _split(call, state.sequence_group(), inputs, kwargs)
         if torch.is_grad_enabled() and call.plan is not None:
             state.say_if_unstreamed(inputs, call.plan.chunk)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
@@ -117,7 +117,9 @@ def _split(call: DecoderCall, group, inputs: torch.Tensor | None, kwargs: dict) 
     where none are given, global ``position_ids`` from the rank's offset."""
     if inputs is None or inputs.dim() < 2:
         raise ValueError("StreamBP: a sequence split across ranks needs input_ids or inputs_embeds of (batch, T).")
-    call.split = SequenceSplit.of(group, inputs.shape[1])
+    mask = kwargs.get("attention_mask")
+    padding = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+    call.split = SequenceSplit.of(group, inputs.shape[1], padding)
     plans = [call.plan]
     dist.broadcast_object_list(plans, src=dist.get_global_rank(group, 0), group=group)
     call.plan = plans[0]
@@ -293,7 +295,7 @@ def stream_forward(
         return _model_forward(self, state, args, {**kwargs, **{k: v for k, v in given.items() if v is not None}})
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
-    if state.sequence_group is not None and shift_labels is None:
+    if state.sequence_group is not None and self.training and shift_labels is None:
         raise ValueError(
             "StreamBP: with the sequence split across ranks, a rank's last label is the next rank's first token: "
             "pass shift_labels (the labels shifted by one over the whole sequence, then split like the inputs, as "
@@ -321,7 +323,8 @@ def stream_forward(
     labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep, shifted)
     _check_labels(labels, head.weight.shape[0], ignore_index)
     mask = labels != ignore_index
-    if not fused_lm_head and num_items_in_batch is None and not bool(mask.any()):
+    split = state.sequence_group is not None and self.training  # (a rank's share may hold no label: loss 0)
+    if not fused_lm_head and num_items_in_batch is None and not split and not bool(mask.any()):
         raise ValueError(f"Every label is {ignore_index} (ignored): there is no token to compute the loss on.")
     per_token = _kernel_scores(self, state, head, hidden, side.norm, labels, scored[mask], mask, fused_lm_head)
     denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

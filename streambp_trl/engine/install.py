@@ -70,11 +70,13 @@ def enable_streambp(
         options: a :class:`~streambp_trl.engine.options.StreamOptions` (e.g. a config's ``to_options()``).
         overrides: :class:`~streambp_trl.engine.options.StreamOptions` fields, given one by one
             (``stream_chunk_size=4096``, ``kv_mode="capture"``, ...) or replacing those of ``options``.
-        sequence_group: a ``torch.distributed`` process group whose ranks each hold an equal, consecutive share of
-            every row of a training call (rank q positions [q L, (q + 1) L), with their global ``position_ids`` and
-            ``shift_labels``): each layer's attention then sees the whole sequence, streamed on every rank
-            (:mod:`streambp_trl.layers.sequence_split`). The parameters' gradients are each rank's share: summing
-            them over the group (DDP, DeepSpeed or an ``all_reduce``) gives the whole sequence's.
+        sequence_group: a ``torch.distributed`` process group (or a function returning it, asked at each call: a
+            group the launcher builds later, such as DeepSpeed's sequence-parallel group) whose ranks each hold an
+            equal, consecutive share of every row of a training call (rank q positions [q L, (q + 1) L), with their
+            global ``position_ids`` and ``shift_labels``): each layer's attention then sees the whole sequence,
+            streamed on every rank (:mod:`streambp_trl.layers.sequence_split`). The parameters' gradients are each
+            rank's share: summing them over the group (DDP, DeepSpeed or an ``all_reduce``) gives the whole
+            sequence's. Eval-mode calls stream whole rows on each rank.
 
     Returns:
         ``model``, changed in place (see the module docstring); :func:`disable_streambp` undoes it.
@@ -121,7 +123,9 @@ def enable_streambp(
     state = _engine_state(lm, decoder, layers, options, norm_name)
     if sequence_group is not None:
         _check_splittable(lm, state)
-        state.sequence_group = sequence_group
+        state.sequence_group = (
+            sequence_group if callable(sequence_group) else functools.partial(_given, sequence_group)
+        )
     _install(lm, state)
     if baseline is not None:
         _check_streamed(lm, state, baseline)
@@ -139,6 +143,11 @@ def _check_streamed(lm: PreTrainedModel, state: EngineState, baseline: probe.Pro
     except ValueError:
         disable_streambp(lm)
         raise
+
+
+def _given(group: object) -> object:
+    """A sequence group given as it is (``EngineState.sequence_group`` asks a function for it)."""
+    return group
 
 
 def _check_splittable(lm: PreTrainedModel, state: EngineState) -> None:

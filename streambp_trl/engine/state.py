@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,8 +68,9 @@ class EngineState:
     offloader: CheckpointOffload = dataclasses.field(default_factory=CheckpointOffload, compare=False)
     unstreamed_said: bool = dataclasses.field(default=False, compare=False)  # see say_if_unstreamed
     fixed_said: set = dataclasses.field(default_factory=set, compare=False)  # the call shapes _say_fixed said
-    # the process group each training call's sequences are split across (:mod:`~streambp_trl.layers.sequence_split`)
-    sequence_group: object = dataclasses.field(default=None, compare=False)
+    # the process group each training call's sequences are split across (:mod:`~streambp_trl.layers.sequence_split`),
+    # asked for at each call (a launcher may build it after enabling)
+    sequence_group: Callable[[], object] | None = dataclasses.field(default=None, compare=False)
 
     def final_norm(self) -> nn.Module | None:
         """The final norm the decoder holds now, where the probe found its final norm to be its last step and the

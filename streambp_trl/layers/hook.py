@@ -32,6 +32,7 @@ from .carry import ChunkCache
 from .decoder_call import DecoderCall, active_call
 from .kept import Segment
 from .layer_args import CACHE_KWARGS, cache_argument, parameter_names, per_token
+from .sequence_split import SequenceSplit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
     batch, seq_len = x.shape[:2]
     decoder = active_call()
     bound = _bound_arguments(facts, layer, kwargs, batch, seq_len, decoder)
-    kwargs = bound.kwargs
+    kwargs = bound.kwargs if decoder.split is None else _whole_rows_masked(bound.kwargs, decoder.split)
     sliced, grad_inputs = per_token(layer, kwargs, batch, seq_len)
     index, decoder.layers_called = decoder.layers_called, decoder.layers_called + 1
     run = decoder.plan if decoder.plan is not None else facts.unplanned(seq_len)
@@ -181,21 +182,30 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
     return returned(y, extras, nones)
 
 
+def _whole_rows_masked(kwargs: dict, split: SequenceSplit) -> dict:
+    """A split call's arguments with each :class:`StreamMask` reading the whole rows' padding (``split.padding``:
+    every rank's share, gathered) instead of this rank's share, since its keys span the earlier ranks' positions."""
+
+    def placed(v: object) -> object:
+        return dataclasses.replace(v, padding=split.padding) if isinstance(v, StreamMask) else v
+
+    return {k: {n: placed(m) for n, m in v.items()} if isinstance(v, dict) else placed(v) for k, v in kwargs.items()}
+
+
 def _check_split(call: LayerCall, seq_len: int) -> None:
     """Refuse a layer call on one rank's share of a split sequence (:mod:`.sequence_split`) that the split does not
-    serve: a padding mask, a user-given 4D mask or packed rows (whose positions the other ranks' keys would be read
-    against), or an input of another length than the split's share."""
+    serve: a user-given 4D mask or packed rows (whose documents the other ranks' positions would have to be told
+    apart by), or an input of another length than the split's share."""
     name = type(call.layer).__name__
     if seq_len != call.split.length:
         raise ValueError(
             f"StreamBP: {name} got {seq_len} tokens on a rank whose share of the sequence is {call.split.length}."
         )
-    masked = any(m.padding is not None or m.dense is not None or m.documents for m in call.masks)
-    if masked or call.resets:
+    if any(m.dense is not None or m.documents for m in call.masks) or call.resets:
         raise ValueError(
-            f"StreamBP cannot split the sequence of {name} across ranks with padding, a 4D mask or packed rows: "
-            "pass unpadded rows (attention_mask all ones or None) with their global position_ids, as DeepSpeed's "
-            "Ulysses data path hands them out."
+            f"StreamBP cannot split the sequence of {name} across ranks with a 4D attention mask or packed rows: "
+            "pass whole rows (a 2D attention_mask or none) with their global position_ids, as DeepSpeed's Ulysses "
+            "data path hands them out, or train without the sequence split."
         )
 
 

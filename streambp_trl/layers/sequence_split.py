@@ -28,9 +28,10 @@ Memory beyond one process's plan on L tokens: the store's prefix ((batch, kv_dim
 so the last rank holds the whole sequence's keys/values of the layer in progress), the gathered keys/values
 (R L positions, transient) and the returned gradients' buffers (R L positions, transient).
 
-Served: layers of one softmax attention (dense, grouped-query, sliding window), without padding or packed rows
-(positions come from ``position_ids``); a layer with a family adapter (a recurrent mixer, whose state would cross
-ranks; shared or compressed keys/values) is refused by name at enable.
+Served: layers of one softmax attention (dense, grouped-query, sliding window), with padding anywhere in the rows
+(each rank's queries are masked against the whole rows' padding mask, gathered once per call); positions come from
+``position_ids`` (global: given, or the rank's offset on). Packed rows, a user-given 4D mask and a layer with a family
+adapter (a recurrent mixer, whose state would cross ranks; shared or compressed keys/values) are refused by name.
 """
 
 from __future__ import annotations
@@ -45,26 +46,38 @@ from .carry.store import KV, CarryStore
 
 @dataclasses.dataclass(frozen=True)
 class SequenceSplit:
-    """This rank's share of a sequence split across ``group``: rank ``rank`` of ``size``, ``length`` tokens each."""
+    """This rank's share of a sequence split across ``group``: rank ``rank`` of ``size``, ``length`` tokens each;
+    ``padding``: the (batch, size x length) padding mask of the whole rows (``True``: a token), gathered from every
+    rank's share, or ``None`` where no rank has padding."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
     length: int
+    padding: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, length: int) -> SequenceSplit:
+    def of(cls, group: dist.ProcessGroup, length: int, padding: torch.Tensor | None = None) -> SequenceSplit:
         """The split of a call whose rows hold ``length`` tokens on this rank, checked to be the same on every rank of
-        ``group`` (one two-element ``all_reduce``)."""
-        bounds = torch.tensor([length, -length], dtype=torch.int64, device=_device(group))
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
-        if int(bounds[0]) != length or int(-bounds[1]) != length:
+        ``group`` (one three-element ``all_reduce``); ``padding``: this rank's (batch, length) 2D attention mask, if
+        any, gathered from every rank where one has padding (an ``all_gather``), so that each rank's queries are
+        masked against the whole rows' padding, wherever it is."""
+        padded = padding is not None and not bool(padding.all())
+        facts = torch.tensor([length, -length, int(padded)], dtype=torch.int64, device=_device(group))
+        dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)
+        if int(facts[0]) != length or int(-facts[1]) != length:
             raise ValueError(
                 f"StreamBP: the sequence split across {dist.get_world_size(group)} ranks gives them different lengths "
-                f"({int(-bounds[1])} to {int(bounds[0])} tokens): split every row into equal shares (pad the "
+                f"({int(-facts[1])} to {int(facts[0])} tokens): split every row into equal shares (pad the "
                 "sequence to a multiple of the split, e.g. pad_to_multiple_of)."
             )
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), length)
+        size, whole = dist.get_world_size(group), None
+        if int(facts[2]):
+            mine = (padding if padding is not None else torch.ones(1, length)).bool()
+            parts = [torch.empty_like(mine) for _ in range(size)]
+            dist.all_gather(parts, mine.contiguous(), group=group)
+            whole = torch.cat(parts, dim=1)
+        return cls(group, dist.get_rank(group), size, length, whole)
 
     @property
     def offset(self) -> int:

@@ -55,20 +55,39 @@ def default_args(config_cls, model):
     return config_cls(f"{name.split('/')[-1]}-{method}")
 
 
-def _refuse_unsupported_parallelism(trainer) -> None:
-    """Context and sequence parallelism shard each sequence across ranks; StreamBP already splits it chunk by chunk
-    in one process, and its layers need every earlier position's keys/values there. Refuse them at construction."""
+def _sequence_split(trainer) -> bool:
+    """Whether ``trainer`` splits each sequence across ranks, as TRL documents it: DeepSpeed's Ulysses sequence
+    parallelism (``parallelism_config`` with ``sp_backend="deepspeed"`` and ``sp_size`` > 1, in the config or the
+    accelerate config), which the engine serves with its own key/value exchange
+    (:mod:`streambp_trl.layers.sequence_split`) over DeepSpeed's sequence-parallel group, where the trainer declares
+    it does (``sequence_split``). Refused at construction: torch's context parallelism (``cp_size`` > 1, ring
+    attention under FSDP2, whose CUDA kernels shard the sequence their own way), and a sequence split in a trainer
+    that does not declare it."""
     configs = (getattr(trainer.args, "parallelism_config", None), getattr(trainer, "accelerator", None))
+    split = False
     for config in (configs[0], getattr(configs[1], "parallelism_config", None)):
         cp, sp = getattr(config, "cp_size", None) or 1, getattr(config, "sp_size", None) or 1
-        if cp > 1 or sp > 1:
+        deepspeed = getattr(config, "sp_backend", None) == "deepspeed"
+        if cp > 1 or (sp > 1 and not (deepspeed and trainer.sequence_split)):
+            served = "StreamSFTTrainer" if trainer.sequence_split else "StreamSFTTrainer (not this trainer yet)"
+            backend = getattr(config, "sp_backend", None)
             raise ValueError(
                 f"{type(trainer).__name__}: context/sequence parallelism (parallelism_config cp_size={cp}, "
-                f"sp_size={sp}) shards each sequence across ranks, which StreamBP cannot train: it streams the whole "
-                "sequence chunk by chunk in one process (every chunk attends to all earlier keys/values there). Set "
-                "cp_size=1 and sp_size=1 (in the accelerate config or `parallelism_config`) and shard the model "
+                f"sp_size={sp}, sp_backend={backend!r}) is served by StreamBP as DeepSpeed's sequence parallelism "
+                f"alone (sp_backend='deepspeed', sp_size > 1, cp_size=1), in {served}. Set cp_size=1 (and "
+                "sp_size=1 for this trainer) in the accelerate config or `parallelism_config`, and shard the model "
                 "instead (DDP, FSDP2 or DeepSpeed ZeRO); lower `stream_chunk_size` to fit longer sequences."
             )
+        split = split or sp > 1
+    return split
+
+
+def deepspeed_sequence_group():
+    """DeepSpeed's sequence-parallel process group, which accelerate builds when it prepares the model (in
+    ``Trainer.train``, after the engine is installed): asked for at each streamed training call."""
+    from deepspeed.utils import groups
+
+    return groups._get_sequence_parallel_group()
 
 
 def _say_where_trl_differs(trainer) -> None:
@@ -124,6 +143,7 @@ class StreamTrainerMixin:
     rows_per_example = 1  # rows an example takes in a training call (2: its chosen and rejected completions)
     stream_options: StreamOptions | None = None  # the policy's, once installed
     logits_tiled = True  # the model's loss reads the logit kernel, whose tile (logits_chunk_size) is logged
+    sequence_split = False  # the trainer serves DeepSpeed's sequence parallelism (sp_size > 1; see _sequence_split)
     _given_options: StreamOptions | None = None  # read from the config as given (see _stream_args)
 
     def __init__(self, *args, **kwargs):
@@ -177,7 +197,7 @@ class StreamTrainerMixin:
     def _install_stream_engine(self) -> None:
         if self.stream_options is not None:
             return
-        _refuse_unsupported_parallelism(self)
+        split = _sequence_split(self)
         if getattr(self, "aux_loss_enabled", False):
             raise router_loss_refusal(
                 type(self).__name__,
@@ -196,7 +216,7 @@ class StreamTrainerMixin:
             _mark_zero3_leaves([self.model])
         policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
         _say_where_trl_differs(self)
-        enable_streambp(self.model, policy)
+        enable_streambp(self.model, policy, sequence_group=deepspeed_sequence_group if split else None)
         self._count_optimizer_state()
         self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)

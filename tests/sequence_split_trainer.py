@@ -1,0 +1,113 @@
+"""Two SFT training steps with the sequence split across processes (DeepSpeed Ulysses, ``sp_size`` = the world), for
+tests/test_sequence_split.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/sequence_split_trainer.py \
+        --trainer stream|trl --out F
+
+Set up as TRL documents sequence parallelism for SFT: accelerate's ``ParallelismConfig(sp_backend="deepspeed",
+sp_size=N)`` in the config, DeepSpeed ZeRO-3 (tests/distributed_trainer.py's gloo state, as ``accelerate launch``
+builds it on GPUs), ``pad_to_multiple_of`` the split. DeepSpeed's data path hands each rank its share of every row
+with global ``position_ids`` and ``shift_labels``; the Trainer reduces the ranks' losses. ``--trainer stream`` is
+StreamSFTTrainer (each rank streams its share, attention over the whole row through the engine's own key/value
+exchange), ``trl`` TRL's SFTTrainer (DeepSpeed's Ulysses attention). ``--world-one`` runs StreamSFTTrainer in one
+process without the split, on the same rows.
+
+The dataset is two copies of one chat row, so whichever rank's row a step takes, every step trains the same row:
+one process's steps are the same steps. Rank 0 writes each step's logged loss, the update (weights after the
+steps minus before, float64, divided by the learning rate) and the (rank, ranks, tokens) of each call the engine split
+to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+LR = 1.0
+
+
+def main() -> None:
+    faulthandler.dump_traceback_later(300, exit=True)  # a hung collective shows where, instead of hanging the suite
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
+    parser.add_argument("--world-one", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    world = int(os.environ["WORLD_SIZE"])
+
+    from datasets import Dataset
+    from distributed_trainer import deepspeed_config, full_parameters, gloo_state
+    from helpers import args as config_args
+    from helpers import load_model, load_tokenizer, tiny_dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+
+    row = tiny_dataset("chat", 1)[0]
+    data = Dataset.from_list([row, row])
+    before = {n: p.detach().double().clone() for n, p in load_model().named_parameters()}
+    extra: dict = {}
+    if not args.world_one:
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        gloo_state("zero3")
+        handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa")
+        extra = dict(
+            deepspeed=deepspeed_config("zero3"),
+            accelerator_config={"use_configured_state": True},
+            parallelism_config=ParallelismConfig(
+                sp_backend="deepspeed", sp_size=world, dp_replicate_size=1, sp_handler=handler
+            ),
+            use_cpu=False,
+        )
+    stream = args.trainer == "stream"
+    config_cls, trainer_cls = (StreamSFTConfig, StreamSFTTrainer) if stream else (SFTConfig, SFTTrainer)
+    stream_args = dict(stream_chunk_size=4, logits_chunk_size=8) if stream else {}
+    config = config_args(
+        config_cls,
+        str(Path(args.out).parent / "run"),
+        per_device_train_batch_size=1,
+        max_steps=2,
+        learning_rate=LR,
+        pad_to_multiple_of=2 * world,
+        max_length=128,
+        **stream_args,
+        **extra,
+    )
+    from streambp_trl.layers.sequence_split import SequenceSplit
+
+    splits = []  # (rank, ranks, tokens) of each streamed call the engine split
+    of = SequenceSplit.of
+
+    def recorded(group, length, padding=None):
+        split = of(group, length, padding)
+        splits.append((split.rank, split.size, split.length))
+        return split
+
+    SequenceSplit.of = recorded
+    model = load_model()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
+    trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer())
+    trainer.train()
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    after = full_parameters(unwrapped)
+    update = {n: (after[n] - before[n]) / LR for n in before}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if int(os.environ["RANK"]) == 0:
+        torch.save({"update": update, "losses": losses, "splits": splits}, args.out)
+    if world > 1:
+        dist.barrier()
+    os._exit(0)  # gloo's process-group teardown can hang on this machine; everything is written
+
+
+if __name__ == "__main__":
+    main()
