@@ -40,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
     parser.add_argument("--world-one", action="store_true")
+    parser.add_argument("--padding-free", action="store_true", help="write what building the trainer raises")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -80,7 +81,8 @@ def main() -> None:
         max_steps=2,
         learning_rate=LR,
         pad_to_multiple_of=2 * world,
-        max_length=128,
+        max_length=None if args.padding_free else 128,
+        padding_free=args.padding_free,
         **stream_args,
         **extra,
     )
@@ -96,6 +98,17 @@ def main() -> None:
 
     SequenceSplit.of = recorded
     model = load_model()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
+    if args.padding_free:
+        try:
+            trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer())
+        except ValueError as error:
+            said = str(error)
+        else:
+            said = "accepted"
+        if int(os.environ["RANK"]) == 0:
+            torch.save({"said": said}, args.out)
+        dist.barrier()
+        os._exit(0)
     trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer())
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)

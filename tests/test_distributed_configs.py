@@ -28,7 +28,7 @@ def _load(name: str) -> ClusterConfig:
 
 def test_every_config_file_is_tested():
     assert sorted(p.name for p in CONFIGS.iterdir()) == sorted(
-        [f"{n}.yaml" for n in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload")]
+        [f"{n}.yaml" for n in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload", "zero3_sp")]
         + [f"{n}.json" for n in ("zero2", "zero3", "zero3_offload")]
     )
 
@@ -44,13 +44,21 @@ def test_ddp_and_fsdp2_configs():
 
 @pytest.mark.parametrize(
     "name, stage, offload, processes",
-    [("zero2", 2, False, 8), ("zero3", 3, False, 8), ("zero3_offload", 3, True, 1)],
+    [("zero2", 2, False, 8), ("zero3", 3, False, 8), ("zero3_offload", 3, True, 1), ("zero3_sp", 3, False, 8)],
 )
 def test_deepspeed_configs(monkeypatch, name, stage, offload, processes):
     config = _load(name)
     assert config.distributed_type == DistributedType.DEEPSPEED and config.num_processes == processes
     path = config.deepspeed_config["deepspeed_config_file"]
-    assert (ROOT / path).resolve() == (CONFIGS / f"{name}.json").resolve()
+    assert (ROOT / path).resolve() == (CONFIGS / f"{name.removesuffix('_sp')}.json").resolve()
+    split = config.parallelism_config  # zero3_sp alone splits each sequence, over every GPU (DeepSpeed's split)
+    if name == "zero3_sp":
+        assert (
+            split["parallelism_config_sp_size"] == processes and split["parallelism_config_sp_backend"] == "deepspeed"
+        )
+        assert split["parallelism_config_dp_replicate_size"] == 1
+    else:
+        assert split == {}
     assert config.deepspeed_config["zero3_init_flag"] is (stage == 3)
     monkeypatch.chdir(ROOT)  # the file path is relative to the repository root, where the README launches from
     plugin = DeepSpeedPlugin(hf_ds_config=path)
@@ -59,14 +67,14 @@ def test_deepspeed_configs(monkeypatch, name, stage, offload, processes):
     for key in ("offload_param", "offload_optimizer"):
         assert (zero.get(key, {}).get("device") == "cpu") is offload
     assert plugin.deepspeed_config["gradient_clipping"] == "auto"  # the Trainer fills in max_grad_norm etc.
-    shipped = json.loads(Path(CONFIGS / f"{name}.json").read_text())
+    shipped = json.loads(Path(CONFIGS / f"{name.removesuffix('_sp')}.json").read_text())
     assert shipped.items() <= plugin.deepspeed_config.items()  # accelerate only adds its defaults
 
 
 def test_readme_launches_the_shipped_configs():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Multi-GPU", 1)[1].split("\n## ", 1)[0]
-    for name in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload"):
+    for name in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload", "zero3_sp"):
         assert f"accelerate launch --config_file configs/accelerate/{name}.yaml" in section, name
     assert yaml.safe_load((ROOT / "configs" / "sft_qwen3_8b.yaml").read_text())  # the config the commands name
 

@@ -86,3 +86,12 @@ def test_stream_sft_under_deepspeed_sequence_parallelism_trains_as_one_process_a
     assert split["losses"] == pytest.approx(trl["losses"], rel=1e-6)
     assert _relative(one["update"], split["update"]) < 1e-5
     assert _relative(trl["update"], split["update"]) < 1e-4  # (DeepSpeed's Ulysses path: 3e-5 from ours here)
+
+
+def test_stream_sft_refuses_padding_free_rows_under_the_sequence_split_at_construction(tmp_path):
+    import torch
+
+    out = tmp_path / "out.pt"
+    torchrun("sequence_split_trainer.py", "--padding-free", "--out", str(out), log=tmp_path / "log")
+    said = torch.load(out)["said"]
+    assert "padding_free rows cannot be split across ranks (sp_size > 1)" in said and "pad_to_multiple_of" in said

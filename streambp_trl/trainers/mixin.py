@@ -144,6 +144,7 @@ class StreamTrainerMixin:
     stream_options: StreamOptions | None = None  # the policy's, once installed
     logits_tiled = True  # the model's loss reads the logit kernel, whose tile (logits_chunk_size) is logged
     sequence_split = False  # the trainer serves DeepSpeed's sequence parallelism (sp_size > 1; see _sequence_split)
+    splits_sequences = False  # once installed: this run splits each sequence across ranks
     _given_options: StreamOptions | None = None  # read from the config as given (see _stream_args)
 
     def __init__(self, *args, **kwargs):
@@ -217,6 +218,7 @@ class StreamTrainerMixin:
         policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
         _say_where_trl_differs(self)
         enable_streambp(self.model, policy, sequence_group=deepspeed_sequence_group if split else None)
+        self.splits_sequences = split
         self._count_optimizer_state()
         self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)

@@ -26,6 +26,12 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         refusal = packed_rows_refusal(self.model) if self.padding_free else None  # packing="bfd" or padding_free
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: {refusal}")
+        if self.padding_free and self.splits_sequences:
+            raise ValueError(
+                f"{type(self).__name__}: packing / padding_free rows cannot be split across ranks (sp_size > 1): "
+                "their documents would have to be told apart on every rank. Set packing=False and "
+                "padding_free=False (rows padded to a multiple of sp_size, pad_to_multiple_of), or sp_size=1."
+            )
 
     def _longest_batch(self) -> tuple[tuple[int, int], str] | None:
         """Padding-free batches (``padding_free``, or ``packing`` with the "bfd" strategies) are one row of every
