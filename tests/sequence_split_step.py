@@ -35,7 +35,7 @@ from models import VOCAB, tiny_model  # noqa: E402
 
 from streambp_trl import enable_streambp  # noqa: E402
 
-COUNTED = ("all_gather", "all_to_all_single")
+COUNTED = ("all_gather", "batch_isend_irecv")
 
 
 def split_loss(model, ids, shift, tokens: int, rank: int) -> torch.Tensor:

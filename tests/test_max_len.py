@@ -121,7 +121,8 @@ def fake_model(monkeypatch):
         plan = StepPlan(
             512, Layout(every=keep_every or 1), offload, FAKE_PER_TOKEN[setup.mode] * n, host(0, setup.plan(), n)
         )
-        return {"max_len": n, "plan": plan, "peak_bytes": peak(shape, setup, n), "host_bytes": plan.host or None}
+        peak_bytes = peak(shape, setup, n)
+        return {"max_len": n, "share": n, "plan": plan, "peak_bytes": peak_bytes, "host_bytes": plan.host or None}
 
     calls["stream_rows"] = []
     monkeypatch.setattr(mm.ModelShape, "from_name", classmethod(from_name))

@@ -34,10 +34,11 @@ def test_split_sequence_equals_one_process(tmp_path, case):
     result = json.loads(out.read_text())
     assert abs(result["loss"] - result["reference_loss"]) <= EXACT * abs(result["reference_loss"])
     assert result["error"] < EXACT, f"relative gradient error {result['error']:.3e} at {result['where']}"
-    layers = 3  # per layer: keys and values gathered in the forward (and again in a recomputing backward), their
-    # gradients returned once
-    gathers = 2 * layers * (1 if "capture" in extra else 2) + ("--padding" in extra)  # (+ the padding mask, once)
-    assert result["collectives"] == {"all_gather": gathers, "all_to_all_single": 2 * layers}
+    # per layer, keys and values each in ranks - 1 rounds of point-to-point exchanges: gathered in the forward (and
+    # again in a recomputing backward), their gradients returned once; the padding mask all-gathered once a call
+    passes = 2 if "capture" in extra else 3
+    rounds = 3 * 2 * (ranks - 1) * passes  # (3 layers)
+    assert result["collectives"] == {"all_gather": int("--padding" in extra), "batch_isend_irecv": rounds}
 
 
 def test_split_with_dropout_is_the_gradient_of_the_loss_it_returned(tmp_path):

@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--objective", choices=mm.OBJECTIVES, default="sft")
     p.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="estimate each sequence split across this many GPUs (sequence parallelism: configs/accelerate/"
+        "zero3_sp.yaml), the weights, gradients and optimizer state sharded across them by ZeRO-3; stream rows only, "
+        "lengths of the whole sequence, memory per GPU (estimates only)",
+    )
+    p.add_argument(
         "--lora", "--use-peft", "--use_peft", action="store_true", help="LoRA (r 16, all linear layers) instead of "
         "full fine-tuning (the adapters float32, as PEFT keeps them beside a bfloat16 base)"
     )  # fmt: skip
@@ -266,11 +274,12 @@ def _stream_row(
     where the plan chose them), its figures with the plan in words, and why it is 0 (``None`` where it fits)."""
     setup = row_setup(mode, args)
     row = stream_row(shape, setup, budget, host, setup.offload, args.keep_every, args.step)
-    plan = row.pop("plan")
+    plan, share = row.pop("plan"), row.pop("share")
     planned = "" if args.keep_every else describe_layout(plan, shape.layers)  # (a fixed one: in row_label)
-    label = ", ".join(filter(None, [row_label(mode, args), planned]))
+    split = f"split across {setup.gpus} GPUs ({share:,} tokens each)" if setup.gpus > 1 and share else ""
+    label = ", ".join(filter(None, [row_label(mode, args), split, planned]))
     if plan is not None:
-        return label, {**row, "plan": plan.describe(row["max_len"], shape.layers)}, None
+        return label, {**row, "plan": plan.describe(share, shape.layers)}, None
     least = least_peak_bytes(shape, setup, args.step, setup.offload, args.keep_every)
     return label, {**row, "plan": None}, _why_none_fits(shape, setup, budget, args.step, margin(budget), least)
 
@@ -281,6 +290,8 @@ def estimate(args: argparse.Namespace, shape: mm.ModelShape, modes: list[str], b
     of ``--host-memory`` or the engine's own), the others the memory model's peak within the whole budget."""
     host = host_bytes(args.host_memory)
     rows = []
+    if args.gpus > 1:  # (the memory model sizes a sequence split for the stream modes alone)
+        modes = [mode for mode in modes if ROWS[mode][0].streams]
     for mode in modes:
         if ROWS[mode][0].streams:
             label, row, why = _stream_row(args, shape, mode, budget, host)
@@ -424,6 +435,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "trial builds random weights of the model's shape, unquantized")  # fmt: skip
     if args.use_bnb_nested_quant and not args.load_in_4bit:
         parser.error("--use-bnb-nested-quant goes with --load-in-4bit")
+    if device != "estimate" and args.gpus > 1:
+        parser.error("--gpus is estimated only (pass --gpu or --gpu-memory): a measured trial runs on one device")
     if device == "cpu" and args.budget is None:
         parser.error("--device cpu needs --budget (e.g. 512MiB): the CPU has no out-of-memory error to bisect on")
     shape = _shape(args.model)
@@ -437,9 +450,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result = estimate(args, shape, modes, budget)
         setup = row_setup(Mode.STREAM.memory_model_mode, args)
         also = tuple(row["max_len"] for row in result["rows"] if ROWS[row["mode"]][0].streams)
-        result["plans"] = plan_rows(
-            shape, setup, budget, result["host_bytes"], args.lengths, args.keep_every, also=also, step=args.step
-        )
+        if args.gpus == 1:  # (a split's plans are each row's, at its longest length)
+            result["plans"] = plan_rows(
+                shape, setup, budget, result["host_bytes"], args.lengths, args.keep_every, also=also, step=args.step
+            )
     else:
         if not args.offload and args.mode is None:
             modes = [m for m in modes if m != OFFLOAD_ROW]

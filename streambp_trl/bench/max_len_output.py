@@ -67,6 +67,14 @@ def _stream_rows(result: dict[str, Any], args: argparse.Namespace) -> str:
         if args.gradient_accumulation_steps == 1
         else "the parameter gradients held through the step, as a micro-step after the first holds them"
     )
+    if args.gpus > 1:
+        host += " per GPU"
+        grads = (
+            f"each sequence split across {args.gpus} GPUs (sequence parallelism; the length is the whole sequence's, "
+            "the memory the last GPU's, whose keys/values span the whole sequence), the weights, gradients and "
+            f"optimizer state sharded across them by ZeRO-3 (1/{args.gpus} of each per GPU, and two decoder layers' "
+            "weights gathered); HF gradient checkpointing and TRL's default are not sized across GPUs"
+        )
     return (
         'Stream rows: the longest length stream_chunk_size="auto" runs (the engine\'s planner, within the budget less '
         f"{human(result['margin_bytes'])} kept for fragmentation; the label says which layer inputs its plan there "

@@ -79,7 +79,9 @@ def row_setup(mode: str, args: argparse.Namespace) -> mm.StepSetup:
         optimizer_offload=getattr(args, "offload_optimizer", False),
         quantized=kind,
         keep_every=(args.keep_every or 1) if stream else 1,
-        pending_grads=stream and args.gradient_accumulation_steps == 1,
+        # (under ZeRO-3 across several GPUs each layer's gradients are partitioned once formed: counted as sharded)
+        pending_grads=stream and args.gradient_accumulation_steps == 1 and args.gpus == 1,
+        gpus=args.gpus if stream else 1,
     )
 
 

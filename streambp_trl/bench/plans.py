@@ -27,7 +27,7 @@ def planner(
     gradients; the logit tile is the chunk, as the engine plans it), with the user's fixed ``keep_every``, ``offload``
     and ``kv_mode`` (``None``: planned, as the trainers leave them)."""
     choices = PlanChoices(chunk=setup.chunk, keep_every=keep_every, offload=offload, kv_mode=kv_mode)
-    return Planner(shape, setup.trained(shape), choices)
+    return Planner(shape, setup.trained(shape), choices, ranks=setup.gpus)
 
 
 def activation_room(shape: mm.ModelShape, setup: mm.StepSetup, budget: int) -> int:
@@ -57,16 +57,23 @@ def stream_row(
     ``max_len``, ``plan`` (a :class:`StepPlan`, ``None`` where no length fits), its predicted ``peak_bytes`` (the
     weights, gradients and optimizer state included, or the optimizer step's moment where that is more) and its
     pinned ``host_bytes`` (``None`` without offload). Nothing fits where the optimizer step alone is over the budget.
-    ``keep_every``: the user's (``None``: planned)."""
+    ``keep_every``: the user's (``None``: planned). With ``setup.gpus`` > 1 the length is the whole sequence's, split
+    across the GPUs (``share``: each GPU's tokens, what the plan runs); the budget, peak and host bytes are per GPU."""
     plans = planner(shape, setup, keep_every, offload)
     limit, step_bytes = activation_room(shape, setup, budget), mm.optimizer_step_bytes(shape, setup)
     ways = longest_ways(plans, setup.rows, limit, host, step) if step_bytes <= budget else {}
-    length = max(ways.values(), default=0)
-    plan = plans.best(setup.rows, length, limit, host, True, True) if length else None
+    share = max(ways.values(), default=0)
+    plan = plans.best(setup.rows, share, limit, host, True, True) if share else None
     if plan is None:
-        return {"max_len": 0, "plan": None, "peak_bytes": None, "host_bytes": None}
+        return {"max_len": 0, "share": 0, "plan": None, "peak_bytes": None, "host_bytes": None}
     peak = max(mm.static_bytes(shape, setup) + plan.activations, step_bytes)
-    return {"max_len": length, "plan": plan, "peak_bytes": peak, "host_bytes": plan.host if plan.offload else None}
+    return {
+        "max_len": share * setup.gpus,
+        "share": share,
+        "plan": plan,
+        "peak_bytes": peak,
+        "host_bytes": plan.host if plan.offload else None,
+    }
 
 
 def least_peak_bytes(

@@ -94,9 +94,12 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
     if plan is not None:
         call = DecoderCall(plan, state.offloader, len(state.layers), inputs_rebuildable=not hidden_states_kept)
     else:
-        call = state.call_for(inputs, rebuildable=not hidden_states_kept)
-        if state.sequence_group is not None and decoder.training:  # (eval-mode calls stream whole rows)
-            _split(call, state.sequence_group(), inputs, kwargs)
+        # (eval-mode calls stream whole rows)
+        group = state.sequence_group() if state.sequence_group is not None and decoder.training else None
+        ranks = dist.get_world_size(group) if group is not None else 1
+        call = state.call_for(inputs, rebuildable=not hidden_states_kept, ranks=ranks)
+        if group is not None:
+            _split(call, group, inputs, kwargs)
         if torch.is_grad_enabled() and call.plan is not None:
             state.say_if_unstreamed(inputs, call.plan.chunk)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it

@@ -109,12 +109,14 @@ class EngineState:
             what = "its decoder layers were reordered"
         refuse(self.decoder, f"{what} after enable_streambp; {_AGAIN}")
 
-    def call_for(self, inputs: torch.Tensor | None, rebuildable: bool) -> DecoderCall:
+    def call_for(self, inputs: torch.Tensor | None, rebuildable: bool, ranks: int = 1) -> DecoderCall:
         """The :class:`~streambp_trl.layers.DecoderCall` of a streamed decoder call on ``inputs`` (batch, T, ...),
         ``rebuildable``: its layer inputs may be rebuilt in backward (no hidden states kept), carrying the call's
         resolved plan: the planner's where anything is planned, else the user's choices
         (:meth:`~streambp_trl.sizing.choices.PlanChoices.fixed`). Without a recognisable input (no length to plan
-        for) the call carries no plan, and each layer takes the user's choices at the rule of thumb for its length."""
+        for) the call carries no plan, and each layer takes the user's choices at the rule of thumb for its length.
+        ``ranks``: the rows are one rank's share of rows split across that many (the plan counts the split's
+        buffers)."""
         choices = self.options.choices
         call = functools.partial(
             DecoderCall, inputs_rebuildable=rebuildable, offloader=self.offloader, layers=len(self.layers)
@@ -125,7 +127,8 @@ class EngineState:
             plan = choices.fixed(inputs.shape[1])
             self._say_fixed(tuple(inputs.shape[:2]), plan)
             return call(plan=plan)
-        plan = self.auto.plan(inputs.shape[0], inputs.shape[1], inputs.device, self._layouts_open(rebuildable))
+        rows, seq_len = inputs.shape[:2]
+        plan = self.auto.plan(rows, seq_len, inputs.device, self._layouts_open(rebuildable), ranks)
         return call(plan=plan)
 
     def _layouts_open(self, rebuildable: bool) -> bool:

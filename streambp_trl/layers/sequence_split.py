@@ -6,13 +6,13 @@ process, in global positions: its chunks start at ``offset`` = q L, and its key/
 Attention sees every earlier position of the whole sequence through that store:
 
 * Forward. Each rank first runs its chunks up to their cache update (the collecting pass: keys/values only, no
-  query, no attention), then the ranks all-gather those keys/values (:meth:`SequenceSplit.gather_prefix`): rank q
-  writes ranks 0..q-1's into positions [0, q L) of its store. Its chunks then run as on one process against that
+  query, no attention), then the ranks exchange those keys/values (:meth:`SequenceSplit.gather_prefix`): rank q
+  receives ranks 0..q-1's into positions [0, q L) of its store. Its chunks then run as on one process against that
   prefix. The backward's collecting pass does the same (unless the forward captured the store).
 * Backward. Rank q's chunks run last to first as on one process; the key/value gradient sums of positions before
-  ``offset`` (what its queries took from earlier ranks) are sent to the ranks holding them (one ``all_to_all`` per
-  key and value, :meth:`SequenceSplit.returned_grads`), which receive dK_ret, dV_ret for their own positions, summed
-  over every later rank. Each rank then backpropagates those through its chunks' key/value projections alone (a
+  ``offset`` (what its queries took from earlier ranks) are sent to the ranks holding them
+  (:meth:`SequenceSplit.returned_grads`), which receive dK_ret, dV_ret for their own positions, summed over every
+  later rank. Each rank then backpropagates those through its chunks' key/value projections alone (a
   collecting pass with grad, :meth:`~.call.backward.ChunkBackward`), adding to its input and parameter gradients:
 
       dx[:, c] += d(K_c, V_c)/dx_c^T (dK_ret[:, :, c], dV_ret[:, :, c]),  dθ likewise.
@@ -24,9 +24,10 @@ Attention sees every earlier position of the whole sequence through that store:
 Randomness: each chunk's random state is drawn independently (:meth:`~.rng.RngState.drawn`, salted by the rank), so
 the collecting pass, the chunk's forward and every recompute of it draw the same numbers.
 
-Memory beyond one process's plan on L tokens: the store's prefix ((batch, kv_dim) per earlier position per layer,
-so the last rank holds the whole sequence's keys/values of the layer in progress), the gathered keys/values
-(R L positions, transient) and the returned gradients' buffers (R L positions, transient).
+Both exchanges are ``R - 1`` rounds of point-to-point sends and receives of one share (L positions) each way, so
+their buffers are one share's. Memory beyond one process's plan on L tokens: the store's prefix and its gradient
+sums ((batch, kv_dim) each per earlier position, so the last rank holds the whole sequence's keys/values of the layer
+in progress), one share's buffers each way, and the returned gradients (L positions).
 
 Served: layers of one softmax attention (dense, grouped-query, sliding window), with padding anywhere in the rows
 (each rank's queries are masked against the whole rows' padding mask, gathered once per call); positions come from
@@ -91,34 +92,54 @@ class SequenceSplit:
 
     def gather_prefix(self, store: CarryStore) -> None:
         """Fill positions [0, offset) of every slot of ``store`` (whose own positions [offset, end) are written) with
-        the earlier ranks' keys/values: one ``all_gather`` per key and value."""
-        L = self.length
+        the earlier ranks' keys/values, in ``size - 1`` rounds of point-to-point exchanges per key and value: in round
+        k, this rank sends its own to rank + k and receives rank - k's (one share's buffer each way at a time)."""
         for slot in sorted(store.kv):
             for full in store.kv[slot]:
                 mine = full[:, :, self.offset : self.end].contiguous()
-                parts = [torch.empty_like(mine) for _ in range(self.size)]
-                dist.all_gather(parts, mine, group=self.group)
-                for q in range(self.rank):
-                    full[:, :, q * L : (q + 1) * L] = parts[q]
+                for k in range(1, self.size):
+                    source = self.rank - k
+                    got = torch.empty_like(mine) if source >= 0 else None
+                    self._exchange(mine if self.rank + k < self.size else None, self.rank + k, got, source)
+                    if got is not None:
+                        full[:, :, self._positions(source)] = got
 
     def returned_grads(self, grads: KV) -> KV:
         """What the later ranks' queries hand back for this rank's keys/values: per slot, the sums over every later
-        rank of their key and value gradient sums at positions [offset, end), (batch, kv_heads, L, head_dim) each;
-        ``grads`` are this rank's sums over [0, end). One ``all_to_all`` per key and value (rank q sends each earlier
-        rank its positions' part, zeros to itself and the later ones)."""
-        L = self.length
+        rank of their key and value gradient sums at positions [offset, end), (batch, kv_heads, L, head_dim) each
+        (``None`` on the last rank); ``grads`` are this rank's sums over [0, end). In ``size - 1`` rounds per key and
+        value: in round k, this rank sends rank - k its positions' part and adds what rank + k sends (in that order,
+        so the sum is the same on every run)."""
         returned = {}
         for slot in sorted(grads):
             pair = []
             for g in grads[slot]:
-                send = g.new_zeros((self.size, *g.shape[:2], L, *g.shape[3:]))
-                for q in range(self.rank):
-                    send[q] = g[:, :, q * L : (q + 1) * L]
-                received = torch.empty_like(send)
-                dist.all_to_all_single(received, send, group=self.group)
-                pair.append(received[self.rank + 1 :].sum(0) if self.rank + 1 < self.size else None)
+                total = None
+                for k in range(1, self.size):
+                    target, source = self.rank - k, self.rank + k
+                    sent = g[:, :, self._positions(target)].contiguous() if target >= 0 else None
+                    got = g.new_empty((*g.shape[:2], self.length, *g.shape[3:])) if source < self.size else None
+                    self._exchange(sent, target, got, source)
+                    if got is not None:
+                        total = got if total is None else total.add_(got)
+                pair.append(total)
             returned[slot] = tuple(pair)
         return returned
+
+    def _positions(self, rank: int) -> slice:
+        """The global positions rank ``rank`` holds."""
+        return slice(rank * self.length, (rank + 1) * self.length)
+
+    def _exchange(self, sent: torch.Tensor | None, target: int, got: torch.Tensor | None, source: int) -> None:
+        """Send ``sent`` to group rank ``target`` and receive ``got`` from group rank ``source`` at once (each where
+        not ``None``)."""
+        ops = []
+        if sent is not None:
+            ops.append(dist.P2POp(dist.isend, sent, group=self.group, group_peer=target))
+        if got is not None:
+            ops.append(dist.P2POp(dist.irecv, got, group=self.group, group_peer=source))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
 
     @property
     def returns_grads(self) -> bool:

@@ -189,12 +189,15 @@ class AutoChunks:
         self.last = plan.chunk
         return plan.chunk
 
-    def plan(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True) -> StepPlan:
+    def plan(
+        self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True, ranks: int = 1
+    ) -> StepPlan:
         """The plan of a call on ``rows`` sequences of ``seq_len`` tokens (``rebuildable``: its layer inputs may be
-        rebuilt in backward), chosen once per shape and logged once (at warning level where it rebuilds or offloads
-        inputs the user did not ask to, else at info level), and chosen again where its predicted activations no
-        longer fit the room this call has (:func:`fits`). Raises where a call with grad fits nowhere within a known
-        device figure (a budget, or a CUDA device's free memory)."""
+        rebuilt in backward; ``ranks``: they are one rank's share of rows split across that many, sized for the rank
+        whose key/value store spans the whole rows), chosen once per shape and logged once (at warning level where it
+        rebuilds or offloads inputs the user did not ask to, else at info level), and chosen again where its predicted
+        activations no longer fit the room this call has (:func:`fits`). Raises where a call with grad fits nowhere
+        within a known device figure (a budget, or a CUDA device's free memory)."""
         grad = torch.is_grad_enabled()
         model = self._model()
         pending = model is not None and _grads_pending(list(model.parameters()))
@@ -210,6 +213,7 @@ class AutoChunks:
             None if allocated is None else allocated // REPLAN_STEP,
             state[0] // REPLAN_STEP,
             state[1] > 0,
+            ranks,
         )
         figure = room(model, device, self.choices.budget, pending, allocated, state)
         plan = self._chosen.get(key)
@@ -217,7 +221,7 @@ class AutoChunks:
             if len(self._chosen) > 256:
                 self._chosen.clear()
                 self._latest.clear()
-            plan = self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, figure)
+            plan = self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, figure, ranks)
         self._latest[(rows, seq_len)] = self.last_plan = plan
         self.last, self.last_shape = plan.chunk, (rows, seq_len)
         self.last_peak = None if figure is None else figure[1] + plan.activations
@@ -244,6 +248,7 @@ class AutoChunks:
         grad: bool,
         pending: bool,
         figure: Room | None,
+        ranks: int = 1,
         announce: bool = True,
     ) -> StepPlan:
         """The plan of a call within ``figure`` (:func:`room`; ``None``: no memory figure, the user's choices),
@@ -268,7 +273,7 @@ class AutoChunks:
         if not grad and choices.kv_mode is None:  # (a call without grad has no backward: nothing to keep for it)
             choices = dataclasses.replace(choices, kv_mode=KVMode.RECOMPUTE)
         trained = Trained(db, head_trained, adapters, layer_trained, pending)
-        planner = Planner(self.shape, trained, choices)
+        planner = Planner(self.shape, trained, choices, ranks)
         rebuildable = rebuildable and grad
         limit = room - margin(total)
         host = host_room() if can_offload and self.choices.offload is not False else None
@@ -278,9 +283,10 @@ class AutoChunks:
             if announce:
                 rebuilt = plan.layout.rebuilt(layers) and self.choices.keep_every is None
                 say = logger.warning if rebuilt or (plan.offload and not self.choices.offload) else logger.info
+                share = f"this rank's share (of {ranks}) of the rows, " if ranks > 1 else ""
                 say(
-                    f"StreamBP plan for {plan.describe(n, layers, held, room)} (less {size_text(margin(total))} kept "
-                    "for the allocator's fragmentation)."
+                    f"StreamBP plan for {share}{plan.describe(n, layers, held, room)} (less "
+                    f"{size_text(margin(total))} kept for the allocator's fragmentation)."
                 )
             return plan
         chunks, layout_choices, offloads = planner.choices_open(seq_len, rebuildable, can_offload)

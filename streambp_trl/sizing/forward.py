@@ -78,6 +78,7 @@ def forward_peak_bytes(
     layout: Layout = KEEP_ALL,
     offload: bool = False,
     captured: Callable[[int], int] | None = None,
+    kv_n: int | None = None,
 ) -> int:
     """Peak activation bytes of a streamed forward, for ``n`` tokens in chunks of ``chunk``: the largest, over the
     kinds of layer (softmax attention, Gated DeltaNet, any other), of the top such layer's first chunk
@@ -87,7 +88,8 @@ def forward_peak_bytes(
     attention, the layer's full-length keys/values ``2 kv db n`` and a sparse indexed attention's scores of the chunk
     against every position (:func:`.mixers.indexer_scores_bytes`). The LM head's forward (the inputs of every layer,
     the last output and one logit tile) is below its backward's moment, which the memory model counts; the token
-    bookkeeping every moment holds (rotary tables, ids) is the caller's to add."""
+    bookkeeping every moment holds (rotary tables, ids) is the caller's to add. ``kv_n``: the key/value store's
+    positions where they are more than ``n`` (a sequence split's whole rows)."""
     attention, linear = set(shape.plain_attention_layers), set(shape.linear_layers)
     groups = {
         "attention": attention,
@@ -102,6 +104,7 @@ def forward_peak_bytes(
         held = forward_inputs(top, layout, offload, shape.layers) * shape.residual * db * n
         held += captured(top) if captured is not None else 0
         if kind == "attention":  # its keys/values, and beside its first chunk any indexer's scores
-            held += 2 * shape.kv_dim * db * n + indexer_scores_bytes(shape, n, min(chunk, n))
+            store = 2 * shape.kv_dim * db * (n if kv_n is None else kv_n)
+            held += store + indexer_scores_bytes(shape, n, min(chunk, n))
         peaks.append(held + min(chunk, n) * first_chunk_token_bytes(shape, kind, db, lora))
     return max(peaks)

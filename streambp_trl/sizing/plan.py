@@ -103,12 +103,15 @@ class Planner:
     shape: ModelShape
     trained: Trained = Trained()
     choices: PlanChoices = PlanChoices()
+    ranks: int = 1  # a call's rows are one rank's share of rows split across this many (its store spans them all)
 
     def estimate(self, tokens: int, plan: StepPlan, head_form: HeadForm = HeadForm.TWO_NODE) -> tuple[int, int]:
         """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens run as ``plan`` says (the
         memory model), with what capturing keys/values keeps from the forward (:func:`.memory_model.captured_bytes`)
         on the device and, with offload, on the host; the LM head's gradient in ``head_form``."""
-        activations = mm.estimate_activation_bytes(self.shape, tokens, plan, self.trained, head_form=head_form)
+        activations = mm.estimate_activation_bytes(
+            self.shape, tokens, plan, self.trained, head_form=head_form, ranks=self.ranks
+        )
         return activations, mm.estimate_host_bytes(self.shape, plan, tokens, self.trained.db)
 
     def choices_open(self, seq_len: int, rebuildable: bool, can_offload: bool) -> tuple[list, list, list[bool]]:
@@ -144,7 +147,8 @@ class Planner:
         input (``rebuildable``: weights whole, a call with grad), none otherwise."""
         if self.choices.keep_activations is not None:
             return [self.choices.keep_activations]
-        open_ = rebuildable and layout == Layout() and not offload
+        # (a split sequence's layers recompute: their returned key/value gradients' pass reads the chunks again)
+        open_ = rebuildable and layout == Layout() and not offload and self.ranks == 1
         return list(range(self.shape.layers + 1)) if open_ else [0]
 
     def most_kept(self, tokens: int, plan: StepPlan, limit: int, rebuildable: bool) -> StepPlan:

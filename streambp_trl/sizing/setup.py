@@ -48,7 +48,10 @@ class StepSetup:
     :data:`~.memory_model.CHUNKS`, which ``"auto"`` takes at the longest lengths a budget allows. ``optimizer``: the
     ``TrainingArguments.optim`` whose state the step holds (:mod:`.optimizers`; ``"none"``: the forward+backward
     alone), ``optimizer_offload``: that state in host memory (DeepSpeed's ``offload_optimizer``), none on the device.
-    ``quantized``: the base weights' storage (:data:`QUANTIZED`; LoRA adapters are then what is trained)."""
+    ``quantized``: the base weights' storage (:data:`QUANTIZED`; LoRA adapters are then what is trained).
+    ``gpus``: each sequence split across that many GPUs (:mod:`streambp_trl.layers.sequence_split`; stream modes),
+    the weights, gradients and optimizer state sharded across them by ZeRO-3 (:func:`static_bytes`); the activations
+    are the last GPU's share's (:func:`~.stream_step.estimate_activation_bytes`' ``ranks``)."""
 
     mode: str = "stream"
     objective: str = "sft"
@@ -69,6 +72,7 @@ class StepSetup:
     keep_attention: bool = False  # stream modes: the other layers keep their attention outputs from the forward
     optimizer_offload: bool = False
     quantized: str | None = None
+    gpus: int = 1
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -82,6 +86,8 @@ class StepSetup:
         if self.quantized is not None and (self.quantized not in QUANTIZED or not self.lora):
             raise ValueError(f"quantized must be one of {tuple(QUANTIZED)}, with lora=True; got {self.quantized!r}.")
         object.__setattr__(self, "optimizer", optimizers.canonical(self.optimizer))
+        if self.gpus < 1 or (self.gpus > 1 and not self.mode.startswith("stream")):
+            raise ValueError(f"gpus > 1 (a sequence split) is a stream mode's, got gpus={self.gpus} in {self.mode}.")
 
     @property
     def rows(self) -> int:
@@ -200,7 +206,13 @@ def static_bytes(shape: ModelShape, setup: StepSetup) -> int:
     grads = 0 if setup.pending_grads and setup.mode.startswith("stream") else 1
     adapters = _lora_params(shape) * setup.trained_bytes if setup.lora else 0
     trained = trained_params(shape, setup) * setup.trained_bytes
-    return weight_bytes(shape, setup) + adapters + grads * trained + optimizer_bytes(shape, setup)
+    held = weight_bytes(shape, setup) + adapters + grads * trained + optimizer_bytes(shape, setup)
+    if setup.gpus == 1:
+        return held
+    # ZeRO-3 over the GPUs: each holds its partition of every one, and a decoder layer's weights gathered while it
+    # runs, with the next one's prefetched (each layer's gradients, summed in its backward, are the activations')
+    layer = (shape.params - shape.embedding_params) // max(shape.layers, 1) * setup.dtype_bytes
+    return math.ceil(held / setup.gpus) + 2 * layer
 
 
 def optimizer_step_bytes(shape: ModelShape, setup: StepSetup) -> int:
@@ -213,4 +225,5 @@ def optimizer_step_bytes(shape: ModelShape, setup: StepSetup) -> int:
         return held
     largest = shape.intermediate * LORA_RANK if setup.lora else shape.vocab * shape.hidden
     each = optimizers.OPTIMIZERS[setup.optimizer]
-    return held + each.step_bytes(trained_params(shape, setup), setup.trained_bytes, largest)
+    # (under ZeRO-3 across several GPUs each steps its partition)
+    return held + each.step_bytes(trained_params(shape, setup), setup.trained_bytes, largest) // setup.gpus

@@ -86,7 +86,7 @@ def kept_bytes(shape: ModelShape, n: int, kept: int, db: int = 2) -> tuple[int, 
     return tuple(held)
 
 
-def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2) -> tuple[int, ...]:
+def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2, kv_n: int | None = None) -> tuple[int, ...]:
     """What each layer (by index) keeps from its forward to its backward with ``kv_mode="capture"``, for ``n`` tokens
     (rows x length) in chunks of ``chunk``: a softmax-attention layer its keys/values of every position ``2 kv db n``
     and, with a sparse indexed attention, its indexer keys ``index_head_dim db n``; a state-carrying layer
@@ -94,8 +94,9 @@ def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2) -> tuple[
     carry entering each chunk but the first, ``boundaries x carry`` (:func:`.mixers.boundaries`,
     :meth:`.mixers.RecurrentKind.carry`), beside its attention's keys/values where it runs attention too (Falcon-H1,
     Zamba); a layer with no token mixer nothing. A recompute collects the same in each layer's backward, for that
-    layer alone, where the backward's moments count it."""
-    kv = 2 * shape.kv_dim * db * n
+    layer alone, where the backward's moments count it. ``kv_n``: the positions of the key/value store, where they
+    are more than the call's own (a sequence split: every earlier rank's too)."""
+    kv = 2 * shape.kv_dim * db * (n if kv_n is None else kv_n)
     kept = [0] * shape.layers
     for i in shape.plain_attention_layers:
         kept[i] = kv + (shape.index_head_dim * db * n if shape.index_heads else 0)
@@ -143,6 +144,7 @@ def estimate_activation_bytes(
     trained: Trained = ALL_TRAINED,
     logits_chunk: int | None = None,
     head_form: HeadForm = HeadForm.TWO_NODE,
+    ranks: int = 1,
 ) -> int:
     """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
     length) run as ``plan`` says (its chunk, the layer inputs its layout keeps, offload, key/value mode) with logit
@@ -159,8 +161,15 @@ def estimate_activation_bytes(
     The larger of the forward's peak (:func:`.forward.forward_peak_bytes`: the top layer's first chunk beside the
     inputs kept below it) and the backward's: the worst of a softmax-attention layer's backward, each state-carrying
     or MLP-only kind of layer's (hybrids) and the LM head's. The kept inputs, a layer's dY and its full-length output
-    are ``shape.residual`` wide (all its hyper-connection streams)."""
-    step = StreamStep(shape, n, plan, trained)
+    are ``shape.residual`` wide (all its hyper-connection streams).
+
+    ``ranks``: the rows are one rank's share of rows split across that many
+    (:mod:`streambp_trl.layers.sequence_split`), sized for the last rank, whose key/value store spans the whole rows
+    (``ranks x n`` positions): the store, its gradient sums and the attention's prefix gradients at that length, the
+    forward's exchange of keys/values (a share each way), the input gradient beside the kept input (the returned
+    gradients' pass reads it again) and the exchange of the returned gradients as a moment of its own
+    (:meth:`StreamStep.split_exchange`)."""
+    step = StreamStep(shape, n, plan, trained, ranks)
     logits_chunk = plan.chunk if logits_chunk is None else logits_chunk
     return max(*step.layer_backwards(), step.head_backward(logits_chunk, head_form), step.forward())
 
@@ -176,10 +185,16 @@ class StreamStep:
     n: int
     plan: StepPlan
     trained: Trained
+    ranks: int = 1  # the rows are the last rank's share of rows split across this many (see estimate_activation_bytes)
 
     @functools.cached_property
     def chunk_rows(self) -> int:
         return min(self.plan.chunk, self.n)
+
+    @functools.cached_property
+    def kv_n(self) -> int:
+        """The positions of a layer's key/value store: the call's own, or with a sequence split, the whole rows'."""
+        return self.n * self.ranks
 
     @functools.cached_property
     def head_grad(self) -> int:
@@ -202,7 +217,7 @@ class StreamStep:
         layer that keeps its activations captures nothing: :attr:`activations`)."""
         if self.plan.kv_mode != KVMode.CAPTURE:
             return (0,) * self.shape.layers
-        captured = captured_bytes(self.shape, self.n, self.chunk_rows, self.trained.db)
+        captured = captured_bytes(self.shape, self.n, self.chunk_rows, self.trained.db, self.kv_n)
         return tuple(0 if held else c for c, held in zip(captured, self.activations, strict=True))
 
     @functools.cached_property
@@ -269,6 +284,7 @@ class StreamStep:
         """The worst backward of each kind of decoder layer the model has, and the end of the backward."""
         peaks = [self.kept_backward()] if self.plan.keep_activations else []
         peaks += [self.attention_backward()] if self.shape.plain_attention_layers else []
+        peaks += [self.split_exchange()] if self.ranks > 1 and self.shape.plain_attention_layers else []
         peaks += self.recurrent_backwards()
         peaks += [self.mlp_backward()] if self.shape.mlp_layers else []
         return peaks + ([self.backward_end()] if self.trained.pending_grads else [])
@@ -279,15 +295,31 @@ class StreamStep:
         the prefix (the whole sequence at the last chunk): one head group's dK/dV and flash's expanded workspace, the
         prefix part added into the sums group by group (grouped heads), or all heads' dK/dV at once (as many
         key/value heads as query heads)."""
-        shape, db, n, rows = self.shape, self.trained.db, self.n, self.chunk_rows
+        shape, db, n, rows, kv_n = self.shape, self.trained.db, self.n, self.chunk_rows, self.kv_n
         kv, d, h = shape.kv_dim, shape.head_dim, shape.hidden
         grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
-        layer = self.common(shape.plain_attention_layers) + (shape.residual + 4 * kv) * db * n
+        layer = self.common(shape.plain_attention_layers) + self._dy_dx + 4 * kv * db * kv_n
         layer += grads * self.sum_bytes + max(self.attention_kept)  # (its own kept attention outputs too)
         group = shape.heads // shape.kv_heads
-        attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * n
+        attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * kv_n
         attention += rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
         return layer + max(self.mlp, attention, indexer_scores_bytes(shape, n, rows))
+
+    @functools.cached_property
+    def _dy_dx(self) -> int:
+        """A layer backward's dY, and with a sequence split its dx beside the kept input (which the returned
+        gradients' pass reads after the chunks; one process's dx takes the input's place)."""
+        return (2 if self.ranks > 1 else 1) * self.shape.residual * self.trained.db * self.n
+
+    def split_exchange(self) -> int:
+        """With a sequence split, a softmax-attention layer's backward once its chunks are done: dY and dx, the
+        parameter gradient sums, the key/value store and its gradient sums over the whole rows, and the exchange of
+        the earlier ranks' part, one share at a time (a share sent, one received, the keys' returned sum beside the
+        values'; ``kv db n`` each)."""
+        shape, db = self.shape, self.trained.db
+        grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
+        held = self.common(shape.plain_attention_layers) + self._dy_dx + grads * self.sum_bytes
+        return held + 4 * shape.kv_dim * db * self.kv_n + 4 * shape.kv_dim * db * self.n
 
     def kept_backward(self) -> int:
         """The backward of the top layer that keeps its activations: every kept layer's activations (its own among
@@ -359,9 +391,12 @@ class StreamStep:
         shape, db, n, plan = self.shape, self.trained.db, self.n, self.plan
         peak = forward_peak_bytes(
             shape, n, self.chunk_rows, db, lora=self.trained.adapters, layout=plan.layout, offload=plan.offload,
-            captured=self.captured,
+            captured=self.captured, kv_n=self.kv_n,
         )  # fmt: skip
-        return per_token_bytes(shape, db) * n + peak + sum(self.activations)
+        # with a sequence split, the exchange of the keys' (then the values') shares beside the store: its own, and
+        # one received at a time
+        gathered = 2 * shape.kv_dim * db * n if self.ranks > 1 and shape.plain_attention_layers else 0
+        return per_token_bytes(shape, db) * n + peak + sum(self.activations) + gathered
 
 
 def head_backward_bytes(
