@@ -70,6 +70,49 @@ def directional(model, loss_of, eps: float = 1e-5) -> dict:
     return {"along": along, "difference": (4 * central(eps / 2) - central(eps)) / 3}
 
 
+def whole(args, model, reference, ids, mask, labels, world: int, counts: dict) -> None:
+    """Every rank given the whole rows: the loss (the same on every rank) and the gradients averaged over the ranks
+    against plain autograd on the whole rows; rank 0 writes them to ``--out`` and the processes exit."""
+
+    def loss_of(model, streamed: bool) -> torch.Tensor:
+        if args.whole_rows == "nll":
+            if streamed:
+                return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        if streamed:
+            per_token = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+        else:
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            target = labels[:, 1:]
+            picked = logits.log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
+            per_token = picked * (target != -100)
+        logps = per_token.sum(1)
+        return -F.logsigmoid(0.5 * (logps[0] - logps[1]))
+
+    with Float64Internals():
+        loss = loss_of(model, True)
+        loss.backward()
+        ref = loss_of(reference, False)
+        ref.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    worst, where = 0.0, ""
+    grads = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        q = grads[name].grad
+        err = float("inf") if q is None else ((p.grad - q).norm() / p.grad.norm().clamp_min(1e-300)).item()
+        if err > worst:
+            worst, where = err, name
+    out = {"loss": loss.item(), "reference_loss": ref.item(), "error": worst, "where": where, "collectives": counts}
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(out))
+    dist.barrier()
+    os._exit(0)
+
+
 def refusals(rank: int) -> dict[str, str]:
     """What each input a sequence split does not serve raises (its message, or "accepted")."""
     from zoo import tiny_causal_lm
@@ -108,6 +151,13 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--padding", action="store_true", help="row 0 left-padded, row 1 right-padded, over ranks")
     parser.add_argument("--refusals", action="store_true", help="write what each input the split refuses raises")
+    parser.add_argument(
+        "--whole-rows",
+        choices=("nll", "pairs"),
+        help="every rank given the whole rows (enable_streambp(whole_rows=True)), one token short of a multiple of "
+        "the ranks: the model's own labels= loss (nll), or a preference loss over the rows' summed log-probs of "
+        "fused_lm_head=True (pairs); the gradients averaged over the ranks",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -121,7 +171,7 @@ def main() -> None:
     overrides = {"attention_dropout": args.dropout} if args.dropout else {}
     reference = tiny_model(args.family, num_hidden_layers=3, **overrides)
     model = copy.deepcopy(reference)
-    length = args.per_rank * world
+    length = args.per_rank * world - (args.whole_rows is not None)
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(3, VOCAB, (2, length), generator=g)
     labels = ids.clone()
@@ -141,6 +191,7 @@ def main() -> None:
         keep_activations=0,
         keep_attention=args.keep_attention,
         sequence_group=dist.group.WORLD,
+        whole_rows=args.whole_rows is not None,
     )
     counts = dict.fromkeys(COUNTED, 0)
     for name in COUNTED:
@@ -152,6 +203,8 @@ def main() -> None:
 
         setattr(dist, name, counted)
     mine = slice(rank * args.per_rank, (rank + 1) * args.per_rank)
+    if args.whole_rows:
+        whole(args, model, reference, ids, mask, labels, world, counts)
     torch.manual_seed(100 + rank)
     with Float64Internals():  # (see the module docstring)
         loss = model(

@@ -41,6 +41,29 @@ def test_split_sequence_equals_one_process(tmp_path, case):
     assert result["collectives"] == {"all_gather": int("--padding" in extra), "batch_isend_irecv": rounds}
 
 
+WHOLE = {
+    # (ranks, tokens per rank (the rows one short of it times the ranks), family, loss)
+    "the model's own loss, 2 ranks": (2, 6, "qwen3", "nll"),
+    "a preference loss over summed log-probs, 2 ranks": (2, 6, "qwen3", "pairs"),
+    "a preference loss, a window over two earlier ranks, 4 ranks": (4, 3, "mistral", "pairs"),
+}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+def test_whole_rows_on_every_rank_equal_one_process(tmp_path, case):
+    """enable_streambp(whole_rows=True): every rank is given the whole rows (their length no multiple of the ranks),
+    streams its share and gathers the per-token outputs back, so a loss over whole sequences (a preference loss on
+    fused_lm_head=True's log-probs) runs on every rank as on one process; the gradients averaged over the ranks equal
+    plain autograd's on the whole rows."""
+    ranks, per_rank, family, loss = WHOLE[case]
+    out = tmp_path / "out.json"
+    args = ("--family", family, "--per-rank", str(per_rank), "--chunk", "2", "--whole-rows", loss, "--out", str(out))
+    torchrun("sequence_split_step.py", *args, log=tmp_path / "log", nproc=ranks)
+    result = json.loads(out.read_text())
+    assert abs(result["loss"] - result["reference_loss"]) <= EXACT * abs(result["reference_loss"])
+    assert result["error"] < EXACT, f"relative gradient error {result['error']:.3e} at {result['where']}"
+
+
 def test_split_with_dropout_is_the_gradient_of_the_loss_it_returned(tmp_path):
     """Attention dropout: each chunk's masks are drawn once per forward and replayed by the collecting passes and the
     recompute, so the summed gradient is the derivative of the loss the split forward returns (against extrapolated

@@ -9,6 +9,7 @@ the kernel when it is the decoder's last step), so neither a (T x T) mask nor (t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 
 import torch
@@ -28,11 +29,13 @@ from ..layers.traits import takes_state_argument
 from ..logits import chunked_logprobs
 from ..patching import hooked_without_grad, original, temporarily, unpatched
 from ..sizing.choices import StepPlan
+from . import whole_rows
 from .head_side import decode_for_head, kernel_head
 from .model_parts import lm_head_linear
 from .own_loss import check_unshifted_call, labels_shifted
 from .state import EngineState
 from .support import router_loss_refusal
+from .whole_rows import current_share
 from .zero3 import zero3_gathered
 
 # the arguments of transformers' causal-LM loss (``ForCausalLMLoss``) that the logit kernel's loss takes (or that
@@ -94,12 +97,10 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
     if plan is not None:
         call = DecoderCall(plan, state.offloader, len(state.layers), inputs_rebuildable=not hidden_states_kept)
     else:
-        # (eval-mode calls stream whole rows)
-        group = state.sequence_group() if state.sequence_group is not None and decoder.training else None
-        ranks = dist.get_world_size(group) if group is not None else 1
-        call = state.call_for(inputs, rebuildable=not hidden_states_kept, ranks=ranks)
-        if group is not None:
-            _split(call, group, inputs, kwargs)
+        split = _call_split(state, inputs, kwargs)
+        call = state.call_for(inputs, rebuildable=not hidden_states_kept, ranks=split.size if split else 1)
+        if split is not None:
+            _split(call, split, inputs, kwargs)
         if torch.is_grad_enabled() and call.plan is not None:
             state.say_if_unstreamed(inputs, call.plan.chunk)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
@@ -114,20 +115,30 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
         return original(decoder, "forward")(*args, **kwargs)
 
 
-def _split(call: DecoderCall, group, inputs: torch.Tensor | None, kwargs: dict) -> None:
-    """Make ``call`` one rank's share of sequences split across ``group``: its :class:`SequenceSplit`, the plan of the
-    group's first rank (every rank then issues the same collectives: :mod:`~streambp_trl.layers.sequence_split`) and,
-    where none are given, global ``position_ids`` from the rank's offset."""
+def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -> SequenceSplit | None:
+    """The sequence split a streamed decoder call is one rank's share of, or ``None``: in training mode (eval-mode
+    calls stream whole rows), with the rows given whole, the share the causal LM's forward cut
+    (:mod:`.whole_rows`), else the rows this rank holds (each rank a share, checked alike across the group)."""
+    if state.sequence_group is None or not state.decoder.training:
+        return None
+    if state.whole_rows:
+        return current_share()
     if inputs is None or inputs.dim() < 2:
         raise ValueError("StreamBP: a sequence split across ranks needs input_ids or inputs_embeds of (batch, T).")
     mask = kwargs.get("attention_mask")
     padding = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-    call.split = SequenceSplit.of(group, inputs.shape[1], padding)
+    return SequenceSplit.of(state.sequence_group(), inputs.shape[1], padding)
+
+
+def _split(call: DecoderCall, split: SequenceSplit, inputs: torch.Tensor, kwargs: dict) -> None:
+    """Make ``call`` one rank's share of sequences split as ``split`` says: the plan of the group's first rank (every
+    rank then issues the same collectives: :mod:`~streambp_trl.layers.sequence_split`) and, where none are given,
+    global ``position_ids`` from the rank's offset."""
+    call.split = split
     plans = [call.plan]
-    dist.broadcast_object_list(plans, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast_object_list(plans, src=dist.get_global_rank(split.group, 0), group=split.group)
     call.plan = plans[0]
     if kwargs.get("position_ids") is None:
-        split = call.split
         positions = torch.arange(split.offset, split.end, device=inputs.device)
         kwargs["position_ids"] = positions.expand(inputs.shape[0], -1)
 
@@ -298,13 +309,25 @@ def stream_forward(
         return _model_forward(self, state, args, {**kwargs, **{k: v for k, v in given.items() if v is not None}})
     if not has_labels:
         raise ValueError("fused_lm_head=True needs `labels` (or `shift_labels`).")
-    if state.sequence_group is not None and self.training and shift_labels is None:
+    if state.sequence_group is not None and self.training and shift_labels is None and not state.whole_rows:
         raise ValueError(
             "StreamBP: with the sequence split across ranks, a rank's last label is the next rank's first token: "
             "pass shift_labels (the labels shifted by one over the whole sequence, then split like the inputs, as "
             "DeepSpeed's Ulysses data path does), and num_items_in_batch for the whole sequence's token count."
         )
     logits_to_keep, ignore_index, shifted = _loss_call(self, kwargs, fused_lm_head)
+    if state.whole_rows and self.training and state.sequence_group is not None and current_share() is None:
+        if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) or not shifted or args:
+            raise ValueError(
+                "StreamBP splits whole rows across ranks for a keyword call scoring every position's next-token "
+                "label: pass the inputs as keywords, without logits_to_keep (mask labels with -100 instead)."
+            )
+        if kwargs.get("output_hidden_states"):
+            raise ValueError("output_hidden_states=True is not available with the rows split across ranks.")
+        local = functools.partial(stream_forward, self, state, ignore_index=ignore_index)
+        return whole_rows.forward(
+            state.sequence_group(), local, kwargs, labels, shift_labels, num_items_in_batch, fused_lm_head, shifted
+        )
     if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)
         check_unshifted_call(self, shift_labels, ignore_index)
         num_items_in_batch = None  # ignored as the model ignores it (transformers' Trainer passes it)
@@ -326,7 +349,10 @@ def stream_forward(
     labels, scored = _scored_rows(hidden, labels, shift_labels, logits_to_keep, shifted)
     _check_labels(labels, head.weight.shape[0], ignore_index)
     mask = labels != ignore_index
-    split = state.sequence_group is not None and self.training  # (a rank's share may hold no label: loss 0)
+    split = current_share() is not None or (
+        state.sequence_group is not None and self.training and not state.whole_rows
+    )
+    # (a rank's share may hold no label: loss 0)
     if not fused_lm_head and num_items_in_batch is None and not split and not bool(mask.any()):
         raise ValueError(f"Every label is {ignore_index} (ignored): there is no token to compute the loss on.")
     per_token = _kernel_scores(self, state, head, hidden, side.norm, labels, scored[mask], mask, fused_lm_head)

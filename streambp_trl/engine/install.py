@@ -59,7 +59,12 @@ from .zero3 import mark_zero3_leaves, zero3_enabled
 
 
 def enable_streambp(
-    model: nn.Module, options: StreamOptions | None = None, *, sequence_group=None, **overrides
+    model: nn.Module,
+    options: StreamOptions | None = None,
+    *,
+    sequence_group=None,
+    whole_rows: bool = False,
+    **overrides,
 ) -> nn.Module:
     """Stream ``model``'s decoder layers and LM head along the sequence in training; returns ``model``.
 
@@ -77,6 +82,10 @@ def enable_streambp(
             streamed on every rank (:mod:`streambp_trl.layers.sequence_split`). The parameters' gradients are each
             rank's share: summing them over the group (DDP, DeepSpeed or an ``all_reduce``) gives the whole
             sequence's. Eval-mode calls stream whole rows on each rank.
+        whole_rows: with ``sequence_group``, every rank is given the same whole rows (and ``labels``), cuts out its
+            share and gathers the per-token outputs back (:mod:`.whole_rows`), so a loss over whole sequences runs
+            as on one process on every rank; each rank's gradients are then R times its share's, and their average
+            over the group (DDP's, ZeRO's) is the whole rows' gradient.
 
     Returns:
         ``model``, changed in place (see the module docstring); :func:`disable_streambp` undoes it.
@@ -126,6 +135,7 @@ def enable_streambp(
         state.sequence_group = (
             sequence_group if callable(sequence_group) else functools.partial(_given, sequence_group)
         )
+        state.whole_rows = whole_rows
     _install(lm, state)
     if baseline is not None:
         _check_streamed(lm, state, baseline)

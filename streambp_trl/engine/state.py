@@ -71,6 +71,7 @@ class EngineState:
     # the process group each training call's sequences are split across (:mod:`~streambp_trl.layers.sequence_split`),
     # asked for at each call (a launcher may build it after enabling)
     sequence_group: Callable[[], object] | None = dataclasses.field(default=None, compare=False)
+    whole_rows: bool = False  # every rank of the group is given the whole rows, and cuts its share (.whole_rows)
 
     def final_norm(self) -> nn.Module | None:
         """The final norm the decoder holds now, where the probe found its final norm to be its last step and the

@@ -1,0 +1,144 @@
+"""A training call given the whole rows on every rank of a sequence group, each rank streaming its share.
+
+With ``enable_streambp(..., sequence_group=group, whole_rows=True)`` every rank of ``group`` is given the same rows
+(batch, T) and the same labels, as a trainer whose loss reads whole sequences has them (DPO, KTO, GRPO, RLOO,
+distillation: a sequence's log-probability sums over all its tokens). Each rank cuts out its share, positions
+[q L, (q + 1) L) with L = ceil(T / R) (the rows right-padded to R L with masked positions that score nothing, which
+change no earlier position's output), streams it with the key/value exchange of
+:mod:`streambp_trl.layers.sequence_split` (the whole rows' padding mask and positions known on every rank), scores its
+positions' labels (shifted over the whole rows) with the logit kernel, and gathers every per-token field back to the
+whole rows, so the trainer's loss code runs on the same (batch, T - 1) tensors on every rank as on one process.
+
+Gradients: the gather's backward (``torch.distributed.nn.functional.all_gather``) sums what every rank's loss hands
+each share, and every rank computes the same loss, so each rank's gradient is R times its share's: the average over
+the group (DDP's, ZeRO's) is the whole rows' gradient. One ``all_reduce`` per call checks that the ranks were given the
+same rows (a fingerprint of the inputs), since a share of other rows would train silently wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from trl.trainer.utils import FusedCausalLMOutput
+
+from ..layers.sequence_split import SequenceSplit
+
+_SHARE: contextvars.ContextVar[SequenceSplit | None] = contextvars.ContextVar("streambp_share", default=None)
+
+
+def current_share() -> SequenceSplit | None:
+    """The split of the whole-rows call in progress (its decoder call streams this rank's share), or ``None``."""
+    return _SHARE.get()
+
+
+@contextlib.contextmanager
+def _sharing(split: SequenceSplit) -> Iterator[None]:
+    token = _SHARE.set(split)
+    try:
+        yield
+    finally:
+        _SHARE.reset(token)
+
+
+def forward(
+    group: dist.ProcessGroup,
+    local: Callable,
+    kwargs: dict,
+    labels: torch.Tensor | None,
+    shift_labels: torch.Tensor | None,
+    num_items_in_batch,
+    fused_lm_head: bool,
+    shifted: bool,
+) -> FusedCausalLMOutput | CausalLMOutputWithPast:
+    """The call on the whole rows ``kwargs`` hold (``input_ids`` or ``inputs_embeds``, a 2D ``attention_mask``,
+    ``position_ids``), its ``labels`` (``shifted``: scored against the next position's, as the model's own loss and
+    TRL's fused head pair them) or ``shift_labels``: this rank's share run through ``local`` (the causal LM's stream
+    forward, called with the share's inputs and its ``shift_labels``, ``fused_lm_head=True``), its per-token fields
+    gathered to the whole rows, and the loss of the whole rows (summed over the scored tokens and divided by
+    ``num_items_in_batch``, or by their count)."""
+    name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+    inputs = kwargs.get(name)
+    if inputs is None:
+        raise ValueError("StreamBP: a call split across ranks needs input_ids or inputs_embeds as a keyword.")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            "StreamBP cannot split the rows of a call with a 4D attention mask across ranks: pass a 2D padding mask "
+            "(or none), or train without the sequence split."
+        )
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_same_rows(group, inputs)
+    batch, length = inputs.shape[:2]
+    share = -(-length // ranks)
+    pad = share * ranks - length
+    device = inputs.device
+    mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(length, device=device).expand(batch, -1)
+    if shift_labels is None:
+        shift_labels = labels[:, 1:] if shifted else labels
+    whole = shift_labels.shape[1]
+    if pad:  # masked positions after the rows' last: no earlier position attends to them, none is scored
+        padding = (0, 0, 0, pad) if name == "inputs_embeds" else (0, pad)
+        inputs = F.pad(inputs, padding)
+        mask = F.pad(mask, (0, pad))
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=device)], dim=1)
+    shift_labels = F.pad(shift_labels, (0, share * ranks - whole), value=-100)
+    mine = slice(rank * share, (rank + 1) * share)
+    padded = None if bool(mask.all()) else mask.bool()
+    split = SequenceSplit(group, rank, ranks, share, padded)
+    call = {**kwargs, name: inputs[:, mine], "attention_mask": mask[:, mine], "position_ids": positions[:, mine]}
+    with _sharing(split):
+        out = local(
+            **call,
+            shift_labels=shift_labels[:, mine],
+            num_items_in_batch=num_items_in_batch,
+            fused_lm_head=True,
+            return_dict=True,
+        )
+    fields = {key: _gathered(value, group)[:, :whole] for key, value in out.items() if _per_token(key, value, share)}
+    denominator = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -fields["log_probs"].sum() / denominator  # (every per-token field is zero where the label is -100)
+    if fused_lm_head:
+        return FusedCausalLMOutput(loss=loss, **fields)
+    return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def _per_token(key: str, value: object, share: int) -> bool:
+    return key != "loss" and isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == share
+
+
+def _gathered(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's share of a per-token field (batch, L), joined along the positions; a floating one with gradient,
+    whose backward hands each share the sum of what every rank's loss gives it."""
+    if t.is_floating_point():
+        return torch.cat(dist_nn.all_gather(t.contiguous(), group=group), dim=1)
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _check_same_rows(group: dist.ProcessGroup, inputs: torch.Tensor) -> None:
+    """Refuse a call whose ranks were given different rows (one ``all_reduce`` of a fingerprint: the shape and a
+    position-weighted sum of the inputs)."""
+    weights = torch.arange(1, inputs.shape[1] + 1, device=inputs.device, dtype=torch.float64)
+    values = inputs.double() if inputs.dim() == 2 else inputs.double().sum(-1)
+    fingerprint = torch.tensor(
+        [*inputs.shape[:2], float((values * weights).sum())], dtype=torch.float64, device=inputs.device
+    )
+    both = torch.cat([fingerprint, -fingerprint])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(both[:3], -both[3:]):
+        raise ValueError(
+            "StreamBP: the ranks of the sequence split were given different rows: with whole_rows=True every rank of "
+            "the group must be given the same batch (each streams its share of it); a trainer's data path hands "
+            "the group one batch at a time."
+        )
