@@ -39,6 +39,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective shows where, instead of hanging the suite
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
+    parser.add_argument("--objective", choices=("sft", "dpo", "kto"), default="sft")
     parser.add_argument("--world-one", action="store_true")
     parser.add_argument("--padding-free", action="store_true", help="write what building the trainer raises")
     parser.add_argument("--out", required=True)
@@ -51,10 +52,19 @@ def main() -> None:
     from helpers import load_model, load_tokenizer, tiny_dataset
     from trl import SFTConfig, SFTTrainer
 
-    from streambp_trl import StreamSFTConfig, StreamSFTTrainer
+    from streambp_trl import (
+        StreamDPOConfig,
+        StreamDPOTrainer,
+        StreamKTOConfig,
+        StreamKTOTrainer,
+        StreamSFTConfig,
+        StreamSFTTrainer,
+    )
 
-    row = tiny_dataset("chat", 1)[0]
-    data = Dataset.from_list([row, row])
+    kind = {"sft": "chat", "dpo": "preference", "kto": "unpaired_preference"}[args.objective]
+    batch = 2 if args.objective == "kto" else 1  # (KTO's KL term pairs each completion with another row's prompt)
+    row = tiny_dataset(kind, 1)[0]
+    data = Dataset.from_list([row] * 2 * batch)
     before = {n: p.detach().double().clone() for n, p in load_model().named_parameters()}
     extra: dict = {}
     if not args.world_one:
@@ -73,30 +83,34 @@ def main() -> None:
         )
     stream = args.trainer == "stream"
     config_cls, trainer_cls = (StreamSFTConfig, StreamSFTTrainer) if stream else (SFTConfig, SFTTrainer)
+    if args.objective != "sft":
+        config_cls, trainer_cls = {
+            "dpo": (StreamDPOConfig, StreamDPOTrainer),
+            "kto": (StreamKTOConfig, StreamKTOTrainer),
+        }[args.objective]
     stream_args = dict(stream_chunk_size=4, logits_chunk_size=8) if stream else {}
     config = config_args(
         config_cls,
         str(Path(args.out).parent / "run"),
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=batch,
         max_steps=2,
-        learning_rate=LR,
-        pad_to_multiple_of=2 * world,
+        learning_rate=LR if args.objective == "sft" else LR / 20,  # (DPO's loss saturates in one step at 1.0)
         max_length=None if args.padding_free else 128,
-        padding_free=args.padding_free,
+        **(dict(pad_to_multiple_of=2 * world, padding_free=args.padding_free) if args.objective == "sft" else {}),
         **stream_args,
         **extra,
     )
     from streambp_trl.layers.sequence_split import SequenceSplit
 
-    splits = []  # (rank, ranks, tokens) of each streamed call the engine split
-    of = SequenceSplit.of
+    splits = []  # (rank, ranks, tokens) of each streamed call the engine split (at its first layer's exchange)
+    gather = SequenceSplit.gather_prefix
 
-    def recorded(group, length, padding=None):
-        split = of(group, length, padding)
-        splits.append((split.rank, split.size, split.length))
-        return split
+    def recorded(split, store):
+        if not splits or splits[-1][3] is not store:  # (one entry per layer call: its store)
+            splits.append((split.rank, split.size, split.length, store))
+        return gather(split, store)
 
-    SequenceSplit.of = recorded
+    SequenceSplit.gather_prefix = recorded
     model = load_model()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
     if args.padding_free:
         try:
@@ -109,14 +123,17 @@ def main() -> None:
             torch.save({"said": said}, args.out)
         dist.barrier()
         os._exit(0)
-    trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer())
+    reference = {"ref_model": load_model()} if args.objective != "sft" else {}  # (ZeRO-3: the reference passed in)
+    trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer(), **reference)
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = full_parameters(unwrapped)
-    update = {n: (after[n] - before[n]) / LR for n in before}
+    update = {n: (after[n] - before[n]) / config.learning_rate for n in before}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if int(os.environ["RANK"]) == 0:
-        torch.save({"update": update, "losses": losses, "splits": splits}, args.out)
+        layers = len(unwrapped.model.layers)  # (each streamed call exchanges in every layer)
+        calls = [entry[:3] for entry in splits[::layers]]
+        torch.save({"update": update, "after": after, "losses": losses, "splits": calls}, args.out)
     if world > 1:
         dist.barrier()
     os._exit(0)  # gloo's process-group teardown can hang on this machine; everything is written

@@ -18,6 +18,7 @@ class StreamDPOTrainer(StreamTrainerMixin, DPOTrainer):
     """
 
     config_class = StreamDPOConfig
+    sequence_rows = "whole"  # TRL's loss reads whole sequences' log-probs: every rank of a split trains the same batch
     rows_per_example = 2  # TRL stacks each example's chosen and rejected completions in one call
 
     def __init__(self, model, ref_model=None, args=None, *pos, **kwargs):

@@ -18,6 +18,7 @@ class StreamKTOTrainer(StreamTrainerMixin, KTOTrainer):
     """
 
     config_class = StreamKTOConfig
+    sequence_rows = "whole"  # TRL's loss reads whole sequences' log-probs: every rank of a split trains the same batch
 
     def __init__(self, model, ref_model=None, args=None, *pos, **kwargs):
         super().__init__(model, ref_model, self._stream_args(args, model), *pos, **kwargs)

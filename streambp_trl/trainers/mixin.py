@@ -23,6 +23,7 @@ from ..engine.forwards import logit_transform
 from ..engine.support import router_loss_refusal
 from ..logs import get_logger
 from ..sizing.auto import NoPlanFits
+from .sequence_rows import WholeRowsLoader, deepspeed_sequence_group
 from .stream_config import stream_options
 
 logger = get_logger(__name__)
@@ -55,21 +56,21 @@ def default_args(config_cls, model):
     return config_cls(f"{name.split('/')[-1]}-{method}")
 
 
-def _sequence_split(trainer) -> bool:
-    """Whether ``trainer`` splits each sequence across ranks, as TRL documents it: DeepSpeed's Ulysses sequence
+def _sequence_split(trainer) -> int:
+    """How many ranks ``trainer`` splits each sequence across (1: none), as TRL's users set it: DeepSpeed's sequence
     parallelism (``parallelism_config`` with ``sp_backend="deepspeed"`` and ``sp_size`` > 1, in the config or the
     accelerate config), which the engine serves with its own key/value exchange
-    (:mod:`streambp_trl.layers.sequence_split`) over DeepSpeed's sequence-parallel group, where the trainer declares
-    it does (``sequence_split``). Refused at construction: torch's context parallelism (``cp_size`` > 1, ring
-    attention under FSDP2, whose CUDA kernels shard the sequence their own way), and a sequence split in a trainer
-    that does not declare it."""
+    (:mod:`streambp_trl.layers.sequence_split`) over DeepSpeed's sequence-parallel group, where the trainer says how
+    its rows reach the ranks (``sequence_rows``, :mod:`.sequence_rows`). Refused at construction: torch's context
+    parallelism (``cp_size`` > 1, ring attention under FSDP2, whose CUDA kernels shard the sequence their own way),
+    and a sequence split in a trainer that does not say."""
     configs = (getattr(trainer.args, "parallelism_config", None), getattr(trainer, "accelerator", None))
-    split = False
+    split = 1
     for config in (configs[0], getattr(configs[1], "parallelism_config", None)):
         cp, sp = getattr(config, "cp_size", None) or 1, getattr(config, "sp_size", None) or 1
         deepspeed = getattr(config, "sp_backend", None) == "deepspeed"
-        if cp > 1 or (sp > 1 and not (deepspeed and trainer.sequence_split)):
-            served = "StreamSFTTrainer" if trainer.sequence_split else "StreamSFTTrainer (not this trainer yet)"
+        if cp > 1 or (sp > 1 and not (deepspeed and trainer.sequence_rows)):
+            served = SPLIT_TRAINERS if trainer.sequence_rows else f"{SPLIT_TRAINERS} (not this trainer yet)"
             backend = getattr(config, "sp_backend", None)
             raise ValueError(
                 f"{type(trainer).__name__}: context/sequence parallelism (parallelism_config cp_size={cp}, "
@@ -78,16 +79,12 @@ def _sequence_split(trainer) -> bool:
                 "sp_size=1 for this trainer) in the accelerate config or `parallelism_config`, and shard the model "
                 "instead (DDP, FSDP2 or DeepSpeed ZeRO); lower `stream_chunk_size` to fit longer sequences."
             )
-        split = split or sp > 1
+        split = max(split, sp)
     return split
 
 
-def deepspeed_sequence_group():
-    """DeepSpeed's sequence-parallel process group, which accelerate builds when it prepares the model (in
-    ``Trainer.train``, after the engine is installed): asked for at each streamed training call."""
-    from deepspeed.utils import groups
-
-    return groups._get_sequence_parallel_group()
+# the trainers whose sequence_rows say how their rows reach a split's ranks (.sequence_rows)
+SPLIT_TRAINERS = "StreamSFTTrainer, StreamDPOTrainer and StreamKTOTrainer"
 
 
 def _say_where_trl_differs(trainer) -> None:
@@ -143,7 +140,9 @@ class StreamTrainerMixin:
     rows_per_example = 1  # rows an example takes in a training call (2: its chosen and rejected completions)
     stream_options: StreamOptions | None = None  # the policy's, once installed
     logits_tiled = True  # the model's loss reads the logit kernel, whose tile (logits_chunk_size) is logged
-    sequence_split = False  # the trainer serves DeepSpeed's sequence parallelism (sp_size > 1; see _sequence_split)
+    # how the trainer's rows reach the ranks of a sequence split (DeepSpeed's sp_size > 1): "shares" or "whole"
+    # (.sequence_rows); None: the trainer refuses one
+    sequence_rows: str | None = None
     splits_sequences = False  # once installed: this run splits each sequence across ranks
     _given_options: StreamOptions | None = None  # read from the config as given (see _stream_args)
 
@@ -217,14 +216,25 @@ class StreamTrainerMixin:
             _mark_zero3_leaves([self.model])
         policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
         _say_where_trl_differs(self)
-        enable_streambp(self.model, policy, sequence_group=deepspeed_sequence_group if split else None)
-        self.splits_sequences = split
+        whole = split > 1 and self.sequence_rows == "whole"
+        group = deepspeed_sequence_group if split > 1 else None
+        enable_streambp(self.model, policy, sequence_group=group, whole_rows=whole)
+        self.splits_sequences = split > 1
+        if whole:  # every rank of the group trains the same batch: TRL's replicated-batch token count, and our loader
+            self._tp_size = getattr(self, "_tp_size", 1) * split
+            self.accelerator.deepspeed_ulysses_dl_adapter = self._whole_rows_loader
         self._count_optimizer_state()
         self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)
         if ref_model is not None:
             enable_streambp(self.accelerator.unwrap_model(ref_model), options)
         self.stream_options = policy
+
+    def _whole_rows_loader(self, loader, model) -> WholeRowsLoader:
+        """What transformers' Trainer asks accelerate for once the model is prepared under DeepSpeed's sequence
+        parallelism (``deepspeed_ulysses_dl_adapter``): for a trainer whose rows reach the ranks whole, the loader
+        that hands every rank of the group the same batch (:class:`~.sequence_rows.WholeRowsLoader`)."""
+        return WholeRowsLoader(loader, deepspeed_sequence_group())
 
     def _count_optimizer_state(self) -> None:
         """The policy's per-call plan counts the state of the optimizer ``args.optim`` names from the first step,

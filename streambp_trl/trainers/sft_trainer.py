@@ -18,7 +18,9 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
     """
 
     config_class = StreamSFTConfig
-    sequence_split = True  # DeepSpeed's Ulysses data path, as TRL documents it for SFT (the Trainer reduces the loss)
+    sequence_rows = (
+        "shares"  # DeepSpeed's Ulysses data path, as TRL documents it for SFT (the Trainer reduces the loss)
+    )
 
     def __init__(self, model, args=None, *pos, **kwargs):
         # the engine installs after TRL's own fused head: the same `fused_lm_head=True` call, served by the engine
