@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import AutoModelForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_support import Float64Internals  # noqa: E402
@@ -74,7 +75,13 @@ def whole(args, model, reference, ids, mask, labels, world: int, counts: dict) -
     """Every rank given the whole rows: the loss (the same on every rank) and the gradients averaged over the ranks
     against plain autograd on the whole rows; rank 0 writes them to ``--out`` and the processes exit."""
 
+    if args.whole_rows == "score":  # the second row's last tokens are padding: its score is read before them
+        ids[1, -4:] = 0
+
     def loss_of(model, streamed: bool) -> torch.Tensor:
+        if args.whole_rows == "score":
+            scores = model(input_ids=ids, attention_mask=(ids != 0).long()).logits[:, 0]
+            return -F.logsigmoid(scores[0] - scores[1])
         if args.whole_rows == "nll":
             if streamed:
                 return model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -153,10 +160,11 @@ def main() -> None:
     parser.add_argument("--refusals", action="store_true", help="write what each input the split refuses raises")
     parser.add_argument(
         "--whole-rows",
-        choices=("nll", "pairs"),
+        choices=("nll", "pairs", "score"),
         help="every rank given the whole rows (enable_streambp(whole_rows=True)), one token short of a multiple of "
-        "the ranks: the model's own labels= loss (nll), or a preference loss over the rows' summed log-probs of "
-        "fused_lm_head=True (pairs); the gradients averaged over the ranks",
+        "the ranks: the model's own labels= loss (nll), a preference loss over the rows' summed log-probs of "
+        "fused_lm_head=True (pairs), or over a sequence classifier's scores, the second row ending in padding "
+        "(score); the gradients averaged over the ranks",
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -170,6 +178,10 @@ def main() -> None:
         os._exit(0)
     overrides = {"attention_dropout": args.dropout} if args.dropout else {}
     reference = tiny_model(args.family, num_hidden_layers=3, **overrides)
+    if args.whole_rows == "score":  # its *ForSequenceClassification (pad id 0), one score
+        reference.config.num_labels = 1
+        torch.manual_seed(0)
+        reference = AutoModelForSequenceClassification.from_config(reference.config).double().train()
     model = copy.deepcopy(reference)
     length = args.per_rank * world - (args.whole_rows is not None)
     g = torch.Generator().manual_seed(7)

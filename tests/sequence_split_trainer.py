@@ -39,7 +39,7 @@ def main() -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective shows where, instead of hanging the suite
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
-    parser.add_argument("--objective", choices=("sft", "dpo", "kto"), default="sft")
+    parser.add_argument("--objective", choices=("sft", "dpo", "kto", "reward"), default="sft")
     parser.add_argument("--world-one", action="store_true")
     parser.add_argument("--padding-free", action="store_true", help="write what building the trainer raises")
     parser.add_argument("--out", required=True)
@@ -57,15 +57,32 @@ def main() -> None:
         StreamDPOTrainer,
         StreamKTOConfig,
         StreamKTOTrainer,
+        StreamRewardConfig,
+        StreamRewardTrainer,
         StreamSFTConfig,
         StreamSFTTrainer,
     )
 
-    kind = {"sft": "chat", "dpo": "preference", "kto": "unpaired_preference"}[args.objective]
+    kind = {"sft": "chat", "dpo": "preference", "kto": "unpaired_preference", "reward": "preference"}[args.objective]
     batch = 2 if args.objective == "kto" else 1  # (KTO's KL term pairs each completion with another row's prompt)
     row = tiny_dataset(kind, 1)[0]
     data = Dataset.from_list([row] * 2 * batch)
-    before = {n: p.detach().double().clone() for n, p in load_model().named_parameters()}
+
+    from transformers import AutoModelForSequenceClassification
+
+    saved = Path(args.out).parent / f"classifier-{os.environ['RANK']}"
+    if args.objective == "reward":  # its sequence classifier (one score), saved before any ZeRO-3 partitioned init
+        config = load_model().config
+        config.num_labels = 1
+        torch.manual_seed(0)
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(saved)
+
+    def built():  # the model trained: the causal LM, or the reward model's classifier, loaded alike everywhere
+        return (
+            load_model() if args.objective != "reward" else AutoModelForSequenceClassification.from_pretrained(saved)
+        )
+
+    before = {n: p.detach().double().clone() for n, p in built().named_parameters()}
     extra: dict = {}
     if not args.world_one:
         from accelerate.parallelism_config import ParallelismConfig
@@ -87,6 +104,7 @@ def main() -> None:
         config_cls, trainer_cls = {
             "dpo": (StreamDPOConfig, StreamDPOTrainer),
             "kto": (StreamKTOConfig, StreamKTOTrainer),
+            "reward": (StreamRewardConfig, StreamRewardTrainer),
         }[args.objective]
     stream_args = dict(stream_chunk_size=4, logits_chunk_size=8) if stream else {}
     config = config_args(
@@ -111,7 +129,7 @@ def main() -> None:
         return gather(split, store)
 
     SequenceSplit.gather_prefix = recorded
-    model = load_model()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
+    model = built()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
     if args.padding_free:
         try:
             trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer())
@@ -123,7 +141,8 @@ def main() -> None:
             torch.save({"said": said}, args.out)
         dist.barrier()
         os._exit(0)
-    reference = {"ref_model": load_model()} if args.objective != "sft" else {}  # (ZeRO-3: the reference passed in)
+    # (ZeRO-3: a reference passed in)
+    reference = {"ref_model": load_model()} if args.objective in ("dpo", "kto") else {}
     trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer(), **reference)
     trainer.train()
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)

@@ -47,15 +47,18 @@ WHOLE = {
     "the model's own loss, 2 ranks": (2, 6, "qwen3", "nll"),
     "a preference loss over summed log-probs, 2 ranks": (2, 6, "qwen3", "pairs"),
     "a preference loss, a window over two earlier ranks, 4 ranks": (4, 3, "mistral", "pairs"),
+    "a sequence classifier's scores, a row ending in padding, 2 ranks": (2, 4, "qwen3", "score"),
+    "a sequence classifier's scores, 4 ranks": (4, 4, "qwen3", "score"),
 }
 
 
 @pytest.mark.parametrize("case", list(WHOLE))
 def test_whole_rows_on_every_rank_equal_one_process(tmp_path, case):
     """enable_streambp(whole_rows=True): every rank is given the whole rows (their length no multiple of the ranks),
-    streams its share and gathers the per-token outputs back, so a loss over whole sequences (a preference loss on
-    fused_lm_head=True's log-probs) runs on every rank as on one process; the gradients averaged over the ranks equal
-    plain autograd's on the whole rows."""
+    streams its share and gathers the per-token outputs back (a sequence classifier: each row's score is read on the
+    rank holding its last token, and summed over the ranks), so a loss over whole sequences (a preference loss on
+    fused_lm_head=True's log-probs, or on scores) runs on every rank as on one process; the gradients averaged over
+    the ranks equal plain autograd's on the whole rows."""
     ranks, per_rank, family, loss = WHOLE[case]
     out = tmp_path / "out.json"
     args = ("--family", family, "--per-rank", str(per_rank), "--chunk", "2", "--whole-rows", loss, "--out", str(out))
@@ -100,14 +103,14 @@ def _trained(tmp_path, name: str, *flags: str, ranks: int = 2) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("objective", ["sft", "dpo", "kto"])
+@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "reward"])
 def test_stream_trainers_under_deepspeed_sequence_parallelism_train_as_one_process(tmp_path, objective):
-    """StreamSFTTrainer, StreamDPOTrainer and StreamKTOTrainer configured as TRL's users set sequence parallelism
-    (parallelism_config with sp_backend="deepspeed", sp_size=2; ZeRO-3, tests/sequence_split_trainer.py): each rank
-    streams half of every row (the engine's exchange, recorded: SFT's rows reach the ranks as DeepSpeed's shares,
-    DPO's and KTO's whole, DPO's chosen and rejected rows and KTO's KL rows each split), and two SGD steps log the
-    losses of one process training the same rows without the split, its weights after them to float32 rounding (~1
-    epsilon of each tensor's largest weight; 2 for SFT)."""
+    """StreamSFTTrainer, StreamDPOTrainer, StreamKTOTrainer and StreamRewardTrainer configured as TRL's users set
+    sequence parallelism (parallelism_config with sp_backend="deepspeed", sp_size=2; ZeRO-3,
+    tests/sequence_split_trainer.py): each rank streams half of every row (the engine's exchange, recorded: SFT's rows
+    reach the ranks as DeepSpeed's shares, the others' whole, DPO's chosen and rejected rows, KTO's KL rows and the
+    reward model's pairs each split), and two SGD steps log the losses of one process training the same rows without
+    the split, its weights after them to float32 rounding (1-2 epsilons of each tensor's largest weight)."""
     split = _trained(tmp_path, "split", "--objective", objective)
     one = _trained(tmp_path, "one", "--objective", objective, "--world-one", ranks=1)
     tokens = split["splits"][0][2]

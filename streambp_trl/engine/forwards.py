@@ -324,10 +324,12 @@ def stream_forward(
             )
         if kwargs.get("output_hidden_states"):
             raise ValueError("output_hidden_states=True is not available with the rows split across ranks.")
+        return_dict = kwargs.pop("return_dict", None)
         local = functools.partial(stream_forward, self, state, ignore_index=ignore_index)
-        return whole_rows.forward(
+        out = whole_rows.forward(
             state.sequence_group(), local, kwargs, labels, shift_labels, num_items_in_batch, fused_lm_head, shifted
         )
+        return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()
     if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)
         check_unshifted_call(self, shift_labels, ignore_index)
         num_items_in_batch = None  # ignored as the model ignores it (transformers' Trainer passes it)

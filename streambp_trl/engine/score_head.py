@@ -27,9 +27,11 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from ..logs import get_logger
 from ..patching import original
+from . import whole_rows
 from .head_side import decode_for_head
 from .state import EngineState
 from .support import refuse
+from .whole_rows import current_share
 
 logger = get_logger(__name__)
 
@@ -94,16 +96,29 @@ def stream_score_forward(
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = self.config.return_dict
-    side = decode_for_head(
-        self,
-        lambda: state.decoder(
-            input_ids, attention_mask=attention_mask, use_cache=use_cache, return_dict=True, **call, **kwargs
-        ),
-        kwargs.get("output_hidden_states"),
-    )
-    decoded, hidden, norm = side.decoded, side.hidden, side.norm
-    batch = hidden.shape[0]
-    rows = hidden[torch.arange(batch, device=hidden.device), last_token(self.config, input_ids, batch, hidden.device)]
+    asked = kwargs.get("output_hidden_states")
+
+    def decoded_side(**inputs):
+        return decode_for_head(
+            self, lambda: state.decoder(use_cache=use_cache, return_dict=True, **{**call, **kwargs, **inputs}), asked
+        )
+
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if state.whole_rows and self.training and state.sequence_group is not None and current_share() is None:
+        if asked:
+            raise ValueError("output_hidden_states=True is not available with the rows split across ranks.")
+        given = inputs_embeds if input_ids is None else input_ids
+        batch, length = given.shape[:2]
+        read = last_token(self.config, input_ids, batch, given.device)
+        read = torch.full((batch,), length - 1, device=given.device) if isinstance(read, int) else read
+        side, rows = whole_rows.pooled(state.sequence_group(), decoded_side, {**call, **inputs}, read)
+    else:
+        side = decoded_side(**inputs)
+        hidden = side.hidden
+        batch = hidden.shape[0]
+        read = last_token(self.config, input_ids, batch, hidden.device)
+        rows = hidden[torch.arange(batch, device=hidden.device), read]
+    decoded, norm = side.decoded, side.norm
     logits = self.score(norm(rows) if norm is not None else rows)
     loss = None
     if labels is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -63,53 +64,87 @@ def forward(
     forward, called with the share's inputs and its ``shift_labels``, ``fused_lm_head=True``), its per-token fields
     gathered to the whole rows, and the loss of the whole rows (summed over the scored tokens and divided by
     ``num_items_in_batch``, or by their count)."""
-    name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
-    inputs = kwargs.get(name)
-    if inputs is None:
-        raise ValueError("StreamBP: a call split across ranks needs input_ids or inputs_embeds as a keyword.")
-    mask = kwargs.get("attention_mask")
-    if mask is not None and mask.dim() != 2:
-        raise ValueError(
-            "StreamBP cannot split the rows of a call with a 4D attention mask across ranks: pass a 2D padding mask "
-            "(or none), or train without the sequence split."
-        )
-    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_same_rows(group, inputs)
-    batch, length = inputs.shape[:2]
-    share = -(-length // ranks)
-    pad = share * ranks - length
-    device = inputs.device
-    mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask
-    positions = kwargs.get("position_ids")
-    if positions is None:
-        positions = torch.arange(length, device=device).expand(batch, -1)
+    share = Share.of(group, kwargs)
     if shift_labels is None:
         shift_labels = labels[:, 1:] if shifted else labels
     whole = shift_labels.shape[1]
-    if pad:  # masked positions after the rows' last: no earlier position attends to them, none is scored
-        padding = (0, 0, 0, pad) if name == "inputs_embeds" else (0, pad)
-        inputs = F.pad(inputs, padding)
-        mask = F.pad(mask, (0, pad))
-        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=device)], dim=1)
-    shift_labels = F.pad(shift_labels, (0, share * ranks - whole), value=-100)
-    mine = slice(rank * share, (rank + 1) * share)
-    padded = None if bool(mask.all()) else mask.bool()
-    split = SequenceSplit(group, rank, ranks, share, padded)
-    call = {**kwargs, name: inputs[:, mine], "attention_mask": mask[:, mine], "position_ids": positions[:, mine]}
-    with _sharing(split):
+    shift_labels = F.pad(shift_labels, (0, share.split.length * share.split.size - whole), value=-100)
+    with _sharing(share.split):
         out = local(
-            **call,
-            shift_labels=shift_labels[:, mine],
+            **share.kwargs,
+            shift_labels=shift_labels[:, share.mine],
             num_items_in_batch=num_items_in_batch,
             fused_lm_head=True,
             return_dict=True,
         )
-    fields = {key: _gathered(value, group)[:, :whole] for key, value in out.items() if _per_token(key, value, share)}
+    length = share.split.length
+    fields = {key: _gathered(value, group)[:, :whole] for key, value in out.items() if _per_token(key, value, length)}
     denominator = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -fields["log_probs"].sum() / denominator  # (every per-token field is zero where the label is -100)
     if fused_lm_head:
         return FusedCausalLMOutput(loss=loss, **fields)
     return CausalLMOutputWithPast(loss=loss, logits=None)
+
+
+def pooled(group: dist.ProcessGroup, decode: Callable, kwargs: dict, positions: torch.Tensor) -> tuple:
+    """A sequence classifier's call on the whole rows ``kwargs`` hold: this rank's share decoded (``decode``, called
+    with the share's inputs, returns a :class:`~.head_side.HeadSide`), and each row's hidden state at its
+    ``positions`` (global, one per row), taken on the rank whose share holds it and summed over the ranks (a
+    differentiable all-reduce: every rank then has every row's); returns ``(the head side, the rows)``."""
+    share = Share.of(group, kwargs)
+    with _sharing(share.split):
+        side = decode(**share.kwargs)
+    hidden = side.hidden
+    offset, length = share.split.offset, share.split.length
+    here = (positions >= offset) & (positions < offset + length)
+    local = (positions - offset).clamp(0, length - 1)
+    rows = hidden[torch.arange(hidden.shape[0], device=hidden.device), local] * here[:, None].to(hidden.dtype)
+    return side, dist_nn.all_reduce(rows, group=group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """This rank's share of whole rows: its :class:`SequenceSplit` (the whole rows' padding mask in it), the call's
+    keyword arguments cut to it (inputs, 2D mask, positions) and its positions of the (padded) whole rows."""
+
+    split: SequenceSplit
+    kwargs: dict
+    mine: slice
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup, kwargs: dict) -> Share:
+        """The share of a call on the whole rows ``kwargs`` hold (``input_ids`` or ``inputs_embeds``, a 2D
+        ``attention_mask``, ``position_ids``: the model's own from 0 where none are given), the rows right-padded
+        to a multiple of the ranks with masked positions."""
+        name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        inputs = kwargs.get(name)
+        if inputs is None:
+            raise ValueError("StreamBP: a call split across ranks needs input_ids or inputs_embeds as a keyword.")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(
+                "StreamBP cannot split the rows of a call with a 4D attention mask across ranks: pass a 2D padding "
+                "mask (or none), or train without the sequence split."
+            )
+        ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        _check_same_rows(group, inputs)
+        batch, length = inputs.shape[:2]
+        share = -(-length // ranks)
+        pad = share * ranks - length
+        device = inputs.device
+        mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length, device=device).expand(batch, -1)
+        if pad:  # masked positions after the rows' last: no earlier position attends to them, none is scored
+            inputs = F.pad(inputs, (0, 0, 0, pad) if name == "inputs_embeds" else (0, pad))
+            mask = F.pad(mask, (0, pad))
+            positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=device)], dim=1)
+        mine = slice(rank * share, (rank + 1) * share)
+        padded = None if bool(mask.all()) else mask.bool()
+        split = SequenceSplit(group, rank, ranks, share, padded)
+        call = {**kwargs, name: inputs[:, mine], "attention_mask": mask[:, mine], "position_ids": positions[:, mine]}
+        return cls(split, call, mine)
 
 
 def _per_token(key: str, value: object, share: int) -> bool:

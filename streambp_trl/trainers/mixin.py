@@ -84,7 +84,7 @@ def _sequence_split(trainer) -> int:
 
 
 # the trainers whose sequence_rows say how their rows reach a split's ranks (.sequence_rows)
-SPLIT_TRAINERS = "StreamSFTTrainer, StreamDPOTrainer and StreamKTOTrainer"
+SPLIT_TRAINERS = "StreamSFTTrainer, StreamDPOTrainer, StreamKTOTrainer and StreamRewardTrainer"
 
 
 def _say_where_trl_differs(trainer) -> None:

@@ -22,6 +22,7 @@ class StreamRewardTrainer(StreamTrainerMixin, RewardTrainer):
     logits_tiled = False
 
     config_class = StreamRewardConfig
+    sequence_rows = "whole"  # each row's score is read at its last token, on the rank holding it (engine.whole_rows)
     rows_per_example = 2  # TRL stacks each example's chosen and rejected completions in one call
 
     def __init__(self, model, args=None, *pos, **kwargs):
