@@ -144,7 +144,11 @@ def main() -> None:
     # (ZeRO-3: a reference passed in)
     reference = {"ref_model": load_model()} if args.objective in ("dpo", "kto") else {}
     trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer(), **reference)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     trainer.train()
+    own_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # (DeepSpeed's Ulysses exchange replaces it)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = full_parameters(unwrapped)
     update = {n: (after[n] - before[n]) / config.learning_rate for n in before}
@@ -152,7 +156,8 @@ def main() -> None:
     if int(os.environ["RANK"]) == 0:
         layers = len(unwrapped.model.layers)  # (each streamed call exchanges in every layer)
         calls = [entry[:3] for entry in splits[::layers]]
-        torch.save({"update": update, "after": after, "losses": losses, "splits": calls}, args.out)
+        record = {"update": update, "after": after, "losses": losses, "splits": calls, "own_sdpa": own_sdpa}
+        torch.save(record, args.out)
     if world > 1:
         dist.barrier()
     os._exit(0)  # gloo's process-group teardown can hang on this machine; everything is written

@@ -116,6 +116,8 @@ def test_stream_trainers_under_deepspeed_sequence_parallelism_train_as_one_proce
     tokens = split["splits"][0][2]
     calls = 2 * (2 if objective == "kto" else 1)  # (KTO: its completions' call and its KL rows' per step)
     assert split["splits"] == [(0, 2, tokens)] * calls and one["splits"] == []
+    # whole rows: DeepSpeed's Ulysses attention (for shares of rows) is taken back out of transformers' registry
+    assert split["own_sdpa"] is (objective != "sft") and one["own_sdpa"]
     assert split["losses"] == pytest.approx(one["losses"], rel=1e-6)
     assert _rounding(one["after"], split["after"]) < 4
 

@@ -23,7 +23,7 @@ from ..engine.forwards import logit_transform
 from ..engine.support import router_loss_refusal
 from ..logs import get_logger
 from ..sizing.auto import NoPlanFits
-from .sequence_rows import WholeRowsLoader, deepspeed_sequence_group
+from .sequence_rows import WholeRowsLoader, deepspeed_sequence_group, own_attention, restore_attention
 from .stream_config import stream_options
 
 logger = get_logger(__name__)
@@ -222,6 +222,7 @@ class StreamTrainerMixin:
         self.splits_sequences = split > 1
         if whole:  # every rank of the group trains the same batch: TRL's replicated-batch token count, and our loader
             self._tp_size = getattr(self, "_tp_size", 1) * split
+            self._own_attention = own_attention()
             self.accelerator.deepspeed_ulysses_dl_adapter = self._whole_rows_loader
         self._count_optimizer_state()
         self._check_longest_batch()
@@ -233,7 +234,10 @@ class StreamTrainerMixin:
     def _whole_rows_loader(self, loader, model) -> WholeRowsLoader:
         """What transformers' Trainer asks accelerate for once the model is prepared under DeepSpeed's sequence
         parallelism (``deepspeed_ulysses_dl_adapter``): for a trainer whose rows reach the ranks whole, the loader
-        that hands every rank of the group the same batch (:class:`~.sequence_rows.WholeRowsLoader`)."""
+        that hands every rank of the group the same batch (:class:`~.sequence_rows.WholeRowsLoader`). The attention
+        functions DeepSpeed's preparation replaced in transformers' registry (its Ulysses exchange, which expects a
+        share of each row) are given back, since every call the engine does not stream has the whole rows here."""
+        restore_attention(self._own_attention)
         return WholeRowsLoader(loader, deepspeed_sequence_group())
 
     def _count_optimizer_state(self) -> None:

@@ -30,6 +30,23 @@ def deepspeed_sequence_group():
     return groups._get_sequence_parallel_group()
 
 
+def own_attention() -> dict:
+    """transformers' attention functions as registered now (before DeepSpeed's preparation replaces its core one
+    with the Ulysses exchange: ``UlyssesSPAttentionHF.register_with_transformers``)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return {name: ALL_ATTENTION_FUNCTIONS[name] for name in ALL_ATTENTION_FUNCTIONS.valid_keys()}
+
+
+def restore_attention(functions: dict) -> None:
+    """Register ``functions`` (from :func:`own_attention`) again where the registry now holds another."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name, function in functions.items():
+        if ALL_ATTENTION_FUNCTIONS[name] is not function:
+            ALL_ATTENTION_FUNCTIONS[name] = function
+
+
 class WholeRowsLoader:
     """Wraps a data loader for a sequence split whose ranks all train the same whole rows: each time it runs dry, one
     batch of every rank's wrapped loader is gathered (``all_gather_object``, on the CPU), and it yields them, rank 0's
