@@ -33,13 +33,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 LR = 1.0
+ONLINE = ("grpo", "rloo")  # generated completions, rewarded by their length
 
 
 def main() -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective shows where, instead of hanging the suite
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
-    parser.add_argument("--objective", choices=("sft", "dpo", "kto", "reward"), default="sft")
+    parser.add_argument("--objective", choices=("sft", "dpo", "kto", "reward", "grpo", "rloo"), default="sft")
     parser.add_argument("--world-one", action="store_true")
     parser.add_argument("--padding-free", action="store_true", help="write what building the trainer raises")
     parser.add_argument("--out", required=True)
@@ -48,25 +49,33 @@ def main() -> None:
 
     from datasets import Dataset
     from distributed_trainer import deepspeed_config, full_parameters, gloo_state
+    from helpers import LengthReward, load_model, load_tokenizer, tiny_dataset
     from helpers import args as config_args
-    from helpers import load_model, load_tokenizer, tiny_dataset
     from trl import SFTConfig, SFTTrainer
 
     from streambp_trl import (
         StreamDPOConfig,
         StreamDPOTrainer,
+        StreamGRPOConfig,
+        StreamGRPOTrainer,
         StreamKTOConfig,
         StreamKTOTrainer,
         StreamRewardConfig,
         StreamRewardTrainer,
+        StreamRLOOConfig,
+        StreamRLOOTrainer,
         StreamSFTConfig,
         StreamSFTTrainer,
     )
 
-    kind = {"sft": "chat", "dpo": "preference", "kto": "unpaired_preference", "reward": "preference"}[args.objective]
-    batch = 2 if args.objective == "kto" else 1  # (KTO's KL term pairs each completion with another row's prompt)
-    row = tiny_dataset(kind, 1)[0]
-    data = Dataset.from_list([row] * 2 * batch)
+    kinds = {"sft": "chat", "dpo": "preference", "kto": "unpaired_preference", "reward": "preference"}
+    kind = kinds.get(args.objective, "prompt_completion")
+    # (KTO's KL term pairs each completion with another row's prompt; GRPO: 4 completions of one prompt a rank)
+    batch = {"kto": 2, "grpo": 4, "rloo": 4}.get(args.objective, 1)
+    row = (
+        tiny_dataset(kind, 1).remove_columns("completion")[0] if args.objective in ONLINE else tiny_dataset(kind, 1)[0]
+    )
+    data = Dataset.from_list([row] * 2 * (batch if args.objective not in ONLINE else 1))
 
     from transformers import AutoModelForSequenceClassification
 
@@ -98,6 +107,18 @@ def main() -> None:
             ),
             use_cpu=False,
         )
+        # as `accelerate launch` with configs/accelerate/zero3_sp.yaml hands it over (GRPO's and RLOO's configs refuse
+        # a parallelism_config of their own)
+        if args.objective in ONLINE:
+            del extra["parallelism_config"]
+            os.environ.update(
+                ACCELERATE_USE_PARALLELISM_CONFIG="true",
+                PARALLELISM_CONFIG_SP_SIZE=str(world),
+                PARALLELISM_CONFIG_SP_BACKEND="deepspeed",
+                PARALLELISM_CONFIG_DP_REPLICATE_SIZE="1",
+                PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE="true",
+                PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION="sdpa",
+            )
     stream = args.trainer == "stream"
     config_cls, trainer_cls = (StreamSFTConfig, StreamSFTTrainer) if stream else (SFTConfig, SFTTrainer)
     if args.objective != "sft":
@@ -105,16 +126,19 @@ def main() -> None:
             "dpo": (StreamDPOConfig, StreamDPOTrainer),
             "kto": (StreamKTOConfig, StreamKTOTrainer),
             "reward": (StreamRewardConfig, StreamRewardTrainer),
+            "grpo": (StreamGRPOConfig, StreamGRPOTrainer),
+            "rloo": (StreamRLOOConfig, StreamRLOOTrainer),
         }[args.objective]
     stream_args = dict(stream_chunk_size=4, logits_chunk_size=8) if stream else {}
     config = config_args(
         config_cls,
         str(Path(args.out).parent / "run"),
         per_device_train_batch_size=batch,
-        max_steps=2,
+        max_steps=1 if args.objective in ONLINE else 2,  # (online: the first step's samples are alike in every run)
         learning_rate=LR if args.objective == "sft" else LR / 20,  # (DPO's loss saturates in one step at 1.0)
-        max_length=None if args.padding_free else 128,
+        **({"max_length": None if args.padding_free else 128} if args.objective not in ONLINE else {}),
         **(dict(pad_to_multiple_of=2 * world, padding_free=args.padding_free) if args.objective == "sft" else {}),
+        **(dict(num_generations=4, max_completion_length=8, temperature=0.7) if args.objective in ONLINE else {}),
         **stream_args,
         **extra,
     )
@@ -143,6 +167,9 @@ def main() -> None:
         os._exit(0)
     # (ZeRO-3: a reference passed in)
     reference = {"ref_model": load_model()} if args.objective in ("dpo", "kto") else {}
+    reward = LengthReward()
+    if args.objective in ONLINE:
+        reference = {"reward_funcs": [reward]}
     trainer = trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer(), **reference)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -157,6 +184,7 @@ def main() -> None:
         layers = len(unwrapped.model.layers)  # (each streamed call exchanges in every layer)
         calls = [entry[:3] for entry in splits[::layers]]
         record = {"update": update, "after": after, "losses": losses, "splits": calls, "own_sdpa": own_sdpa}
+        record["completions"] = reward.seen
         torch.save(record, args.out)
     if world > 1:
         dist.barrier()

@@ -99,7 +99,7 @@ def test_context_parallelism_and_unserved_sequence_splits_are_refused_at_constru
     kto = functools.partial(SimpleNamespace, sequence_rows=None, args=SimpleNamespace())
     deepspeed = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # on the accelerator, as an accelerate YAML sets
     assert _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=deepspeed))) == 2
-    with pytest.raises(ValueError, match=r"StreamRewardTrainer \(not this trainer yet\)"):
+    with pytest.raises(ValueError, match=r"StreamDistillationTrainer \(not this trainer yet\)"):
         _sequence_split(kto(accelerator=SimpleNamespace(parallelism_config=deepspeed)))
     with pytest.raises(ValueError, match="cp_size=2"):
         _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=2))))

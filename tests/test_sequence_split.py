@@ -103,22 +103,28 @@ def _trained(tmp_path, name: str, *flags: str, ranks: int = 2) -> dict:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("objective", ["sft", "dpo", "kto", "reward"])
+# the streamed training calls each objective makes: two SGD steps (online: one, its samples alike in every run)
+SPLIT_CALLS = {"sft": 2, "dpo": 2, "kto": 4, "reward": 2, "grpo": 1, "rloo": 2}
+
+
+@pytest.mark.parametrize("objective", list(SPLIT_CALLS))
 def test_stream_trainers_under_deepspeed_sequence_parallelism_train_as_one_process(tmp_path, objective):
-    """StreamSFTTrainer, StreamDPOTrainer, StreamKTOTrainer and StreamRewardTrainer configured as TRL's users set
-    sequence parallelism (parallelism_config with sp_backend="deepspeed", sp_size=2; ZeRO-3,
-    tests/sequence_split_trainer.py): each rank streams half of every row (the engine's exchange, recorded: SFT's rows
-    reach the ranks as DeepSpeed's shares, the others' whole, DPO's chosen and rejected rows, KTO's KL rows and the
-    reward model's pairs each split), and two SGD steps log the losses of one process training the same rows without
-    the split, its weights after them to float32 rounding (1-2 epsilons of each tensor's largest weight)."""
+    """Every stream trainer but distillation configured as TRL's users set sequence parallelism (DeepSpeed's
+    sp_size=2, ZeRO-3, tests/sequence_split_trainer.py; GRPO and RLOO as `accelerate launch` hands it over, in the
+    environment): each rank streams half of every row (the engine's exchange, recorded: SFT's rows reach the ranks as
+    DeepSpeed's shares, the others' whole: DPO's chosen and rejected rows, KTO's KL rows, the reward model's pairs,
+    the online trainers' generated completions, the group's first rank's), and the steps log the losses of one
+    process training the same rows without the split (the online ones: from the same completions), its weights after
+    them to float32 rounding (1-2 epsilons of each tensor's largest weight)."""
     split = _trained(tmp_path, "split", "--objective", objective)
     one = _trained(tmp_path, "one", "--objective", objective, "--world-one", ranks=1)
     tokens = split["splits"][0][2]
-    calls = 2 * (2 if objective == "kto" else 1)  # (KTO: its completions' call and its KL rows' per step)
-    assert split["splits"] == [(0, 2, tokens)] * calls and one["splits"] == []
+    assert split["splits"] == [(0, 2, tokens)] * SPLIT_CALLS[objective] and one["splits"] == []
     # whole rows: DeepSpeed's Ulysses attention (for shares of rows) is taken back out of transformers' registry
     assert split["own_sdpa"] is (objective != "sft") and one["own_sdpa"]
-    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    assert split["completions"] == one["completions"]
+    assert objective not in ("grpo", "rloo") or len(set(split["completions"])) > 1
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-12)
     assert _rounding(one["after"], split["after"]) < 4
 
 

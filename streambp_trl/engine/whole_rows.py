@@ -162,9 +162,10 @@ def _gathered(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _check_same_rows(group: dist.ProcessGroup, inputs: torch.Tensor) -> None:
-    """Refuse a call whose ranks were given different rows (one ``all_reduce`` of a fingerprint: the shape and a
-    position-weighted sum of the inputs)."""
-    weights = torch.arange(1, inputs.shape[1] + 1, device=inputs.device, dtype=torch.float64)
+    """Refuse a call whose ranks were given different rows, or the same rows in another order (one ``all_reduce`` of
+    a fingerprint: the shape and a sum of the inputs weighted by row and position)."""
+    rows, length = inputs.shape[:2]
+    weights = torch.arange(1, rows * length + 1, device=inputs.device, dtype=torch.float64).view(rows, length)
     values = inputs.double() if inputs.dim() == 2 else inputs.double().sum(-1)
     fingerprint = torch.tensor(
         [*inputs.shape[:2], float((values * weights).sum())], dtype=torch.float64, device=inputs.device
@@ -173,7 +174,7 @@ def _check_same_rows(group: dist.ProcessGroup, inputs: torch.Tensor) -> None:
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(both[:3], -both[3:]):
         raise ValueError(
-            "StreamBP: the ranks of the sequence split were given different rows: with whole_rows=True every rank of "
-            "the group must be given the same batch (each streams its share of it); a trainer's data path hands "
-            "the group one batch at a time."
+            "StreamBP: the ranks of the sequence split were given different rows (or the same in another order): "
+            "with whole_rows=True every rank of the group must be given the same batch (each streams its share of "
+            "it); a trainer's data path hands the group one batch at a time."
         )

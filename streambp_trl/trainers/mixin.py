@@ -23,7 +23,15 @@ from ..engine.forwards import logit_transform
 from ..engine.support import router_loss_refusal
 from ..logs import get_logger
 from ..sizing.auto import NoPlanFits
-from .sequence_rows import WholeRowsLoader, deepspeed_sequence_group, own_attention, restore_attention
+from .sequence_rows import (
+    WholeRowsLoader,
+    check_online_split,
+    deepspeed_sequence_group,
+    first_ranks,
+    first_ranks_random_state,
+    own_attention,
+    restore_attention,
+)
 from .stream_config import stream_options
 
 logger = get_logger(__name__)
@@ -84,7 +92,7 @@ def _sequence_split(trainer) -> int:
 
 
 # the trainers whose sequence_rows say how their rows reach a split's ranks (.sequence_rows)
-SPLIT_TRAINERS = "StreamSFTTrainer, StreamDPOTrainer, StreamKTOTrainer and StreamRewardTrainer"
+SPLIT_TRAINERS = "every stream trainer but StreamDistillationTrainer"
 
 
 def _say_where_trl_differs(trainer) -> None:
@@ -306,7 +314,25 @@ class StreamTrainerMixin:
 
 
 class StreamOnlineRLMixin(StreamTrainerMixin):
-    """What GRPO and RLOO read from their fused head, at the sampling temperature."""
+    """What GRPO and RLOO read from their fused head, at the sampling temperature, and how they run with the sequence
+    split across ranks: every rank of the group trains the same prompts (whole rows), generates for them, and takes
+    the group's first rank's completions (:func:`~.sequence_rows.first_ranks`), so the rewards, advantages and losses
+    are the same on every rank."""
+
+    sequence_rows = "whole"
+
+    def _install_stream_engine(self) -> None:
+        super()._install_stream_engine()
+        if self.splits_sequences:
+            check_online_split(self)
+
+    def _generate(self, prompts: list):
+        generated = super()._generate(prompts)
+        if not self.splits_sequences:
+            return generated
+        group = deepspeed_sequence_group()
+        first_ranks_random_state(group)
+        return first_ranks(generated, group)
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy")

@@ -30,6 +30,46 @@ def deepspeed_sequence_group():
     return groups._get_sequence_parallel_group()
 
 
+def first_ranks(obj: object, group: dist.ProcessGroup) -> object:
+    """``obj`` as the group's first rank has it (``broadcast_object_list``): an online trainer's generated
+    completions, which every rank of a whole-rows split must train alike (each rank samples its own)."""
+    held = [obj]
+    dist.broadcast_object_list(held, src=dist.get_global_rank(group, 0), group=group)
+    return held[0]
+
+
+def first_ranks_random_state(group: dist.ProcessGroup) -> None:
+    """Take the group's first rank's random state (the CPU generator's and the current CUDA device's): what an online
+    trainer draws after generating (TRL shuffles the generation batch) is then drawn alike on every rank, whose
+    generators TRL seeds apart (``device_specific``)."""
+    states = [(torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None)]
+    dist.broadcast_object_list(states, src=dist.get_global_rank(group, 0), group=group)
+    cpu, cuda = states[0]
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
+def check_online_split(trainer) -> None:
+    """Refuse, at construction, an online trainer's settings that a whole-rows split would change: every rank
+    scores one rank's generation batch, so that batch must hold whole groups of ``num_generations`` completions (the
+    advantages are normalised per group over what the ranks gather, every rank's copy alike), and a reward scaling
+    over the whole gathered batch (``scale_rewards="batch"``) would count each completion once per rank."""
+    args, name = trainer.args, type(trainer).__name__
+    held = args.per_device_train_batch_size * (getattr(args, "steps_per_generation", None) or 1)
+    if held % trainer.num_generations:
+        raise ValueError(
+            f"{name}: with the sequence split across ranks every rank trains one rank's generation batch, "
+            f"per_device_train_batch_size x steps_per_generation = {held} completions, which must hold whole groups "
+            f"of num_generations={trainer.num_generations}: make it a multiple of num_generations."
+        )
+    if getattr(args, "scale_rewards", None) == "batch":
+        raise ValueError(
+            f"{name}: scale_rewards='batch' normalises over the batch every rank gathers, which holds each "
+            "completion once per rank with the sequence split across ranks; use scale_rewards='group' (or 'none')."
+        )
+
+
 def own_attention() -> dict:
     """transformers' attention functions as registered now (before DeepSpeed's preparation replaces its core one
     with the Ulysses exchange: ``UlyssesSPAttentionHF.register_with_transformers``)."""
@@ -73,9 +113,32 @@ class WholeRowsLoader:
             self.pending = self._gathered(batch)
         return self.pending.pop(0)
 
-    def _gathered(self, batch: dict) -> list[dict]:
-        device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        mine = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    def _gathered(self, batch: object) -> list:
+        """One batch of every rank (a dict of tensors, or an online trainer's list of examples), rank 0's first."""
+        device = next(_tensors(batch), torch.empty(0)).device
         every: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(every, mine, group=self.group)
-        return [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in every]
+        dist.all_gather_object(every, _moved(batch, torch.device("cpu")), group=self.group)
+        return [_moved(b, device) for b in every]
+
+
+def _tensors(obj: object):
+    """The tensors in a batch (nested dicts, lists and tuples)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _moved(obj: object, device: torch.device) -> object:
+    """A batch with its tensors on ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(v, device) for v in obj)
+    return obj
