@@ -40,7 +40,8 @@ COUNTED = ("all_gather", "batch_isend_irecv")
 
 
 def split_loss(model, ids, shift, tokens: int, rank: int) -> torch.Tensor:
-    """The whole rows' loss, from each rank's share (every call draws the same dropout masks: the seed is fixed)."""
+    """The whole rows' loss, from each rank's share (a copy of the model made before the training step, seeded alike,
+    draws that step's dropout masks)."""
     torch.manual_seed(100 + rank)
     with Float64Internals():
         loss = model(input_ids=ids, shift_labels=shift, num_items_in_batch=tokens).loss.detach()
@@ -48,22 +49,24 @@ def split_loss(model, ids, shift, tokens: int, rank: int) -> torch.Tensor:
     return loss
 
 
-def directional(model, loss_of, eps: float = 1e-5) -> dict:
+def directional(model, pristine, loss_of, eps: float = 1e-5) -> dict:
     """The gradient (already summed over the ranks) along a random direction v, against the derivative of the loss
-    the forward returns along v, its dropout masks drawn alike each time: central differences D(h) = (L(θ + hv) -
-    L(θ - hv)) / 2h at h = ε and ε/2, extrapolated as (4 D(ε/2) - D(ε)) / 3, which cancels their h² error (a float64
-    accuracy of ~1e-10 at ε = 1e-5)."""
+    the forward returns along v, its dropout masks drawn alike each time (each loss from a copy of ``pristine``, the
+    model before its step): central differences D(h) = (L(θ + hv) - L(θ - hv)) / 2h at h = ε and ε/2, extrapolated as
+    (4 D(ε/2) - D(ε)) / 3, which cancels their h² error (a float64 accuracy of ~1e-10 at ε = 1e-5)."""
     g = torch.Generator().manual_seed(3)
-    params = [p for p in model.parameters() if p.grad is not None]
-    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
-    along = sum((p.grad * v).sum() for p, v in zip(params, direction, strict=True)).item()
-    originals = [p.detach().clone() for p in params]
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    grads = dict(model.named_parameters())
+    direction = [torch.randn(grads[n].shape, generator=g, dtype=grads[n].dtype) for n in names]
+    along = sum((grads[n].grad * v).sum() for n, v in zip(names, direction, strict=True)).item()
 
     def at(h: float) -> float:
+        copy_ = copy.deepcopy(pristine)
+        params = dict(copy_.named_parameters())
         with torch.no_grad():
-            for p, p0, v in zip(params, originals, direction, strict=True):
-                p.copy_(p0 + h * v)
-        return loss_of().item()
+            for n, v in zip(names, direction, strict=True):
+                params[n].add_(h * v)
+        return loss_of(copy_).item()
 
     def central(h: float) -> float:
         return (at(h) - at(-h)) / (2 * h)
@@ -205,6 +208,7 @@ def main() -> None:
         sequence_group=dist.group.WORLD,
         whole_rows=args.whole_rows is not None,
     )
+    pristine = copy.deepcopy(model)  # (before any step: its copies draw the first step's dropout masks)
     counts = dict.fromkeys(COUNTED, 0)
     for name in COUNTED:
         original = getattr(dist, name)
@@ -233,7 +237,7 @@ def main() -> None:
             dist.all_reduce(p.grad)
     out = {"loss": total.item(), "collectives": counts, "chunks": args.chunk}
     if args.dropout:  # the masks are the split's own, which no plain forward draws: a central difference instead
-        out.update(directional(model, lambda: split_loss(model, ids[:, mine], shift[:, mine], tokens, rank)))
+        out.update(directional(model, pristine, lambda m: split_loss(m, ids[:, mine], shift[:, mine], tokens, rank)))
     else:
         with Float64Internals():
             logits = reference(input_ids=ids, attention_mask=mask).logits

@@ -142,3 +142,43 @@ def test_stream_sft_refuses_padding_free_rows_under_the_sequence_split_at_constr
     torchrun("sequence_split_trainer.py", "--padding-free", "--out", str(out), log=tmp_path / "log")
     said = torch.load(out)["said"]
     assert "padding_free rows cannot be split across ranks (sp_size > 1)" in said and "pad_to_multiple_of" in said
+
+
+def _logged(log: str) -> list[dict[str, str]]:
+    """The Trainer's log lines ({'loss': ...}) in a command's output."""
+    import ast
+
+    return [ast.literal_eval(line[line.index("{'loss'") :]) for line in log.splitlines() if "{'loss'" in line]
+
+
+def test_the_grpo_command_under_the_sequence_split_logs_one_processs_losses(tmp_path):
+    """``streambp-trl grpo --config configs/grpo_tiny.yaml`` launched as configs/accelerate/zero3_sp.yaml launches it
+    (the split in the environment accelerate hands each process, DeepSpeed ZeRO-3; tests/sequence_split_cli.py does on
+    two gloo processes what accelerate does on GPUs) logs the losses, rewards, completion lengths and token counts of
+    the same command on one process, step for step (every rank generates from the group's first rank's random state,
+    and the engine's split draws nothing from it)."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    steps = ("--max_steps", "2", "--logging_steps", "1")
+    torchrun("sequence_split_cli.py", str(tmp_path / "split"), *steps, log=tmp_path / "split.log")
+    one = subprocess.run(
+        [sys.executable, "-m", "streambp_trl.cli", "grpo", "--config", "configs/grpo_tiny.yaml", *steps]
+        + ["--output_dir", str(tmp_path / "one")],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    split_log = (tmp_path / "split.log").read_text()
+    assert "'stream_streamed': '1'" in split_log
+    fields = ("loss", "reward", "completions/mean_length", "num_tokens", "entropy")
+    split, alone = _logged(split_log), _logged(one.stdout + one.stderr)
+    assert len(split) == len(alone) == 2
+    for ours, theirs in zip(split, alone, strict=True):
+        assert {k: ours[k] for k in fields} == {k: theirs[k] for k in fields}

@@ -127,7 +127,7 @@ def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -
         raise ValueError("StreamBP: a sequence split across ranks needs input_ids or inputs_embeds of (batch, T).")
     mask = kwargs.get("attention_mask")
     padding = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-    return SequenceSplit.of(state.sequence_group(), inputs.shape[1], padding)
+    return SequenceSplit.of(state.sequence_group(), inputs.shape[1], padding, state.split_draws)
 
 
 def _split(call: DecoderCall, split: SequenceSplit, inputs: torch.Tensor, kwargs: dict) -> None:
@@ -327,7 +327,7 @@ def stream_forward(
         return_dict = kwargs.pop("return_dict", None)
         local = functools.partial(stream_forward, self, state, ignore_index=ignore_index)
         out = whole_rows.forward(
-            state.sequence_group(), local, kwargs, labels, shift_labels, num_items_in_batch, fused_lm_head, shifted
+            state, local, kwargs, labels, shift_labels, num_items_in_batch, fused_lm_head, shifted
         )
         return out if (self.config.return_dict if return_dict is None else return_dict) else out.to_tuple()
     if not shifted:  # a mean over the labels that are not -100, which reads no loss argument (see .own_loss)

@@ -132,9 +132,7 @@ def enable_streambp(
     state = _engine_state(lm, decoder, layers, options, norm_name)
     if sequence_group is not None:
         _check_splittable(lm, state)
-        state.sequence_group = (
-            sequence_group if callable(sequence_group) else functools.partial(_given, sequence_group)
-        )
+        state.sequence_group = sequence_group if callable(sequence_group) else GivenGroup(sequence_group)
         state.whole_rows = whole_rows
     _install(lm, state)
     if baseline is not None:
@@ -155,9 +153,18 @@ def _check_streamed(lm: PreTrainedModel, state: EngineState, baseline: probe.Pro
         raise
 
 
-def _given(group: object) -> object:
-    """A sequence group given as it is (``EngineState.sequence_group`` asks a function for it)."""
-    return group
+class GivenGroup:
+    """A sequence group given as it is (``EngineState.sequence_group`` asks a function for it). A copy of the model
+    (``copy.deepcopy``: a reference model, an EMA copy) splits across the same group: a process group is not copied."""
+
+    def __init__(self, group: object):
+        self.group = group
+
+    def __call__(self) -> object:
+        return self.group
+
+    def __deepcopy__(self, memo: dict) -> GivenGroup:
+        return self
 
 
 def _check_splittable(lm: PreTrainedModel, state: EngineState) -> None:

@@ -111,7 +111,7 @@ def stream_score_forward(
         batch, length = given.shape[:2]
         read = last_token(self.config, input_ids, batch, given.device)
         read = torch.full((batch,), length - 1, device=given.device) if isinstance(read, int) else read
-        side, rows = whole_rows.pooled(state.sequence_group(), decoded_side, {**call, **inputs}, read)
+        side, rows = whole_rows.pooled(state, decoded_side, {**call, **inputs}, read)
     else:
         side = decoded_side(**inputs)
         hidden = side.hidden

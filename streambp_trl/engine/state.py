@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -72,6 +73,9 @@ class EngineState:
     # asked for at each call (a launcher may build it after enabling)
     sequence_group: Callable[[], object] | None = dataclasses.field(default=None, compare=False)
     whole_rows: bool = False  # every rank of the group is given the whole rows, and cuts its share (.whole_rows)
+    # the split layer calls so far, by which each seeds its chunks' random states (SequenceSplit.place): a copy of the
+    # model carries on from its count, so a copy made before a step draws that step's numbers again
+    split_draws: Iterator[int] = dataclasses.field(default_factory=itertools.count, compare=False)
 
     def final_norm(self) -> nn.Module | None:
         """The final norm the decoder holds now, where the probe found its final norm to be its last step and the

@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
 from ..layers.sequence_split import SequenceSplit
+from .state import EngineState
 
 _SHARE: contextvars.ContextVar[SequenceSplit | None] = contextvars.ContextVar("streambp_share", default=None)
 
@@ -49,7 +50,7 @@ def _sharing(split: SequenceSplit) -> Iterator[None]:
 
 
 def forward(
-    group: dist.ProcessGroup,
+    state: EngineState,
     local: Callable,
     kwargs: dict,
     labels: torch.Tensor | None,
@@ -64,7 +65,8 @@ def forward(
     forward, called with the share's inputs and its ``shift_labels``, ``fused_lm_head=True``), its per-token fields
     gathered to the whole rows, and the loss of the whole rows (summed over the scored tokens and divided by
     ``num_items_in_batch``, or by their count)."""
-    share = Share.of(group, kwargs)
+    group = state.sequence_group()
+    share = Share.of(group, kwargs, state.split_draws)
     if shift_labels is None:
         shift_labels = labels[:, 1:] if shifted else labels
     whole = shift_labels.shape[1]
@@ -86,12 +88,13 @@ def forward(
     return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
-def pooled(group: dist.ProcessGroup, decode: Callable, kwargs: dict, positions: torch.Tensor) -> tuple:
+def pooled(state: EngineState, decode: Callable, kwargs: dict, positions: torch.Tensor) -> tuple:
     """A sequence classifier's call on the whole rows ``kwargs`` hold: this rank's share decoded (``decode``, called
     with the share's inputs, returns a :class:`~.head_side.HeadSide`), and each row's hidden state at its
     ``positions`` (global, one per row), taken on the rank whose share holds it and summed over the ranks (a
     differentiable all-reduce: every rank then has every row's); returns ``(the head side, the rows)``."""
-    share = Share.of(group, kwargs)
+    group = state.sequence_group()
+    share = Share.of(group, kwargs, state.split_draws)
     with _sharing(share.split):
         side = decode(**share.kwargs)
     hidden = side.hidden
@@ -112,10 +115,10 @@ class Share:
     mine: slice
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, kwargs: dict) -> Share:
+    def of(cls, group: dist.ProcessGroup, kwargs: dict, draws: Iterator[int]) -> Share:
         """The share of a call on the whole rows ``kwargs`` hold (``input_ids`` or ``inputs_embeds``, a 2D
         ``attention_mask``, ``position_ids``: the model's own from 0 where none are given), the rows right-padded
-        to a multiple of the ranks with masked positions."""
+        to a multiple of the ranks with masked positions; ``draws``: the engine's count of split layer calls."""
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         inputs = kwargs.get(name)
         if inputs is None:
@@ -142,7 +145,7 @@ class Share:
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=device)], dim=1)
         mine = slice(rank * share, (rank + 1) * share)
         padded = None if bool(mask.all()) else mask.bool()
-        split = SequenceSplit(group, rank, ranks, share, padded)
+        split = SequenceSplit(group, rank, ranks, share, padded, draws)
         call = {**kwargs, name: inputs[:, mine], "attention_mask": mask[:, mine], "position_ids": positions[:, mine]}
         return cls(split, call, mine)
 

@@ -10,6 +10,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils import checkpoint
 
+_SPREAD = 0x9E3779B97F4A7C15  # (seeds of successive chunks far apart)
+
 
 class RngState:
     """The CPU generator's state and that of the devices of ``x`` (as ``torch.utils.checkpoint`` captures them),
@@ -21,16 +23,19 @@ class RngState:
         self.devices, self.states = checkpoint.get_device_states(x)
 
     @classmethod
-    def drawn(cls, x: torch.Tensor, count: int, salt: int) -> list[RngState]:
+    def drawn(cls, x: torch.Tensor, count: int, salt: int, place: int) -> list[RngState]:
         """``count`` independent states for chunks whose state must be known before any of them runs (a sequence
         split's collecting pass comes first): each is the generators (CPU and ``x``'s devices) seeded by a number
-        drawn from the current CPU generator plus ``salt`` (the rank, so ranks seeded alike draw apart). The global
-        state moves on by the draw alone."""
-        seeds = torch.randint(0, 2**62, (count,)).tolist()
-        states = []
+        read from the current CPU generator, the call's ``place`` (its engine's count of split layer calls, times
+        ``count``: :class:`~.sequence_split.SequenceSplit`) and ``salt`` (the rank, so ranks seeded alike draw
+        apart). The global state is left as it was: a split call draws from it what the same call on one process
+        draws, so one process and a split group sample alike where nothing else draws (an online trainer's
+        generation)."""
         with rng_fork(x):
-            for seed in seeds:
-                torch.manual_seed(seed + salt)
+            base = int(torch.randint(0, 2**62, ()))
+            states = []
+            for i in range(count):
+                torch.manual_seed((base + salt + (place + i) * _SPREAD) % 2**63)
                 states.append(cls(x))
         return states
 

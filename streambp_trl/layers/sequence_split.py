@@ -38,6 +38,8 @@ adapter (a recurrent mixer, whose state would cross ranks; shared or compressed 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -56,9 +58,17 @@ class SequenceSplit:
     size: int
     length: int
     padding: torch.Tensor | None = None
+    draws: Iterator[int] = dataclasses.field(default_factory=itertools.count, compare=False)  # see :meth:`place`
+
+    def place(self, count: int) -> int:
+        """Where a layer call's ``count`` chunk random states start among its engine's (``draws``: the engine's
+        count of split layer calls, which a copy of the model carries on from; :meth:`~.rng.RngState.drawn`)."""
+        return next(self.draws) * count
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, length: int, padding: torch.Tensor | None = None) -> SequenceSplit:
+    def of(
+        cls, group: dist.ProcessGroup, length: int, padding: torch.Tensor | None = None, draws: Iterator[int] = ()
+    ) -> SequenceSplit:
         """The split of a call whose rows hold ``length`` tokens on this rank, checked to be the same on every rank of
         ``group`` (one three-element ``all_reduce``); ``padding``: this rank's (batch, length) 2D attention mask, if
         any, gathered from every rank where one has padding (an ``all_gather``), so that each rank's queries are
@@ -78,7 +88,7 @@ class SequenceSplit:
             parts = [torch.empty_like(mine) for _ in range(size)]
             dist.all_gather(parts, mine.contiguous(), group=group)
             whole = torch.cat(parts, dim=1)
-        return cls(group, dist.get_rank(group), size, length, whole)
+        return cls(group, dist.get_rank(group), size, length, whole, draws)
 
     @property
     def offset(self) -> int:

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
@@ -314,10 +315,11 @@ class StreamTrainerMixin:
 
 
 class StreamOnlineRLMixin(StreamTrainerMixin):
-    """What GRPO and RLOO read from their fused head, at the sampling temperature, and how they run with the sequence
-    split across ranks: every rank of the group trains the same prompts (whole rows), generates for them, and takes
-    the group's first rank's completions (:func:`~.sequence_rows.first_ranks`), so the rewards, advantages and losses
-    are the same on every rank."""
+    """What GRPO and RLOO read from their fused head, at the sampling temperature, and how they train with the
+    sequence split across ranks: every rank of the group trains the same prompts (whole rows) and generates for them
+    from the group's first rank's random state (TRL seeds the ranks apart), so the completions, TRL's shuffle of them,
+    the rewards, advantages and losses are the same on every rank; the first rank's completions are taken as well
+    (:func:`~.sequence_rows.first_ranks`), and TRL's token count, which sums every rank's, counts them once."""
 
     sequence_rows = "whole"
 
@@ -327,12 +329,16 @@ class StreamOnlineRLMixin(StreamTrainerMixin):
             check_online_split(self)
 
     def _generate(self, prompts: list):
-        generated = super()._generate(prompts)
-        if not self.splits_sequences:
-            return generated
+        if not (self.splits_sequences and self.model.training):  # (evaluation: each rank its own prompts)
+            return super()._generate(prompts)
         group = deepspeed_sequence_group()
         first_ranks_random_state(group)
-        return first_ranks(generated, group)
+        seen = self.state.num_input_tokens_seen
+        generated = first_ranks(super()._generate(prompts), group)
+        counted = self.state.num_input_tokens_seen - seen  # (every rank's copy)
+        self.state.num_input_tokens_seen = seen + counted // dist.get_world_size(group)
+        self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
+        return generated
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy")

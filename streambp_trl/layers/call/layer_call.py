@@ -229,7 +229,8 @@ class LayerCall:
         y, full, streams, states, unread, stores, nones = None, [], (), [], [], {}, None
         attention: list[KeptOutputs] = []
         # with a sequence split, every chunk's state is known before the collecting pass runs them
-        drawn = RngState.drawn(x, len(self.chunks()), self.split.rank) if self.split is not None else None
+        split, count = self.split, len(self.chunks())
+        drawn = RngState.drawn(x, count, split.rank, split.place(count)) if split is not None else None
         with torch.no_grad(), rng_fork(x) if drawn is not None else contextlib.nullcontext():
             if drawn is not None:
                 self.collect(x, kv, drawn)

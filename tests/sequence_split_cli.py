@@ -1,0 +1,53 @@
+"""``streambp-trl grpo --config configs/grpo_tiny.yaml`` with each sequence split across the processes, as
+``accelerate launch --config_file configs/accelerate/zero3_sp.yaml -m streambp_trl.cli grpo ...`` runs it on GPUs,
+for tests/test_sequence_split.py:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/sequence_split_cli.py OUTPUT_DIR [ARGS]
+
+On a machine without GPUs ``accelerate launch`` enables neither DeepSpeed nor its sequence parallelism, so this does
+what it would: accelerate's DeepSpeed state on gloo (tests/distributed_trainer.py's ``gloo_state``), the accelerate
+config's ``parallelism_config`` in the environment it hands each process (``PARALLELISM_CONFIG_*``), and
+zero3_sp.yaml's DeepSpeed config (configs/accelerate/zero3.json) through the command's ``--deepspeed``; then the
+command itself, with ``ARGS`` after the config. Each process writes nothing of its own: the command's log is read.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def main() -> None:
+    faulthandler.dump_traceback_later(300, exit=True)  # a hung collective shows where, instead of hanging the suite
+    output_dir, *rest = sys.argv[1:]
+    from distributed_trainer import gloo_state
+
+    gloo_state("zero3")
+    split = {"SIZE": os.environ["WORLD_SIZE"], "BACKEND": "deepspeed", "DP_REPLICATE_SIZE": "1"}
+    split.update(SEQ_LENGTH_IS_VARIABLE="true", ATTN_IMPLEMENTATION="sdpa")
+    os.environ.update(
+        {f"PARALLELISM_CONFIG_{'SP_' if k != 'DP_REPLICATE_SIZE' else ''}{k}": v for k, v in split.items()}
+    )
+    os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true"
+    from streambp_trl.cli import main as cli
+
+    root = HERE.parent
+    cli(
+        [
+            "grpo",
+            *("--config", str(root / "configs" / "grpo_tiny.yaml")),
+            *("--deepspeed", str(root / "configs" / "accelerate" / "zero3.json")),
+            *("--use_cpu", "false", "--accelerator_config", '{"use_configured_state": true}'),
+            *("--output_dir", output_dir, *rest),
+        ]
+    )
+    os._exit(0)  # gloo's process-group teardown can hang on this machine; everything is written
+
+
+if __name__ == "__main__":
+    main()
