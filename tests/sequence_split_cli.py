@@ -1,8 +1,8 @@
-"""``streambp-trl grpo --config configs/grpo_tiny.yaml`` with each sequence split across the processes, as
-``accelerate launch --config_file configs/accelerate/zero3_sp.yaml -m streambp_trl.cli grpo ...`` runs it on GPUs,
+"""``streambp-trl COMMAND --config configs/COMMAND_tiny.yaml`` with each sequence split across the processes, as
+``accelerate launch --config_file configs/accelerate/zero3_sp.yaml -m streambp_trl.cli COMMAND ...`` runs it on GPUs,
 for tests/test_sequence_split.py:
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/sequence_split_cli.py OUTPUT_DIR [ARGS]
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/sequence_split_cli.py COMMAND OUT [ARGS]
 
 On a machine without GPUs ``accelerate launch`` enables neither DeepSpeed nor its sequence parallelism, so this does
 what it would: accelerate's DeepSpeed state on gloo (tests/distributed_trainer.py's ``gloo_state``), the accelerate
@@ -24,7 +24,7 @@ sys.path.insert(0, str(HERE))
 
 def main() -> None:
     faulthandler.dump_traceback_later(300, exit=True)  # a hung collective shows where, instead of hanging the suite
-    output_dir, *rest = sys.argv[1:]
+    command, output_dir, *rest = sys.argv[1:]  # (OUT: the command's output_dir)
     from distributed_trainer import gloo_state
 
     gloo_state("zero3")
@@ -39,8 +39,8 @@ def main() -> None:
     root = HERE.parent
     cli(
         [
-            "grpo",
-            *("--config", str(root / "configs" / "grpo_tiny.yaml")),
+            command,
+            *("--config", str(root / "configs" / f"{command}_tiny.yaml")),
             *("--deepspeed", str(root / "configs" / "accelerate" / "zero3.json")),
             *("--use_cpu", "false", "--accelerator_config", '{"use_configured_state": true}'),
             *("--output_dir", output_dir, *rest),

@@ -81,8 +81,8 @@ def test_readme_launches_the_shipped_configs():
 
 def test_context_parallelism_and_unserved_sequence_splits_are_refused_at_construction(tmp_path):
     """torch's context parallelism (cp_size) is refused by every trainer; DeepSpeed's sequence parallelism (sp_size
-    with sp_backend="deepspeed") is served by the trainers that say how their rows reach the ranks (SFT: shares, DPO:
-    whole rows; tests/test_sequence_split.py trains with both), refused by the others."""
+    with sp_backend="deepspeed") is served by the trainers that say how their rows reach the ranks (every stream
+    trainer: SFT shares, the others whole rows; tests/test_sequence_split.py trains with each), refused by another."""
     # on a CPU, accelerate cannot build a cp/sp mesh at all: set the config on a built trainer and install again
     trainer = StreamSFTTrainer(
         model=load_model(),
@@ -96,11 +96,11 @@ def test_context_parallelism_and_unserved_sequence_splits_are_refused_at_constru
         trainer._install_stream_engine()
 
     sft = functools.partial(SimpleNamespace, sequence_rows="shares", args=SimpleNamespace())
-    kto = functools.partial(SimpleNamespace, sequence_rows=None, args=SimpleNamespace())
+    unserved = functools.partial(SimpleNamespace, sequence_rows=None, args=SimpleNamespace())
     deepspeed = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # on the accelerator, as an accelerate YAML sets
     assert _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=deepspeed))) == 2
-    with pytest.raises(ValueError, match=r"StreamDistillationTrainer \(not this trainer yet\)"):
-        _sequence_split(kto(accelerator=SimpleNamespace(parallelism_config=deepspeed)))
+    with pytest.raises(ValueError, match=r"which SimpleNamespace does not say it serves"):
+        _sequence_split(unserved(accelerator=SimpleNamespace(parallelism_config=deepspeed)))
     with pytest.raises(ValueError, match="cp_size=2"):
         _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=2))))
     assert _sequence_split(sft(args=SimpleNamespace(parallelism_config=ParallelismConfig()))) == 1

@@ -151,12 +151,14 @@ def _logged(log: str) -> list[dict[str, str]]:
     return [ast.literal_eval(line[line.index("{'loss'") :]) for line in log.splitlines() if "{'loss'" in line]
 
 
-def test_the_grpo_command_under_the_sequence_split_logs_one_processs_losses(tmp_path):
-    """``streambp-trl grpo --config configs/grpo_tiny.yaml`` launched as configs/accelerate/zero3_sp.yaml launches it
-    (the split in the environment accelerate hands each process, DeepSpeed ZeRO-3; tests/sequence_split_cli.py does on
-    two gloo processes what accelerate does on GPUs) logs the losses, rewards, completion lengths and token counts of
-    the same command on one process, step for step (every rank generates from the group's first rank's random state,
-    and the engine's split draws nothing from it)."""
+@pytest.mark.parametrize("command", ["grpo", "distillation"])
+def test_a_command_under_the_sequence_split_logs_one_processs_losses(tmp_path, command):
+    """``streambp-trl grpo|distillation --config configs/COMMAND_tiny.yaml`` launched as configs/accelerate/
+    zero3_sp.yaml launches it (the split in the environment accelerate hands each process, DeepSpeed ZeRO-3;
+    tests/sequence_split_cli.py does on two gloo processes what accelerate does on GPUs) logs the losses (and GRPO's
+    rewards), completion lengths, entropies and token counts of the same command on one process, step for step: every
+    rank generates from the group's first rank's random state, and the engine's split draws nothing from it (the
+    distillation teacher streams the same share as its student)."""
     import os
     import subprocess
     import sys
@@ -164,9 +166,9 @@ def test_the_grpo_command_under_the_sequence_split_logs_one_processs_losses(tmp_
     from helpers import ROOT
 
     steps = ("--max_steps", "2", "--logging_steps", "1")
-    torchrun("sequence_split_cli.py", str(tmp_path / "split"), *steps, log=tmp_path / "split.log")
+    torchrun("sequence_split_cli.py", command, str(tmp_path / "split"), *steps, log=tmp_path / "split.log")
     one = subprocess.run(
-        [sys.executable, "-m", "streambp_trl.cli", "grpo", "--config", "configs/grpo_tiny.yaml", *steps]
+        [sys.executable, "-m", "streambp_trl.cli", command, "--config", f"configs/{command}_tiny.yaml", *steps]
         + ["--output_dir", str(tmp_path / "one")],
         cwd=ROOT,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
@@ -177,7 +179,7 @@ def test_the_grpo_command_under_the_sequence_split_logs_one_processs_losses(tmp_
     assert one.returncode == 0, one.stderr[-3000:]
     split_log = (tmp_path / "split.log").read_text()
     assert "'stream_streamed': '1'" in split_log
-    fields = ("loss", "reward", "completions/mean_length", "num_tokens", "entropy")
+    fields = ["loss", "completions/mean_length", "num_tokens", "entropy"] + (["reward"] if command == "grpo" else [])
     split, alone = _logged(split_log), _logged(one.stdout + one.stderr)
     assert len(split) == len(alone) == 2
     for ours, theirs in zip(split, alone, strict=True):

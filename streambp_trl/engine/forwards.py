@@ -116,13 +116,16 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
 
 
 def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -> SequenceSplit | None:
-    """The sequence split a streamed decoder call is one rank's share of, or ``None``: in training mode (eval-mode
-    calls stream whole rows), with the rows given whole, the share the causal LM's forward cut
-    (:mod:`.whole_rows`), else the rows this rank holds (each rank a share, checked alike across the group)."""
-    if state.sequence_group is None or not state.decoder.training:
+    """The sequence split a streamed decoder call is one rank's share of, or ``None``: with the rows given whole, the
+    share the caller cut (:mod:`.whole_rows`: the causal LM's forward in training, a distillation trainer's student
+    and teacher), else in training mode (eval-mode calls stream whole rows) the rows this rank holds (each rank a
+    share, checked alike across the group)."""
+    if state.sequence_group is None:
         return None
-    if state.whole_rows:
+    if state.whole_rows:  # (in any mode: a teacher's no-grad pass on the share its student's trainer cut too)
         return current_share()
+    if not state.decoder.training:
+        return None
     if inputs is None or inputs.dim() < 2:
         raise ValueError("StreamBP: a sequence split across ranks needs input_ids or inputs_embeds of (batch, T).")
     mask = kwargs.get("attention_mask")

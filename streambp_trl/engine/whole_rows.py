@@ -41,7 +41,8 @@ def current_share() -> SequenceSplit | None:
 
 
 @contextlib.contextmanager
-def _sharing(split: SequenceSplit) -> Iterator[None]:
+def sharing(split: SequenceSplit) -> Iterator[None]:
+    """The decoder calls of a ``with`` block stream this rank's share as ``split`` says (the caller cut the rows)."""
     token = _SHARE.set(split)
     try:
         yield
@@ -71,7 +72,7 @@ def forward(
         shift_labels = labels[:, 1:] if shifted else labels
     whole = shift_labels.shape[1]
     shift_labels = F.pad(shift_labels, (0, share.split.length * share.split.size - whole), value=-100)
-    with _sharing(share.split):
+    with sharing(share.split):
         out = local(
             **share.kwargs,
             shift_labels=shift_labels[:, share.mine],
@@ -95,7 +96,7 @@ def pooled(state: EngineState, decode: Callable, kwargs: dict, positions: torch.
     differentiable all-reduce: every rank then has every row's); returns ``(the head side, the rows)``."""
     group = state.sequence_group()
     share = Share.of(group, kwargs, state.split_draws)
-    with _sharing(share.split):
+    with sharing(share.split):
         side = decode(**share.kwargs)
     hidden = side.hidden
     offset, length = share.split.offset, share.split.length

@@ -336,10 +336,12 @@ def chunked_divergence(
         )
     if token_chunk < 1 or vocab_chunk < 1:
         raise ValueError(f"Tile sizes must be positive, got token_chunk={token_chunk}, vocab_chunk={vocab_chunk}.")
-    if student_weight.shape[0] != teacher_weight.shape[0]:
+    # (a ZeRO-3 partition's whole shape is its ds_shape: the heads are whole inside `gathered`)
+    student_vocab, teacher_vocab = (getattr(w, "ds_shape", w.shape)[0] for w in (student_weight, teacher_weight))
+    if student_vocab != teacher_vocab:
         raise ValueError(
-            f"The student's LM head has {student_weight.shape[0]} rows and the teacher's {teacher_weight.shape[0]}: "
-            "the divergence compares distributions over one shared vocabulary."
+            f"The student's LM head has {student_vocab} rows and the teacher's {teacher_vocab}: the divergence "
+            "compares distributions over one shared vocabulary."
         )
     if student_hidden.shape[0] != teacher_hidden.shape[0]:
         raise ValueError(

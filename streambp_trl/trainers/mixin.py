@@ -79,21 +79,17 @@ def _sequence_split(trainer) -> int:
         cp, sp = getattr(config, "cp_size", None) or 1, getattr(config, "sp_size", None) or 1
         deepspeed = getattr(config, "sp_backend", None) == "deepspeed"
         if cp > 1 or (sp > 1 and not (deepspeed and trainer.sequence_rows)):
-            served = SPLIT_TRAINERS if trainer.sequence_rows else f"{SPLIT_TRAINERS} (not this trainer yet)"
+            served = "" if trainer.sequence_rows else f", which {type(trainer).__name__} does not say it serves"
             backend = getattr(config, "sp_backend", None)
             raise ValueError(
                 f"{type(trainer).__name__}: context/sequence parallelism (parallelism_config cp_size={cp}, "
                 f"sp_size={sp}, sp_backend={backend!r}) is served by StreamBP as DeepSpeed's sequence parallelism "
-                f"alone (sp_backend='deepspeed', sp_size > 1, cp_size=1), in {served}. Set cp_size=1 (and "
-                "sp_size=1 for this trainer) in the accelerate config or `parallelism_config`, and shard the model "
+                f"alone (sp_backend='deepspeed', sp_size > 1, cp_size=1){served}. Set cp_size=1 (sp_backend="
+                "'deepspeed' for sp_size > 1) in the accelerate config or `parallelism_config`, or shard the model "
                 "instead (DDP, FSDP2 or DeepSpeed ZeRO); lower `stream_chunk_size` to fit longer sequences."
             )
         split = max(split, sp)
     return split
-
-
-# the trainers whose sequence_rows say how their rows reach a split's ranks (.sequence_rows)
-SPLIT_TRAINERS = "every stream trainer but StreamDistillationTrainer"
 
 
 def _say_where_trl_differs(trainer) -> None:
@@ -314,19 +310,14 @@ class StreamTrainerMixin:
         super().log(logs, *args, **kwargs)
 
 
-class StreamOnlineRLMixin(StreamTrainerMixin):
-    """What GRPO and RLOO read from their fused head, at the sampling temperature, and how they train with the
-    sequence split across ranks: every rank of the group trains the same prompts (whole rows) and generates for them
-    from the group's first rank's random state (TRL seeds the ranks apart), so the completions, TRL's shuffle of them,
-    the rewards, advantages and losses are the same on every rank; the first rank's completions are taken as well
-    (:func:`~.sequence_rows.first_ranks`), and TRL's token count, which sums every rank's, counts them once."""
+class StreamGeneratingMixin(StreamTrainerMixin):
+    """A trainer that generates its completions (GRPO, RLOO, on-policy distillation), with the sequence split across
+    ranks: every rank of the group trains the same prompts (whole rows) and generates for them from the group's first
+    rank's random state (TRL seeds the ranks apart), so the completions, TRL's shuffle of them and the losses are the
+    same on every rank; the first rank's completions are taken as well (:func:`~.sequence_rows.first_ranks`), and
+    TRL's token count, which sums every rank's, counts them once."""
 
     sequence_rows = "whole"
-
-    def _install_stream_engine(self) -> None:
-        super()._install_stream_engine()
-        if self.splits_sequences:
-            check_online_split(self)
 
     def _generate(self, prompts: list):
         if not (self.splits_sequences and self.model.training):  # (evaluation: each rank its own prompts)
@@ -339,6 +330,16 @@ class StreamOnlineRLMixin(StreamTrainerMixin):
         self.state.num_input_tokens_seen = seen + counted // dist.get_world_size(group)
         self._metrics["train"]["num_tokens"] = [self.state.num_input_tokens_seen]
         return generated
+
+
+class StreamOnlineRLMixin(StreamGeneratingMixin):
+    """What GRPO and RLOO read from their fused head, at the sampling temperature, and the settings a sequence split
+    refuses (:func:`~.sequence_rows.check_online_split`)."""
+
+    def _install_stream_engine(self) -> None:
+        super()._install_stream_engine()
+        if self.splits_sequences:
+            check_online_split(self)
 
     def _fused_outputs(self) -> tuple[str, ...]:
         return ("log_probs", "entropy")
