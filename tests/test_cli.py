@@ -21,9 +21,11 @@ def _cli(*args, timeout=600, cwd=ROOT):
 
 
 def _one_line_error(out, command: str = "sft") -> str:
-    """The error of a command that failed with one line on stderr and no traceback."""
+    """The error of a command that failed with one line of its own on stderr and no traceback (a library may warn at
+    import beside it: bitsandbytes, on a CPU with AVX512-BF16, that its optional ``kernels`` package is missing)."""
     assert out.returncode != 0
-    lines = out.stderr.strip().splitlines()
+    lines = [line for line in out.stderr.strip().splitlines() if line.startswith("streambp-trl ")]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith(f"streambp-trl {command}: error: "), out.stderr[-3000:]
     return lines[0]
 
