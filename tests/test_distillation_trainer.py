@@ -253,7 +253,7 @@ def test_a_plain_distillation_config_streams_with_the_defaults(tmp_path):
 def test_logit_transform_reads_the_config_as_trl_does(fields, expected):
     from types import SimpleNamespace
 
-    from streambp_trl.engine.forwards import logit_transform
+    from streambp_trl.engine.lm_forward import logit_transform
 
     assert logit_transform(SimpleNamespace(**{"model_type": "qwen3", **fields})) == expected
 

@@ -5,7 +5,8 @@
   :func:`count_optimizer`, :func:`last_head_form`, :func:`last_plan`, :func:`plan_fields`,
   :func:`packed_rows_refusal`;
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
-* :mod:`.forwards`: the decoder and causal-LM forwards it installs (streamed calls, the logit kernel as LM head);
+* :mod:`.decoder_forward`: the decoder's forward it installs (streamed calls, a rank's share under a split);
+* :mod:`.lm_forward`: the causal LM's forward it installs (the logit kernel as LM head);
 * :mod:`.head_side`: :func:`decode_for_head`, the decoder call every head side makes (the LM head's, the score
   head's, the distillation divergence's), with one rule for the final norm; :func:`logits_tile`,
   :func:`logit_gradient_form`;

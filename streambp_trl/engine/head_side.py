@@ -1,4 +1,4 @@
-"""The head side of a streamed call, one rule for every head: the LM head's logit kernel (:func:`.forwards.
+"""The head side of a streamed call, one rule for every head: the LM head's logit kernel (:func:`.lm_forward.
 stream_forward`), a reward model's score head (:func:`.score_head.stream_score_forward`) and the distillation trainer's
 divergence kernel, for the student and the teacher alike.
 

@@ -41,7 +41,8 @@ from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatc
 from ..sizing.auto import AutoChunks
 from ..sizing.choices import KVMode, StepPlan
 from . import probe
-from .forwards import head_logits, stream_decoder_forward, stream_forward, streamed_decoder_call
+from .decoder_forward import stream_decoder_forward, streamed_decoder_call
+from .lm_forward import head_logits, stream_forward
 from .model_parts import (
     causal_lm,
     decoder_keywords,

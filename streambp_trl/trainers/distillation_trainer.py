@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from trl import DistillationTrainer
 
 from ..engine import decode_for_head, enable_streambp, kernel_head, logit_gradient_form, logits_tile
-from ..engine.forwards import logit_transform
 from ..engine.head_side import engine_state
+from ..engine.lm_forward import logit_transform
 from ..engine.model_parts import causal_lm
 from ..engine.whole_rows import Share, sharing
 from ..engine.zero3 import zero3_gathered

@@ -20,7 +20,7 @@ from ..engine import (
     plan_fields,
     zero3_enabled,
 )
-from ..engine.forwards import logit_transform
+from ..engine.lm_forward import logit_transform
 from ..engine.support import router_loss_refusal
 from ..logs import get_logger
 from ..sizing.auto import NoPlanFits
@@ -96,7 +96,7 @@ def _say_where_trl_differs(trainer) -> None:
     """Warn where this trainer's step differs from TRL's on purpose: TRL's fused LM head (its trainers' default) reads
     a model's logit softcap from ``final_logit_softcapping`` only, so TRL trains a model that caps its logits under
     another name (xLSTM's ``output_logit_soft_cap``) on uncapped ones; the stream engine caps them as the model's own
-    forward does (:func:`~streambp_trl.engine.forwards.logit_transform`)."""
+    forward does (:func:`~streambp_trl.engine.lm_forward.logit_transform`)."""
     for role in ("model", "ref_model", "teacher_model"):
         model = getattr(trainer, role, None)
         if model is not None:  # (a reference or teacher may be wrapped: a DeepSpeed engine's config is a dict)
