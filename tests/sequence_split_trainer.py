@@ -14,8 +14,8 @@ process without the split, on the same rows.
 
 The dataset is two copies of one chat row, so whichever rank's row a step takes, every step trains the same row:
 one process's steps are the same steps. Rank 0 writes each step's logged loss, the update (weights after the
-steps minus before, float64, divided by the learning rate) and the (rank, ranks, tokens) of each call the engine split
-to ``--out``.
+steps minus before, float64, divided by the learning rate) and the (rank, ranks, tokens, with grad) of each decoder
+call the engine split to ``--out``.
 """
 
 from __future__ import annotations
@@ -142,17 +142,20 @@ def main() -> None:
         **stream_args,
         **extra,
     )
-    from streambp_trl.layers.sequence_split import SequenceSplit
+    from streambp_trl.engine import decoder_forward
 
-    splits = []  # (rank, ranks, tokens) of each streamed call the engine split (at its first layer's exchange)
-    gather = SequenceSplit.gather_prefix
+    # (rank, ranks, tokens, with grad) of each streamed decoder call the engine split: the policy's with grad, a
+    # reference's without
+    splits = []
+    call_split = decoder_forward._call_split
 
-    def recorded(split, store):
-        if not splits or splits[-1][3] is not store:  # (one entry per layer call: its store)
-            splits.append((split.rank, split.size, split.length, store))
-        return gather(split, store)
+    def recorded(*given):
+        split = call_split(*given)
+        if split is not None:
+            splits.append((split.rank, split.size, split.length, torch.is_grad_enabled()))
+        return split
 
-    SequenceSplit.gather_prefix = recorded
+    decoder_forward._call_split = recorded
     model = built()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
     if args.padding_free:
         try:
@@ -181,9 +184,7 @@ def main() -> None:
     update = {n: (after[n] - before[n]) / config.learning_rate for n in before}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     if int(os.environ["RANK"]) == 0:
-        layers = len(unwrapped.model.layers)  # (each streamed call exchanges in every layer)
-        calls = [entry[:3] for entry in splits[::layers]]
-        record = {"update": update, "after": after, "losses": losses, "splits": calls, "own_sdpa": own_sdpa}
+        record = {"update": update, "after": after, "losses": losses, "splits": splits, "own_sdpa": own_sdpa}
         record["completions"] = reward.seen
         torch.save(record, args.out)
     if world > 1:

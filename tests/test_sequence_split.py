@@ -103,23 +103,33 @@ def _trained(tmp_path, name: str, *flags: str, ranks: int = 2) -> dict:
     return torch.load(out)
 
 
-# the streamed training calls each objective makes: two SGD steps (online: one, its samples alike in every run)
-SPLIT_CALLS = {"sft": 2, "dpo": 2, "kto": 4, "reward": 2, "grpo": 1, "rloo": 2}
+# whether each streamed decoder call an objective splits runs with grad (the policy's loss) or without (a reference's
+# pass, or the policy's own no-grad one: KTO's KL rows, RLOO's old log-probs): two SGD steps (online: one, its samples
+# alike in every run)
+SPLIT_CALLS = {
+    "sft": (True,) * 2,
+    "dpo": (True, False) * 2,  # the policy, then the reference model
+    "kto": (False, True, False, False) * 2,  # the policy's KL rows, its loss, the reference's rows and KL rows
+    "reward": (True,) * 2,
+    "grpo": (True,),  # (beta=0: no reference)
+    "rloo": (False, False, True),  # the policy's old log-probs, the reference's, the loss
+}
 
 
 @pytest.mark.parametrize("objective", list(SPLIT_CALLS))
 def test_stream_trainers_under_deepspeed_sequence_parallelism_train_as_one_process(tmp_path, objective):
     """Every stream trainer but distillation configured as TRL's users set sequence parallelism (DeepSpeed's
     sp_size=2, ZeRO-3, tests/sequence_split_trainer.py; GRPO and RLOO as `accelerate launch` hands it over, in the
-    environment): each rank streams half of every row (the engine's exchange, recorded: SFT's rows reach the ranks as
-    DeepSpeed's shares, the others' whole: DPO's chosen and rejected rows, KTO's KL rows, the reward model's pairs,
-    the online trainers' generated completions, the group's first rank's), and the steps log the losses of one
+    environment): each rank streams half of every row in every pass, the reference model's no-grad passes included
+    (the engine's split calls, recorded: SFT's rows reach the ranks as DeepSpeed's shares, the others' whole: DPO's
+    chosen and rejected rows, KTO's KL rows, the reward model's pairs, the online trainers' generated completions, the
+    group's first rank's), and the steps log the losses of one
     process training the same rows without the split (the online ones: from the same completions), its weights after
     them to float32 rounding (1-2 epsilons of each tensor's largest weight)."""
     split = _trained(tmp_path, "split", "--objective", objective)
     one = _trained(tmp_path, "one", "--objective", objective, "--world-one", ranks=1)
     tokens = split["splits"][0][2]
-    assert split["splits"] == [(0, 2, tokens)] * SPLIT_CALLS[objective] and one["splits"] == []
+    assert split["splits"] == [(0, 2, tokens, grad) for grad in SPLIT_CALLS[objective]] and one["splits"] == []
     # whole rows: DeepSpeed's Ulysses attention (for shares of rows) is taken back out of transformers' registry
     assert split["own_sdpa"] is (objective != "sft") and one["own_sdpa"]
     assert split["completions"] == one["completions"]

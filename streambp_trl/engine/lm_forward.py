@@ -153,7 +153,7 @@ def stream_forward(
             "DeepSpeed's Ulysses data path does), and num_items_in_batch for the whole sequence's token count."
         )
     logits_to_keep, ignore_index, shifted = _loss_call(self, kwargs, fused_lm_head)
-    if state.whole_rows and self.training and state.sequence_group is not None and current_share() is None:
+    if whole_rows.splits_rows(state, self.training):
         if not (isinstance(logits_to_keep, int) and logits_to_keep == 0) or not shifted or args:
             raise ValueError(
                 "StreamBP splits whole rows across ranks for a keyword call scoring every position's next-token "

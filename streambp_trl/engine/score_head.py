@@ -31,7 +31,6 @@ from . import whole_rows
 from .head_side import decode_for_head
 from .state import EngineState
 from .support import refuse
-from .whole_rows import current_share
 
 logger = get_logger(__name__)
 
@@ -104,7 +103,7 @@ def stream_score_forward(
         )
 
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if state.whole_rows and self.training and state.sequence_group is not None and current_share() is None:
+    if whole_rows.splits_rows(state, self.training):
         if asked:
             raise ValueError("output_hidden_states=True is not available with the rows split across ranks.")
         given = inputs_embeds if input_ids is None else input_ids

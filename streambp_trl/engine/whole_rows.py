@@ -9,6 +9,11 @@ change no earlier position's output), streams it with the key/value exchange of
 positions' labels (shifted over the whole rows) with the logit kernel, and gathers every per-token field back to the
 whole rows, so the trainer's loss code runs on the same (batch, T - 1) tensors on every rank as on one process.
 
+Which calls split: a training-mode call (the policy's, with or without grad), and, inside :func:`group_batch` (a
+trainer's training step, whose batch every rank of the group was given), an eval-mode model's too (a separate
+reference model's no-grad pass). Any other eval-mode call (evaluation, where each rank has rows of its own) streams its
+rows unsplit.
+
 Gradients: the gather's backward (``torch.distributed.nn.functional.all_gather``) sums what every rank's loss hands
 each share, and every rank computes the same loss, so each rank's gradient is R times its share's: the average over
 the group (DDP's, ZeRO's) is the whole rows' gradient. One ``all_reduce`` per call checks that the ranks were given the
@@ -33,6 +38,7 @@ from ..layers.sequence_split import SequenceSplit
 from .state import EngineState
 
 _SHARE: contextvars.ContextVar[SequenceSplit | None] = contextvars.ContextVar("streambp_share", default=None)
+_GROUP_BATCH: contextvars.ContextVar[bool] = contextvars.ContextVar("streambp_group_batch", default=False)
 
 
 def current_share() -> SequenceSplit | None:
@@ -48,6 +54,25 @@ def sharing(split: SequenceSplit) -> Iterator[None]:
         yield
     finally:
         _SHARE.reset(token)
+
+
+@contextlib.contextmanager
+def group_batch() -> Iterator[None]:
+    """The calls of a ``with`` block are on the batch every rank of the sequence group was given (a trainer's training
+    step): an eval-mode model enabled with ``whole_rows=True`` splits them too (:func:`splits_rows`)."""
+    token = _GROUP_BATCH.set(True)
+    try:
+        yield
+    finally:
+        _GROUP_BATCH.reset(token)
+
+
+def splits_rows(state: EngineState, training: bool) -> bool:
+    """Whether a causal LM's call (``training``: the model's mode) on whole rows is cut into this rank's share here:
+    with the engine enabled on a group with ``whole_rows=True``, no share cut by a caller yet, in training mode or
+    inside :func:`group_batch`."""
+    given = training or _GROUP_BATCH.get()
+    return state.whole_rows and state.sequence_group is not None and current_share() is None and given
 
 
 def forward(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -22,6 +23,7 @@ from ..engine import (
 )
 from ..engine.lm_forward import logit_transform
 from ..engine.support import router_loss_refusal
+from ..engine.whole_rows import group_batch
 from ..logs import get_logger
 from ..sizing.auto import NoPlanFits
 from .sequence_rows import (
@@ -232,8 +234,8 @@ class StreamTrainerMixin:
         self._count_optimizer_state()
         self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)
-        if ref_model is not None:
-            enable_streambp(self.accelerator.unwrap_model(ref_model), options)
+        if ref_model is not None:  # (split too in a training step's reference pass: training_step)
+            enable_streambp(self.accelerator.unwrap_model(ref_model), options, sequence_group=group, whole_rows=whole)
         self.stream_options = policy
 
     def _whole_rows_loader(self, loader, model) -> WholeRowsLoader:
@@ -292,10 +294,16 @@ class StreamTrainerMixin:
             raise NoPlanFits(f"{type(self).__name__}, the longest batch of this config ({why}): {error}") from None
 
     def training_step(self, *args, **kwargs):
+        """TRL's training step, its peak memory logged on CUDA. With whole rows split across ranks it runs inside
+        :func:`~streambp_trl.engine.whole_rows.group_batch`: its batch is the group's (:class:`WholeRowsLoader`), so
+        the no-grad passes of an eval-mode reference model (DPO's, KTO's, GRPO's, RLOO's) stream this rank's share of
+        it as the policy does."""
         cuda = torch.cuda.is_available() and self.args.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.args.device)
-        loss = super().training_step(*args, **kwargs)
+        whole = self.splits_sequences and self.sequence_rows == "whole"
+        with group_batch() if whole else contextlib.nullcontext():
+            loss = super().training_step(*args, **kwargs)
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.args.device) / 2**30
             self._metrics["train"]["peak_memory_gib"].append(peak)
