@@ -444,10 +444,10 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
 def test_the_offload_row_pins_at_most_the_host_memory_given_or_the_engines_own(monkeypatch, capsys):
     """The offload row ignored --host-memory (200GiB: still 1,474,560 tokens with 393.75 GiB of host memory) and by
     default assumed 394-499 GiB of pinned host memory. It now pins at most --host-memory, by default what the engine
-    allows itself (:func:`streambp_trl.sizing.auto.host_room`, here faked: 16 GiB), and says which."""
-    from streambp_trl.sizing import auto
+    allows itself (:func:`streambp_trl.sizing.room.host_room`, here faked: 16 GiB), and says which."""
+    from streambp_trl.sizing import auto, room
 
-    assert plans.host_room is auto.host_room  # the engine's own rule
+    assert plans.host_room is room.host_room is auto.host_room  # the engine's own rule
     monkeypatch.setattr(plans, "host_room", lambda: 16 * 2**30)
     argv = ["--model", "Qwen/Qwen3-8B", "--lora", "--objective", "dpo", "--gpu", "h100"]
     said = {

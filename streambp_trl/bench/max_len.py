@@ -17,7 +17,7 @@ kept (or ``--keep-every``). An estimate's stream row is what ``"auto"`` runs wit
 says (:func:`.plans.stream_row`): the longest length the engine's planner finds a plan for within the budget less its
 fragmentation margin, its layer inputs kept or rebuilt as the plan chooses (the label names a layout that rebuilds
 some), offload within ``--host-memory`` or, by default, the host memory the engine allows itself
-(:func:`streambp_trl.sizing.auto.host_room`); the plans under it and their footer are the same planner's.
+(:func:`streambp_trl.sizing.room.host_room`); the plans under it and their footer are the same planner's.
 
 One row per mode: Hugging Face gradient checkpointing, TRL's default (checkpointing + its fused LM head), stream,
 and stream + checkpoint offload (always in an estimate; measured only with ``--offload``, as it trials up to a
