@@ -8,7 +8,7 @@ import pytest
 
 from streambp_trl import cli
 from streambp_trl.bench import max_len as ml
-from streambp_trl.bench import plans
+from streambp_trl.bench import max_len_rows, plans
 from streambp_trl.bench.measure import bisect_max_len
 from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
@@ -187,7 +187,7 @@ def test_a_card_is_its_stated_memory_less_the_same_reserve(card, gib, fake_model
     cli.main(["max-len", "--model", "qwen3-8b", "--gpu", card])
     out = capsys.readouterr().out
     assert f"budget {gib}.00 GiB" in out and f"({card}: {gib + 2} GiB less 2 GiB for the CUDA context.)" in out
-    assert ml.gpu_budget(ml.DEFAULT_GPU) == ml.DEFAULT_GPU_MEMORY == "78GiB"
+    assert max_len_rows.gpu_budget(max_len_rows.DEFAULT_GPU) == max_len_rows.DEFAULT_GPU_MEMORY == "78GiB"
     with pytest.raises(SystemExit):
         cli.main(["max-len", "--model", "qwen3-8b", "--gpu", card, "--gpu-memory", "70GiB"])
     assert "not allowed with argument" in capsys.readouterr().err
