@@ -8,7 +8,7 @@ import pytest
 
 from streambp_trl import cli
 from streambp_trl.bench import max_len as ml
-from streambp_trl.bench import plans
+from streambp_trl.bench import max_len_rows, plans
 from streambp_trl.bench.measure import bisect_max_len
 from streambp_trl.bench.models import build_config
 from streambp_trl.sizing import memory_model as mm
@@ -187,7 +187,7 @@ def test_a_card_is_its_stated_memory_less_the_same_reserve(card, gib, fake_model
     cli.main(["max-len", "--model", "qwen3-8b", "--gpu", card])
     out = capsys.readouterr().out
     assert f"budget {gib}.00 GiB" in out and f"({card}: {gib + 2} GiB less 2 GiB for the CUDA context.)" in out
-    assert ml.gpu_budget(ml.DEFAULT_GPU) == ml.DEFAULT_GPU_MEMORY == "78GiB"
+    assert max_len_rows.gpu_budget(max_len_rows.DEFAULT_GPU) == max_len_rows.DEFAULT_GPU_MEMORY == "78GiB"
     with pytest.raises(SystemExit):
         cli.main(["max-len", "--model", "qwen3-8b", "--gpu", card, "--gpu-memory", "70GiB"])
     assert "not allowed with argument" in capsys.readouterr().err
@@ -444,10 +444,10 @@ def test_an_estimate_shows_what_auto_would_plan_from_the_engines_planner(capsys,
 def test_the_offload_row_pins_at_most_the_host_memory_given_or_the_engines_own(monkeypatch, capsys):
     """The offload row ignored --host-memory (200GiB: still 1,474,560 tokens with 393.75 GiB of host memory) and by
     default assumed 394-499 GiB of pinned host memory. It now pins at most --host-memory, by default what the engine
-    allows itself (:func:`streambp_trl.sizing.auto.host_room`, here faked: 16 GiB), and says which."""
-    from streambp_trl.sizing import auto
+    allows itself (:func:`streambp_trl.sizing.room.host_room`, here faked: 16 GiB), and says which."""
+    from streambp_trl.sizing import auto, room
 
-    assert plans.host_room is auto.host_room  # the engine's own rule
+    assert plans.host_room is room.host_room is auto.host_room  # the engine's own rule
     monkeypatch.setattr(plans, "host_room", lambda: 16 * 2**30)
     argv = ["--model", "Qwen/Qwen3-8B", "--lora", "--objective", "dpo", "--gpu", "h100"]
     said = {

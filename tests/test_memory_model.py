@@ -20,8 +20,8 @@ from streambp_trl import enable_streambp
 from streambp_trl.bench.models import build_config
 from streambp_trl.bench.simulator import record_setup, record_shape
 from streambp_trl.engine import chunk_sizes
-from streambp_trl.sizing import auto
 from streambp_trl.sizing import memory_model as mm
+from streambp_trl.sizing import room
 from streambp_trl.sizing.lengths import auto_chunk_sizes, max_len
 from streambp_trl.sizing.shapes import canonical_model_name
 
@@ -114,7 +114,7 @@ def test_auto_on_cpu_takes_the_largest_chunk_the_host_memory_fits(monkeypatch):
     model(input_ids=ids, labels=ids).loss.backward()
     assert chunk_sizes(model) == (2048, 2048)
     little = types.SimpleNamespace(available=2**20)
-    monkeypatch.setattr(auto.psutil, "virtual_memory", lambda: little)
+    monkeypatch.setattr(room.psutil, "virtual_memory", lambda: little)
     model = enable_streambp(tiny_model("qwen3"), stream_chunk_size="auto")
     model(input_ids=ids, labels=ids).loss.backward()
     assert chunk_sizes(model) == (512, 512)
@@ -225,7 +225,7 @@ def test_head_form_takes_the_least_memory_without_a_memory_figure():
     far above a tiny head's buffers, the one that recomputes least among those allowed."""
     from torch import nn
 
-    from streambp_trl.sizing.auto import head_form
+    from streambp_trl.sizing.room import head_form
 
     model = nn.Linear(8, 16, bias=False)
     for device, forms, expected in [

@@ -17,7 +17,7 @@ from transformers.utils import logging as hf_logging
 from streambp_trl import StreamOptions, enable_streambp
 from streambp_trl.bench.plans import plan_rows, render_plans
 from streambp_trl.layers.call import backward, layer_call
-from streambp_trl.sizing import auto, stream_step
+from streambp_trl.sizing import auto, room, stream_step
 from streambp_trl.sizing import memory_model as mm
 from streambp_trl.sizing.choices import PlanChoices, StepPlan, Trained
 from streambp_trl.sizing.layout import Layout
@@ -450,7 +450,7 @@ def test_a_budget_reaches_the_lm_head_on_the_cpu():
         (mm.HEAD_FORMS, ("two-node", "fused"), "fused"),  # a loss that is not a token mean: no eager form
         (mm.HEAD_FORMS, mm.HEAD_FORMS, "eager"),
     ]:
-        assert auto.head_form(head, head, 32, 16, 2**30, cpu, forms, planned=planned) == expected
+        assert room.head_form(head, head, 32, 16, 2**30, cpu, forms, planned=planned) == expected
 
     model = tiny_model("qwen3", num_hidden_layers=2)
     ids, mask, labels = batch()

@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from streambp_trl.bench.max_len import positive_int
+from streambp_trl.bench.max_len_args import positive_int
 from streambp_trl.bench.measure import bisect_max_len, measure
 from streambp_trl.bench.metadata import environment
 from streambp_trl.bench.spec import DTYPES, MeasureSpec, Mode

@@ -8,9 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 from streambp_trl.sizing import memory_model as mm
-from streambp_trl.sizing.auto import host_room
 from streambp_trl.sizing.choices import KVMode, PlanChoices, StepPlan
 from streambp_trl.sizing.plan import CONFIGURED, Planner, margin
+from streambp_trl.sizing.room import host_room
 from streambp_trl.sizing.units import size_text
 
 FIRST_LENGTH = 16384
@@ -39,7 +39,7 @@ def activation_room(shape: mm.ModelShape, setup: mm.StepSetup, budget: int) -> i
 
 def host_bytes(host: int | None) -> int:
     """The pinned host bytes offload may take: ``host`` (``--host-memory``), else what the engine allows itself on
-    this machine (:func:`streambp_trl.sizing.auto.host_room`)."""
+    this machine (:func:`streambp_trl.sizing.room.host_room`)."""
     return host_room() if host is None else host
 
 

@@ -28,8 +28,9 @@ from ..layers.kept import CheckpointOffload
 from ..layers.sharding import sharded_module
 from ..logits.forms import HeadForm
 from ..logs import get_logger
-from ..sizing.auto import AUTO, AutoChunks, head_form
+from ..sizing.auto import AUTO, AutoChunks
 from ..sizing.choices import StepPlan
+from ..sizing.room import head_form
 from .model_parts import final_norm, named_decoder_layers
 from .options import StreamOptions
 from .support import refuse
@@ -198,7 +199,7 @@ class EngineState:
         self, lm: nn.Module, head: nn.Linear, n: int, tile: int, device: torch.device, token_mean: bool
     ) -> HeadForm:
         """The form of the logit kernel's gradient for a call scoring ``n`` rows in tiles of ``tile``
-        (:func:`~streambp_trl.sizing.auto.head_form`, by the planner's room within the budget, with the optimizer
+        (:func:`~streambp_trl.sizing.room.head_form`, by the planner's room within the budget, with the optimizer
         state it counts and, where the device has no allocation figure, the forms the latest plan fits):
         ``EAGER`` only when the call's loss is a token mean (``token_mean``), else ``FUSED`` or ``TWO_NODE``. A change
         of form is logged (at info level)."""

@@ -14,7 +14,7 @@ The backward recomputes each tile's logits and forms
     dL/dz_v = g_logp * (1[v = target] - p_v) - g_H * p_v * (log p_v + H).
 
 It takes one of two forms (``form``, a :class:`~.forms.HeadForm`; the engine chooses by the room a call has at the
-head, :func:`streambp_trl.sizing.auto.head_form`), or a third, eager, for a loss that weights every row alike
+head, :func:`streambp_trl.sizing.room.head_form`), or a third, eager, for a loss that weights every row alike
 (:mod:`.eager`):
 
 * fused (one autograd node): for each token tile, dn = sum over vocabulary tiles of dy W, and in the same sweep

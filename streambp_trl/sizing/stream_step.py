@@ -1,7 +1,8 @@
 """The memory of a streamed step (``enable_streambp``), moment by moment: :func:`estimate_activation_bytes` over a
-:class:`StreamStep` (each kind of decoder layer's backward, the LM head's, the end of the backward, the forward), the
-LM head's backward (:func:`head_backward_bytes`) and what capturing keys/values keeps (:func:`captured_bytes`). Part
-of the memory model (:mod:`.memory_model`, whose docstring states the terms, and which exports these names)."""
+:class:`StreamStep` (each kind of decoder layer's backward, the LM head's, the end of the backward, the forward; the
+head's buffers are :func:`.head_backward.head_backward_bytes`) and what capturing keys/values keeps
+(:func:`captured_bytes`). Part of the memory model (:mod:`.memory_model`, whose docstring states the terms, and which
+exports these names)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,16 @@ import dataclasses
 import functools
 from collections.abc import Callable, Collection
 
-from ..logits.eager import eager_rows
-from ..logits.forms import HEAD_FORMS, HeadForm
+from ..logits.forms import HeadForm
 from .choices import KVMode, StepPlan, Trained
 from .forward import forward_peak_bytes
+from .head_backward import head_backward_bytes
 from .layout import Layout
 from .mixers import boundaries, indexer_scores_bytes, recurrent_kinds
 from .model_shape import ModelShape
 from .setup import LORA_RANK, adapter_sums
 
 ALL_TRAINED = Trained()  # every parameter trained, in half precision
-_VOCAB_TILE = 8192  # the logit kernel's default vocabulary tile (streambp_trl.logits.DEFAULT_VOCAB_CHUNK)
 
 
 def _chunk_token_bytes(shape: ModelShape, db: int) -> int:
@@ -397,47 +397,3 @@ class StreamStep:
         # one received at a time
         gathered = 2 * shape.kv_dim * db * n if self.ranks > 1 and shape.plain_attention_layers else 0
         return per_token_bytes(shape, db) * n + peak + sum(self.activations) + gathered
-
-
-def head_backward_bytes(
-    vocab: int,
-    hidden: int,
-    n: int,
-    logits_chunk: int,
-    db: int = 2,
-    *,
-    head_trained: bool = True,
-    form: HeadForm = HeadForm.TWO_NODE,
-    weight_grad_formed: bool = False,
-) -> int:
-    """Peak bytes the logit kernel's gradient takes for ``n`` rows (:data:`HEAD_FORMS`), beyond the hidden states it
-    reads: logit tiles (the matmul product, its float32 copy and the probabilities: 10 bytes per element, beside a
-    tile of hidden rows), and
-
-    * ``two-node``: the larger of the weight node's dW ``V H db`` with one float32 vocabulary tile of it, and the
-      hidden node's dh ``H db n`` with its tile's float32 and gathered copies of the hidden rows; where the backward
-      forms the head's gradient (``weight_grad_formed``: pending gradients), dW stays beside the hidden node (as the
-      simulator shows it, ``benchmarks/sim_qwen3_8b_kept.jsonl``);
-    * ``fused``: dh and dW together, with a float32 (V, H) accumulator beside dW when ``db`` < 4 (half precision);
-    * ``eager`` (the gradient in the forward): the bases dh and dW in the accumulation dtype (float32 at least), then
-      their casts to the parameter dtype beside them (half precision), and the forward's whole-vocabulary tiles
-      (:func:`streambp_trl.logits.eager.eager_rows` rows x V, three such at 4 bytes).
-
-    An untrained head (LoRA) takes dh alone (``eager``: in the accumulation dtype), whatever the form.
-    """
-    if form not in HEAD_FORMS:
-        raise ValueError(f"form must be one of {HEAD_FORMS}, got {form!r}.")
-    h, v, acc = hidden, vocab, max(db, 4)
-    tile = min(logits_chunk, n) * (min(v, _VOCAB_TILE) * 10 + h * (db + 4))
-    if form == "eager":
-        cast = db < acc
-        weight = v * h * (acc + (db if cast else 0)) if head_trained else 0
-        return h * n * (acc + (db if cast else 0)) + weight + 3 * 4 * eager_rows(v, logits_chunk) * v
-    if not head_trained:
-        return h * db * n + tile
-    if form == "fused":
-        return h * db * n + v * h * db + (v * h * 4 if db < 4 else 0) + tile
-    hidden_node = h * db * n + min(logits_chunk, n) * h * (4 + 2 * db)
-    if weight_grad_formed:
-        return v * h * db + max(_VOCAB_TILE * h * 4, hidden_node) + tile
-    return max(v * h * db + _VOCAB_TILE * h * 4, hidden_node) + tile
