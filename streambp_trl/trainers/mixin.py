@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 
@@ -294,15 +293,15 @@ class StreamTrainerMixin:
             raise NoPlanFits(f"{type(self).__name__}, the longest batch of this config ({why}): {error}") from None
 
     def training_step(self, *args, **kwargs):
-        """TRL's training step, its peak memory logged on CUDA. With whole rows split across ranks it runs inside
-        :func:`~streambp_trl.engine.whole_rows.group_batch`: its batch is the group's (:class:`WholeRowsLoader`), so
-        the no-grad passes of an eval-mode reference model (DPO's, KTO's, GRPO's, RLOO's) stream this rank's share of
-        it as the policy does."""
+        """TRL's training step, its peak memory logged on CUDA, inside
+        :func:`~streambp_trl.engine.whole_rows.group_batch`: with whole rows split across ranks its batch is the
+        group's (:class:`WholeRowsLoader`), so the no-grad passes of an eval-mode reference model (DPO's, KTO's,
+        GRPO's, RLOO's) stream this rank's share of it as the policy does (a model enabled without ``whole_rows``
+        reads nothing of it)."""
         cuda = torch.cuda.is_available() and self.args.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.args.device)
-        whole = self.splits_sequences and self.sequence_rows == "whole"
-        with group_batch() if whole else contextlib.nullcontext():
+        with group_batch():
             loss = super().training_step(*args, **kwargs)
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.args.device) / 2**30
