@@ -74,9 +74,10 @@ def directional(model, pristine, loss_of, eps: float = 1e-5) -> dict:
     return {"along": along, "difference": (4 * central(eps / 2) - central(eps)) / 3}
 
 
-def whole(args, model, reference, ids, mask, labels, world: int, counts: dict) -> None:
-    """Every rank given the whole rows: the loss (the same on every rank) and the gradients averaged over the ranks
-    against plain autograd on the whole rows; rank 0 writes them to ``--out`` and the processes exit."""
+def whole(args, model, reference, ids, rows: dict, labels, world: int, counts: dict) -> None:
+    """Every rank given the whole rows (``rows``: their attention mask, or packed rows' position ids): the loss (the
+    same on every rank) and the gradients averaged over the ranks against plain autograd on the whole rows; rank 0
+    writes them to ``--out`` and the processes exit."""
 
     if args.whole_rows == "score":  # the second row's last tokens are padding: its score is read before them
         ids[1, -4:] = 0
@@ -87,13 +88,13 @@ def whole(args, model, reference, ids, mask, labels, world: int, counts: dict) -
             return -F.logsigmoid(scores[0] - scores[1])
         if args.whole_rows == "nll":
             if streamed:
-                return model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            logits = model(input_ids=ids, attention_mask=mask).logits
+                return model(input_ids=ids, **rows, labels=labels).loss
+            logits = model(input_ids=ids, **rows).logits
             return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         if streamed:
-            per_token = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+            per_token = model(input_ids=ids, **rows, labels=labels, fused_lm_head=True).log_probs
         else:
-            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+            logits = model(input_ids=ids, **rows).logits[:, :-1]
             target = labels[:, 1:]
             picked = logits.log_softmax(-1).gather(-1, target.clamp(min=0)[..., None])[..., 0]
             per_token = picked * (target != -100)
@@ -123,6 +124,17 @@ def whole(args, model, reference, ids, mask, labels, world: int, counts: dict) -
     os._exit(0)
 
 
+def flash_named(model):
+    """``model`` with flash attention named as its attention implementation: the CPU has no flash kernel, but a
+    streamed call never runs the model's own attention, and the engine keeps packed documents apart as flash's
+    variable-length kernel does (:class:`~streambp_trl.layers.adapters.varlen.VarlenAttention`)."""
+    from streambp_trl.attention import stream_configs
+
+    for config in stream_configs(model):
+        config._attn_implementation_internal = "flash_attention_2"
+    return model
+
+
 def refusals(rank: int) -> dict[str, str]:
     """What each input a sequence split does not serve raises (its message, or "accepted")."""
     from zoo import tiny_causal_lm
@@ -139,6 +151,18 @@ def refusals(rank: int) -> dict[str, str]:
     cases["labels"] = lambda: model(input_ids=ids, labels=ids).loss
     mine = ids[:, : 4 + 2 * rank]  # rank 0: 4 tokens, rank 1: 6
     cases["lengths"] = lambda: model(input_ids=mine, shift_labels=shift[:, : mine.shape[1]]).loss
+    starts = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])  # this rank's share of packed rows: restarts
+    cuts = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cases["descriptors"] = lambda: model(input_ids=ids, position_ids=starts, cu_seq_lens_q=cuts, shift_labels=shift)
+    # (use_cache=False: with a cache transformers' mask attends across a packed row's documents, and so does the split)
+    cases["rows apart"] = lambda: model(input_ids=ids, position_ids=starts, shift_labels=shift, use_cache=False).loss
+    chunked = enable_streambp(tiny_causal_lm("llama4_text"), stream_chunk_size=4, sequence_group=group)
+    packed = starts[:1].expand(2, -1)
+    flash = flash_named(tiny_model("qwen3"))
+    enable_streambp(flash, stream_chunk_size=4, sequence_group=group, verify=False)
+    ones = torch.ones_like(ids)
+    cases["flash, a mask"] = lambda: flash(input_ids=ids, attention_mask=ones, position_ids=packed, shift_labels=shift)
+    cases["chunked"] = lambda: chunked(input_ids=ids, position_ids=packed, shift_labels=shift, use_cache=False).loss
     said = {}
     for name, run in cases.items():
         try:
@@ -160,6 +184,13 @@ def main() -> None:
     parser.add_argument("--keep-attention", action="store_true")
     parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--padding", action="store_true", help="row 0 left-padded, row 1 right-padded, over ranks")
+    parser.add_argument(
+        "--packed",
+        action="store_true",
+        help="packed rows, as TRL's padding-free batches come: position ids that restart where each document starts "
+        "(within and at the ranks' shares), no attention mask",
+    )
+    parser.add_argument("--flash", action="store_true", help="flash attention named as the streamed model's own")
     parser.add_argument("--refusals", action="store_true", help="write what each input the split refuses raises")
     parser.add_argument(
         "--whole-rows",
@@ -196,11 +227,19 @@ def main() -> None:
         pad = args.per_rank + 2
         mask[0, :pad], mask[1, -pad:] = 0, 0
         labels[mask == 0] = -100
+    positions = None
+    if args.packed:  # documents of 5, 1, 3, ... tokens: starts inside a share and at its first token, a one-token one
+        lengths = [5, 1, 3, args.per_rank, length]
+        positions = torch.cat([torch.arange(n) for n in lengths])[:length].expand(2, -1)
+        labels[:, positions[0] == 0] = -100  # (as TRL's padding-free collator: no document's first token is scored)
     shift = F.pad(labels[:, 1:], (0, 1), value=-100)
     tokens = int((shift != -100).sum())
 
+    if args.flash:
+        flash_named(model)
     enable_streambp(
         model,
+        verify=not args.flash,
         stream_chunk_size=args.chunk,
         kv_mode=args.kv_mode,
         keep_activations=0,
@@ -220,15 +259,14 @@ def main() -> None:
         setattr(dist, name, counted)
     mine = slice(rank * args.per_rank, (rank + 1) * args.per_rank)
     if args.whole_rows:
-        whole(args, model, reference, ids, mask, labels, world, counts)
+        rows = {"position_ids": positions, "use_cache": False} if args.packed else {"attention_mask": mask}
+        whole(args, model, reference, ids, rows, labels, world, counts)
     torch.manual_seed(100 + rank)
+    given = {"attention_mask": mask[:, mine]}
+    if args.packed:
+        given = {"position_ids": positions[:, mine], "use_cache": False}
     with Float64Internals():  # (see the module docstring)
-        loss = model(
-            input_ids=ids[:, mine],
-            attention_mask=mask[:, mine],
-            shift_labels=shift[:, mine],
-            num_items_in_batch=tokens,
-        ).loss
+        loss = model(input_ids=ids[:, mine], shift_labels=shift[:, mine], num_items_in_batch=tokens, **given).loss
         loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
@@ -239,8 +277,9 @@ def main() -> None:
     if args.dropout:  # the masks are the split's own, which no plain forward draws: a central difference instead
         out.update(directional(model, pristine, lambda m: split_loss(m, ids[:, mine], shift[:, mine], tokens, rank)))
     else:
+        whole_rows = {"position_ids": positions, "use_cache": False} if args.packed else {"attention_mask": mask}
         with Float64Internals():
-            logits = reference(input_ids=ids, attention_mask=mask).logits
+            logits = reference(input_ids=ids, **whole_rows).logits
             ref = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / tokens
             ref.backward()
         worst, where = 0.0, ""

@@ -13,9 +13,9 @@ exchange), ``trl`` TRL's SFTTrainer (DeepSpeed's Ulysses attention). ``--world-o
 process without the split, on the same rows.
 
 The dataset is two copies of one chat row, so whichever rank's row a step takes, every step trains the same row:
-one process's steps are the same steps. Rank 0 writes each step's logged loss, the update (weights after the
-steps minus before, float64, divided by the learning rate) and the (rank, ranks, tokens, with grad) of each decoder
-call the engine split to ``--out``.
+one process's steps are the same steps. Rank 0 writes each step's logged loss (and, with ``--eval``, eval loss), the
+weights after the steps (float64) and the (rank, ranks, tokens, with grad) of each decoder call the engine split to
+``--out``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,12 @@ def main() -> None:
     parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
     parser.add_argument("--objective", choices=("sft", "dpo", "kto", "reward", "grpo", "rloo"), default="sft")
     parser.add_argument("--world-one", action="store_true")
-    parser.add_argument("--padding-free", action="store_true", help="write what building the trainer raises")
+    parser.add_argument(
+        "--padding-free", action="store_true", help="SFT on padding-free rows: each step's two examples packed in one"
+    )
+    parser.add_argument("--packing", action="store_true", help="SFT with packing=True (bfd): two examples a row")
+    parser.add_argument("--peft", action="store_true", help="a LoRA adapter trained (DPO: its reference disabled)")
+    parser.add_argument("--eval", action="store_true", help="SFT: evaluate four other rows after each step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -70,12 +75,13 @@ def main() -> None:
 
     kinds = {"sft": "chat", "dpo": "preference", "kto": "unpaired_preference", "reward": "preference"}
     kind = kinds.get(args.objective, "prompt_completion")
-    # (KTO's KL term pairs each completion with another row's prompt; GRPO: 4 completions of one prompt a rank)
-    batch = {"kto": 2, "grpo": 4, "rloo": 4}.get(args.objective, 1)
+    # (KTO's KL term pairs each completion with another row's prompt; GRPO: 4 completions of one prompt a rank;
+    # padding-free SFT: two documents in each row)
+    batch = {"kto": 2, "grpo": 4, "rloo": 4}.get(args.objective, 2 if args.padding_free else 1)
     row = (
         tiny_dataset(kind, 1).remove_columns("completion")[0] if args.objective in ONLINE else tiny_dataset(kind, 1)[0]
     )
-    data = Dataset.from_list([row] * 2 * (batch if args.objective not in ONLINE else 1))
+    data = Dataset.from_list([row] * 2 * (batch if args.objective not in ONLINE else 1) * (1 + args.packing))
 
     from transformers import AutoModelForSequenceClassification
 
@@ -91,7 +97,6 @@ def main() -> None:
             load_model() if args.objective != "reward" else AutoModelForSequenceClassification.from_pretrained(saved)
         )
 
-    before = {n: p.detach().double().clone() for n, p in built().named_parameters()}
     extra: dict = {}
     if not args.world_one:
         from accelerate.parallelism_config import ParallelismConfig
@@ -136,9 +141,15 @@ def main() -> None:
         per_device_train_batch_size=batch,
         max_steps=1 if args.objective in ONLINE else 2,  # (online: the first step's samples are alike in every run)
         learning_rate=LR if args.objective == "sft" else LR / 20,  # (DPO's loss saturates in one step at 1.0)
-        **({"max_length": None if args.padding_free else 128} if args.objective not in ONLINE else {}),
+        **(
+            {"max_length": 192 if args.packing else None if args.padding_free else 128}
+            if args.objective not in ONLINE
+            else {}
+        ),
         **(dict(pad_to_multiple_of=2 * world, padding_free=args.padding_free) if args.objective == "sft" else {}),
+        **({"packing": True} if args.packing else {}),
         **(dict(num_generations=4, max_completion_length=8, temperature=0.7) if args.objective in ONLINE else {}),
+        **(dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=1) if args.eval else {}),
         **stream_args,
         **extra,
     )
@@ -157,19 +168,14 @@ def main() -> None:
 
     decoder_forward._call_split = recorded
     model = built()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
-    if args.padding_free:
-        try:
-            trainer_cls(model=model, args=config, train_dataset=data, processing_class=load_tokenizer())
-        except ValueError as error:
-            said = str(error)
-        else:
-            said = "accepted"
-        if int(os.environ["RANK"]) == 0:
-            torch.save({"said": said}, args.out)
-        dist.barrier()
-        os._exit(0)
     # (ZeRO-3: a reference passed in)
-    reference = {"ref_model": load_model()} if args.objective in ("dpo", "kto") else {}
+    reference = {"ref_model": load_model()} if args.objective in ("dpo", "kto") and not args.peft else {}
+    if args.peft:
+        from peft import LoraConfig
+
+        reference["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    if args.eval:  # other rows than the training row's, each rank evaluating its own (eval does not split)
+        reference["eval_dataset"] = tiny_dataset(kind, 4)
     reward = LengthReward()
     if args.objective in ONLINE:
         reference = {"reward_funcs": [reward]}
@@ -181,10 +187,11 @@ def main() -> None:
     own_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # (DeepSpeed's Ulysses exchange replaces it)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = full_parameters(unwrapped)
-    update = {n: (after[n] - before[n]) / config.learning_rate for n in before}
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    eval_losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     if int(os.environ["RANK"]) == 0:
-        record = {"update": update, "after": after, "losses": losses, "splits": splits, "own_sdpa": own_sdpa}
+        record = {"after": after, "losses": losses, "splits": splits, "own_sdpa": own_sdpa}
+        record["eval_losses"] = eval_losses
         record["completions"] = reward.seen
         torch.save(record, args.out)
     if world > 1:

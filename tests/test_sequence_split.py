@@ -23,6 +23,9 @@ CASES = {
     "window over two earlier ranks": (4, 3, 2, "mistral", ()),
     "left and right padding across ranks": (2, 6, 4, "qwen3", ("--padding",)),
     "padding on every rank, a window": (4, 3, 2, "mistral", ("--padding",)),
+    "packed rows, documents starting inside and at a rank's share": (2, 6, 4, "qwen3", ("--packed",)),
+    "packed rows, a window, 4 ranks": (4, 3, 2, "mistral", ("--packed",)),
+    "packed rows, flash attention (documents apart by its kernel)": (2, 6, 4, "qwen3", ("--packed", "--flash")),
 }
 
 
@@ -39,7 +42,8 @@ def test_split_sequence_equals_one_process(tmp_path, case):
     # again in a recomputing backward), their gradients returned once; the padding mask all-gathered once a call
     passes = 2 if "capture" in extra else 3
     rounds = 3 * 2 * (ranks - 1) * passes  # (3 layers)
-    assert result["collectives"] == {"all_gather": int("--padding" in extra), "batch_isend_irecv": rounds}
+    gathered = int("--padding" in extra or "--packed" in extra)  # the padding mask, or packed rows' positions
+    assert result["collectives"] == {"all_gather": gathered, "batch_isend_irecv": rounds}
 
 
 WHOLE = {
@@ -49,6 +53,8 @@ WHOLE = {
     "a preference loss, a window over two earlier ranks, 4 ranks": (4, 3, "mistral", "pairs"),
     "a sequence classifier's scores, a row ending in padding, 2 ranks": (2, 4, "qwen3", "score"),
     "a sequence classifier's scores, 4 ranks": (4, 4, "qwen3", "score"),
+    "packed rows, the model's own loss, 2 ranks": (2, 6, "qwen3", "nll", "--packed"),
+    "packed rows, a preference loss, a window, 4 ranks": (4, 3, "mistral", "pairs", "--packed"),
 }
 
 
@@ -59,9 +65,10 @@ def test_whole_rows_on_every_rank_equal_one_process(tmp_path, case):
     rank holding its last token, and summed over the ranks), so a loss over whole sequences (a preference loss on
     fused_lm_head=True's log-probs, or on scores) runs on every rank as on one process; the gradients averaged over
     the ranks equal plain autograd's on the whole rows."""
-    ranks, per_rank, family, loss = WHOLE[case]
+    ranks, per_rank, family, loss, *extra = WHOLE[case]
     out = tmp_path / "out.json"
-    args = ("--family", family, "--per-rank", str(per_rank), "--chunk", "2", "--whole-rows", loss, "--out", str(out))
+    args = ("--family", family, "--per-rank", str(per_rank), "--chunk", "2", "--whole-rows", loss, *extra)
+    args = (*args, "--out", str(out))
     torchrun("sequence_split_step.py", *args, log=tmp_path / "log", nproc=ranks)
     result = json.loads(out.read_text())
     assert abs(result["loss"] - result["reference_loss"]) <= EXACT * abs(result["reference_loss"])
@@ -88,6 +95,11 @@ def test_split_refusals_name_the_problem_and_the_fix(tmp_path):
     assert "4D attention mask" in said["4D mask"] and "without the sequence split" in said["4D mask"]
     assert "shift_labels" in said["labels"] and "num_items_in_batch" in said["labels"]
     assert "different lengths (4 to 6 tokens)" in said["lengths"] and "pad_to_multiple_of" in said["lengths"]
+    assert "cu_seq_lens_q" in said["descriptors"] and "global position_ids alone" in said["descriptors"]
+    assert "start at different positions" in said["rows apart"] and "padding_free=True" in said["rows apart"]
+    flash = said["flash, a mask"]
+    assert "given with an attention mask" in flash and "without attention_mask" in flash
+    assert "Llama4TextModel's chunked attention" in said["chunked"] and "padded rows" in said["chunked"]
 
 
 def _rounding(a: dict, b: dict) -> float:
@@ -147,11 +159,19 @@ def test_stream_sft_under_the_split_trains_as_trls_ulysses_sft(tmp_path):
     assert _rounding(trl["after"], split["after"]) < 8
 
 
-def test_stream_sft_refuses_padding_free_rows_under_the_sequence_split_at_construction(tmp_path):
-    out = tmp_path / "out.pt"
-    torchrun("sequence_split_trainer.py", "--padding-free", "--out", str(out), log=tmp_path / "log")
-    said = torch.load(out)["said"]
-    assert "padding_free rows cannot be split across ranks (sp_size > 1)" in said and "pad_to_multiple_of" in said
+@pytest.mark.parametrize("rows", ["--padding-free", "--packing"])
+def test_stream_sft_on_padding_free_rows_under_the_split_trains_as_one_process(tmp_path, rows):
+    """padding_free=True or packing=True ("bfd") under DeepSpeed's sp_size=2: each step's row holds two examples
+    (position ids that restart at the second), which DeepSpeed's data path splits between the ranks without the
+    sequence descriptors it cannot shard; each rank keeps the documents apart by the whole row's position ids,
+    gathered. The losses and the weights after two steps are one process's on the same packed rows, whose documents
+    it keeps apart (the one-process SFT tests check that against TRL's own); seen: 3.1 epsilons of each tensor's
+    largest weight, both."""
+    split = _trained(tmp_path, "split", rows)
+    one = _trained(tmp_path, "one", rows, "--world-one", ranks=1)
+    assert [grad for *_, grad in split["splits"]] == [True, True] and one["splits"] == []
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-12)
+    assert _rounding(one["after"], split["after"]) < 8
 
 
 def _logged(log: str) -> list[dict[str, str]]:

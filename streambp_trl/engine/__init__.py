@@ -3,7 +3,8 @@
 * :mod:`.options`: :class:`StreamOptions`, the engine's options, validated once;
 * :mod:`.install`: :func:`enable_streambp` / :func:`disable_streambp`, :func:`is_streaming`, :func:`chunk_sizes`,
   :func:`count_optimizer`, :func:`last_head_form`, :func:`last_plan`, :func:`plan_fields`,
-  :func:`packed_rows_refusal`;
+  :func:`packed_rows_refusal`; :data:`PACKING_KWARGS`, packed rows' sequence descriptors (a split call takes the
+  rows' position ids alone);
 * :mod:`.state`: :class:`EngineState`, what the engine found and chose once, kept on the model;
 * :mod:`.decoder_forward`: the decoder's forward it installs (streamed calls, a rank's share under a split);
 * :mod:`.lm_forward`: the causal LM's forward it installs (the logit kernel as LM head);
@@ -15,6 +16,7 @@
 * :mod:`.zero3`: DeepSpeed ZeRO-3 leaf layers and parameter gathers.
 """
 
+from ..layers.layer_args import PACKING_KWARGS
 from .head_side import HeadSide, decode_for_head, kernel_head, logit_gradient_form, logits_tile
 from .install import (
     check_fits,
@@ -33,6 +35,7 @@ from .options import StreamOptions
 from .zero3 import mark_zero3_leaves, zero3_enabled
 
 __all__ = [
+    "PACKING_KWARGS",
     "HeadSide",
     "StreamOptions",
     "check_fits",

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
-from ..layers.layer_args import CACHE_KWARGS, cache_argument
+from ..layers.layer_args import CACHE_KWARGS, PACKING_KWARGS, cache_argument
 from ..layers.sequence_split import SequenceSplit
 from ..layers.sharding import check_segmentable
 from ..layers.traits import takes_state_argument
@@ -79,7 +79,7 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
         split = _call_split(state, inputs, kwargs)
         call = state.call_for(inputs, rebuildable=not hidden_states_kept, ranks=split.size if split else 1)
         if split is not None:
-            _split(call, split, inputs, kwargs)
+            _split(state, call, split, inputs, kwargs)
         if torch.is_grad_enabled() and call.plan is not None:
             state.say_if_unstreamed(inputs, call.plan.chunk)
     # the layers' own `training` flag (not their submodules') is what makes transformers call the stream hook: set it
@@ -102,20 +102,40 @@ def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -
     if state.sequence_group is None:
         return None
     if state.whole_rows:  # (in any mode: a teacher's no-grad pass on the share its student's trainer cut too)
-        return current_share()
+        share = current_share()
+        if share is not None:
+            _check_undescribed(kwargs)
+        return share
     if not state.decoder.training:
         return None
     if inputs is None or inputs.dim() < 2:
         raise ValueError("StreamBP: a sequence split across ranks needs input_ids or inputs_embeds of (batch, T).")
+    _check_undescribed(kwargs)
     mask = kwargs.get("attention_mask")
-    padding = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
-    return SequenceSplit.of(state.sequence_group(), inputs.shape[1], padding, state.split_draws)
+    if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+        mask = None  # (a 4D mask: refused by the layers)
+    positions = kwargs.get("position_ids")
+    return SequenceSplit.of(
+        state.sequence_group(), inputs.shape[1], mask, state.split_draws, positions, state.kernel_apart
+    )
 
 
-def _split(call: DecoderCall, split: SequenceSplit, inputs: torch.Tensor, kwargs: dict) -> None:
+def _check_undescribed(kwargs: dict) -> None:
+    """Refuse a split call given packed rows' sequence descriptors: they describe one rank's share or the whole rows,
+    and the split keeps the documents apart by the positions alone."""
+    described = [k for k in PACKING_KWARGS if kwargs.get(k) is not None]
+    if described:
+        raise ValueError(
+            f"StreamBP cannot split a call given {', '.join(described)} across ranks: pass packed rows by their "
+            "global position_ids alone, which restart where a document starts (the engine keeps the documents apart "
+            "across the ranks by them), or train without the sequence split."
+        )
+
+
+def _split(state: EngineState, call: DecoderCall, split: SequenceSplit, inputs: torch.Tensor, kwargs: dict) -> None:
     """Make ``call`` one rank's share of sequences split as ``split`` says: the plan of the group's first rank (every
-    rank then issues the same collectives: :mod:`~streambp_trl.layers.sequence_split`) and, where none are given,
-    global ``position_ids`` from the rank's offset."""
+    rank then issues the same collectives: :mod:`~streambp_trl.layers.sequence_split`), where none are given, global
+    ``position_ids`` from the rank's offset and, for packed rows, an all-ones attention mask."""
     call.split = split
     plans = [call.plan]
     dist.broadcast_object_list(plans, src=dist.get_global_rank(split.group, 0), group=split.group)
@@ -123,6 +143,16 @@ def _split(call: DecoderCall, split: SequenceSplit, inputs: torch.Tensor, kwargs
     if kwargs.get("position_ids") is None:
         positions = torch.arange(split.offset, split.end, device=inputs.device)
         kwargs["position_ids"] = positions.expand(inputs.shape[0], -1)
+    if split.documents:
+        if "chunked_attention" in (getattr(state.decoder.config, "layer_types", None) or ()):
+            raise ValueError(
+                f"StreamBP cannot split packed rows across ranks for {type(state.decoder).__name__}'s chunked "
+                "attention, whose chunks count from each document's start: train with padded rows, or without the "
+                "sequence split."
+            )
+        # an all-ones mask: transformers reads no packed rows from this rank's share of the positions (they would be
+        # its share's documents, not the whole rows'); every layer keeps the split's documents apart instead
+        kwargs["attention_mask"] = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
 
 
 def check_router_logits(model: nn.Module, kwargs: dict, config) -> None:

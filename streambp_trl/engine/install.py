@@ -170,11 +170,12 @@ class GivenGroup:
 
 def _check_splittable(lm: PreTrainedModel, state: EngineState) -> None:
     """Refuse a sequence split for a model whose layers carry more than softmax keys/values between positions or need
-    a family adapter (recurrent or convolution mixers, whose state would cross ranks; shared, compressed or indexed
-    keys/values; nested or stacked layers), naming the first such layer and what it has."""
+    a family adapter the split does not serve (recurrent or convolution mixers, whose state would cross ranks; shared,
+    compressed or indexed keys/values; nested or stacked layers), naming the first such layer and what it has."""
     for layer, facts in zip(state.layers, state.facts, strict=True):
-        if facts.adapters:
-            names = ", ".join(type(a).__name__ for a in facts.adapters)
+        unserved = [a for a in facts.adapters if not a.splits]
+        if unserved:
+            names = ", ".join(type(a).__name__ for a in unserved)
             refuse(
                 lm,
                 f"its {type(layer).__name__} layers need the engine's {names} adapter, which a sequence split "

@@ -83,6 +83,11 @@ class EngineState:
         module there is still a row-wise norm (:func:`~.model_parts.final_norm`); else ``None``."""
         return None if self.norm_name is None else final_norm(self.decoder, self.norm_name)
 
+    @property
+    def kernel_apart(self) -> bool:
+        """Whether some stream layer's own attention keeps a packed row's documents apart whatever its mask says."""
+        return any(facts.kernel_apart for facts in self.facts)
+
     def check_decoder(self, lm: nn.Module) -> None:
         """Refuse a causal LM ``lm`` whose decoder is no longer the one the engine was installed on (replaced or
         removed since), naming it and the fix."""

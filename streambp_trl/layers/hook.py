@@ -75,6 +75,11 @@ class LayerFacts:
         return tuple(name for a in self.adapters for name in a.from_prefix)
 
     @property
+    def kernel_apart(self) -> bool:
+        """Whether the layer's own attention keeps a packed row's documents apart whatever its mask says."""
+        return any(a.kernel_apart for a in self.adapters)
+
+    @property
     def compress_rates(self) -> dict[int, int]:
         return {slot: rate for a in self.adapters for slot, rate in a.compress_rates.items()}
 
@@ -184,28 +189,31 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
 
 def _whole_rows_masked(kwargs: dict, split: SequenceSplit) -> dict:
     """A split call's arguments with each :class:`StreamMask` reading the whole rows' padding (``split.padding``:
-    every rank's share, gathered) instead of this rank's share, since its keys span the earlier ranks' positions."""
+    every rank's share, gathered) and keeping their documents apart (``split.documents``, in global positions)
+    instead of this rank's share's, since its keys span the earlier ranks' positions."""
 
     def placed(v: object) -> object:
-        return dataclasses.replace(v, padding=split.padding) if isinstance(v, StreamMask) else v
+        if not isinstance(v, StreamMask):
+            return v
+        return dataclasses.replace(v, padding=split.padding, documents=split.documents)
 
     return {k: {n: placed(m) for n, m in v.items()} if isinstance(v, dict) else placed(v) for k, v in kwargs.items()}
 
 
 def _check_split(call: LayerCall, seq_len: int) -> None:
     """Refuse a layer call on one rank's share of a split sequence (:mod:`.sequence_split`) that the split does not
-    serve: a user-given 4D mask or packed rows (whose documents the other ranks' positions would have to be told
-    apart by), or an input of another length than the split's share."""
+    serve: a user-given 4D mask, a recurrent mixer's document resets (its state would cross ranks), or an input of
+    another length than the split's share."""
     name = type(call.layer).__name__
     if seq_len != call.split.length:
         raise ValueError(
             f"StreamBP: {name} got {seq_len} tokens on a rank whose share of the sequence is {call.split.length}."
         )
-    if any(m.dense is not None or m.documents for m in call.masks) or call.resets:
+    if any(m.dense is not None for m in call.masks) or call.resets:
         raise ValueError(
-            f"StreamBP cannot split the sequence of {name} across ranks with a 4D attention mask or packed rows: "
-            "pass whole rows (a 2D attention_mask or none) with their global position_ids, as DeepSpeed's Ulysses "
-            "data path hands them out, or train without the sequence split."
+            f"StreamBP cannot split the sequence of {name} across ranks with a 4D attention mask: pass a 2D "
+            "attention_mask (or none) with the rows' global position_ids, as DeepSpeed's Ulysses data path hands them "
+            "out, or train without the sequence split."
         )
 
 

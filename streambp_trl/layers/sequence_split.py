@@ -31,7 +31,10 @@ in progress), one share's buffers each way, and the returned gradients (L positi
 
 Served: layers of one softmax attention (dense, grouped-query, sliding window), with padding anywhere in the rows
 (each rank's queries are masked against the whole rows' padding mask, gathered once per call); positions come from
-``position_ids`` (global: given, or the rank's offset on). Packed rows, a user-given 4D mask and a layer with a family
+``position_ids`` (global: given, or the rank's offset on). Packed rows (TRL's padding-free batches: position ids that
+restart where a document starts, no attention mask) keep their documents apart across the ranks as on one process:
+the documents' starts are read from the whole rows' position ids (gathered once per call where some rank's restart)
+and every layer's mask keeps them apart (:func:`packed_documents`). A user-given 4D mask and a layer with a family
 adapter (a recurrent mixer, whose state would cross ranks; shared or compressed keys/values) are refused by name.
 """
 
@@ -51,13 +54,15 @@ from .carry.store import KV, CarryStore
 class SequenceSplit:
     """This rank's share of a sequence split across ``group``: rank ``rank`` of ``size``, ``length`` tokens each;
     ``padding``: the (batch, size x length) padding mask of the whole rows (``True``: a token), gathered from every
-    rank's share, or ``None`` where no rank has padding."""
+    rank's share, or ``None`` where no rank has padding; ``documents``: the global positions where the packed rows'
+    documents start (but the first), kept apart by every layer (:func:`packed_documents`), ``()`` for unpacked rows."""
 
     group: dist.ProcessGroup
     rank: int
     size: int
     length: int
     padding: torch.Tensor | None = None
+    documents: tuple[int, ...] = ()
     draws: Iterator[int] = dataclasses.field(default_factory=itertools.count, compare=False)  # see :meth:`place`
 
     def place(self, count: int) -> int:
@@ -67,28 +72,39 @@ class SequenceSplit:
 
     @classmethod
     def of(
-        cls, group: dist.ProcessGroup, length: int, padding: torch.Tensor | None = None, draws: Iterator[int] = ()
+        cls,
+        group: dist.ProcessGroup,
+        length: int,
+        mask: torch.Tensor | None = None,
+        draws: Iterator[int] = (),
+        positions: torch.Tensor | None = None,
+        kernel_apart: bool = False,
     ) -> SequenceSplit:
         """The split of a call whose rows hold ``length`` tokens on this rank, checked to be the same on every rank of
-        ``group`` (one three-element ``all_reduce``); ``padding``: this rank's (batch, length) 2D attention mask, if
-        any, gathered from every rank where one has padding (an ``all_gather``), so that each rank's queries are
-        masked against the whole rows' padding, wherever it is."""
-        padded = padding is not None and not bool(padding.all())
-        facts = torch.tensor([length, -length, int(padded)], dtype=torch.int64, device=_device(group))
+        ``group`` (one four-element ``all_reduce``); ``mask``: this rank's (batch, length) 2D attention mask, if the
+        call has one, gathered from every rank where one has padding (an ``all_gather``), so that each rank's queries
+        are masked against the whole rows' padding, wherever it is; ``positions``: this rank's share of the call's
+        ``position_ids``, if given, gathered where some rank's do not run on from its offset (an ``all_gather``) for
+        the packed rows' documents (:func:`packed_documents`; ``kernel_apart``: some layer's attention keeps them
+        apart whatever the mask)."""
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        padded = mask is not None and not bool(mask.all())
+        facts = [length, -length, int(padded), int(positions is not None and _restarts(positions, rank * length))]
+        facts = torch.tensor(facts, dtype=torch.int64, device=_device(group))
         dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)
         if int(facts[0]) != length or int(-facts[1]) != length:
             raise ValueError(
-                f"StreamBP: the sequence split across {dist.get_world_size(group)} ranks gives them different lengths "
+                f"StreamBP: the sequence split across {size} ranks gives them different lengths "
                 f"({int(-facts[1])} to {int(facts[0])} tokens): split every row into equal shares (pad the "
                 "sequence to a multiple of the split, e.g. pad_to_multiple_of)."
             )
-        size, whole = dist.get_world_size(group), None
+        whole = None
         if int(facts[2]):
-            mine = (padding if padding is not None else torch.ones(1, length)).bool()
-            parts = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(parts, mine.contiguous(), group=group)
-            whole = torch.cat(parts, dim=1)
-        return cls(group, dist.get_rank(group), size, length, whole, draws)
+            whole = _joined((mask if mask is not None else torch.ones(1, length)).bool(), group)
+        documents = ()
+        if int(facts[3]):
+            documents = packed_documents(_joined(positions, group), mask is not None, whole is not None, kernel_apart)
+        return cls(group, rank, size, length, whole, documents, draws)
 
     @property
     def offset(self) -> int:
@@ -155,6 +171,46 @@ class SequenceSplit:
     def returns_grads(self) -> bool:
         """Whether later ranks attend to this rank's keys/values (every rank but the last)."""
         return self.rank + 1 < self.size
+
+
+def packed_documents(positions: torch.Tensor, masked: bool, padded: bool, kernel_apart: bool) -> tuple[int, ...]:
+    """Where the documents of packed rows start (but the first), as a split call keeps them apart: ``positions`` are
+    the whole rows' position ids (batch, T), which restart where a document starts (a step other than 1:
+    transformers' packed-sequence detection). One process keeps the documents apart in a call without an attention
+    mask (``masked`` False: transformers' mask does), and otherwise attends across them, unless some layer's kernel
+    keeps them apart whatever the mask (``kernel_apart``: flash attention's variable-length kernel, on rows without
+    padding), a case refused here: the split's layers see only the shares' masks. Rows whose documents start at
+    different positions are refused too (TRL's padding-free batches are one row)."""
+    steps = positions.diff(dim=1) != 1
+    if not bool(steps.any()):
+        return ()
+    if masked and not (kernel_apart and not padded):
+        return ()
+    if masked:
+        raise ValueError(
+            "StreamBP cannot split packed rows (position_ids that restart) given with an attention mask across ranks "
+            "for a flash attention model: pass them without attention_mask (as TRL's padding-free batches come), or "
+            "train without the sequence split."
+        )
+    if not bool((steps == steps[:1]).all()):
+        raise ValueError(
+            "StreamBP cannot split packed rows whose documents start at different positions across ranks: pack the "
+            "batch into one row (TRL's padding_free=True does), or train without the sequence split."
+        )
+    return tuple(int(i) + 1 for i in steps[0].nonzero().flatten().tolist())
+
+
+def _restarts(positions: torch.Tensor, offset: int) -> bool:
+    """Whether a rank's share of position ids may hold a document's start: they restart within the share, or do not
+    begin at its offset."""
+    return bool((positions.diff(dim=1) != 1).any() or (positions[:, 0] != offset).any())
+
+
+def _joined(mine: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's share of a (batch, length) tensor, joined along the positions (one ``all_gather``)."""
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:

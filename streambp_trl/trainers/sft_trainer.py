@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 from trl import SFTTrainer
 
-from ..engine import packed_rows_refusal
+from ..engine import PACKING_KWARGS, packed_rows_refusal
 from .mixin import StreamTrainerMixin
 from .sft_config import StreamSFTConfig
 
@@ -29,11 +32,9 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: {refusal}")
         if self.padding_free and self.splits_sequences:
-            raise ValueError(
-                f"{type(self).__name__}: packing / padding_free rows cannot be split across ranks (sp_size > 1): "
-                "their documents would have to be told apart on every rank. Set packing=False and "
-                "padding_free=False (rows padded to a multiple of sp_size, pad_to_multiple_of), or sp_size=1."
-            )
+            # DeepSpeed's Ulysses data path hands each rank its share of every (batch, T) field, and takes no (n + 1)
+            # cumulative lengths: the split rows keep their documents apart by the global position ids alone
+            self.data_collator = PositionsOnly(self.data_collator)
 
     def _longest_batch(self) -> tuple[tuple[int, int], str] | None:
         """Padding-free batches (``padding_free``, or ``packing`` with the "bfd" strategies) are one row of every
@@ -51,3 +52,14 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         # TRL's `nll` loss is the token mean of -log p (its other losses read the fused head without grad, or weight
         # tokens by their probability: `dft`, which the kernel's backward check sends to the recompute)
         return {"token_mean_loss": self.args.loss_type == "nll"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PositionsOnly:
+    """A padding-free collator's batches without the packed rows' sequence descriptors (``cu_seq_lens_q``, ...):
+    their documents are told apart by the ``position_ids``, which restart at each document's start."""
+
+    collator: Callable
+
+    def __call__(self, examples: list) -> dict:
+        return {k: v for k, v in self.collator(examples).items() if k not in PACKING_KWARGS}

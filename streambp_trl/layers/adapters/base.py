@@ -41,7 +41,9 @@ class LayerAdapter:
     key position on. ``compress_rates``: cache slot -> compress rate of compressed attentions. ``cache_name``: the
     argument the layer takes its cache under, where none of transformers' cache names is a parameter of its forward.
     ``after``: the adapters this one must follow where a layer has both (their ``bind`` runs first, their ``wrap``
-    inside this one's), declared by the trait that needs it (:func:`~..adapters.in_order`).
+    inside this one's), declared by the trait that needs it (:func:`~..adapters.in_order`). ``kernel_apart``: the
+    layer's own attention keeps a packed row's documents apart whatever its mask says. ``splits``: a sequence split
+    across ranks (:mod:`~..sequence_split`) serves the trait.
     """
 
     after: ClassVar[tuple[type[LayerAdapter], ...]] = ()
@@ -49,6 +51,8 @@ class LayerAdapter:
     from_prefix: tuple[str, ...] = ()
     compress_rates: Mapping[int, int] = types.MappingProxyType({})
     cache_name: str | None = None
+    kernel_apart: ClassVar[bool] = False
+    splits: ClassVar[bool] = False
 
     def given_state(self, kwargs: Mapping) -> object | None:
         """A state the call gives the layer to continue from, outside transformers' cache arguments (``None``)."""

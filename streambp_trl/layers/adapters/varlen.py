@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from .base import CallArguments, LayerAdapter
 @dataclasses.dataclass(frozen=True)
 class VarlenAttention(LayerAdapter):
     """A layer whose attention implementation (when the engine is installed) is a flash attention."""
+
+    kernel_apart: ClassVar[bool] = True
+    splits: ClassVar[bool] = True  # (under a split, every layer keeps the whole rows' documents apart instead)
 
     @classmethod
     def detect(cls, layer: nn.Module, decoder: type) -> VarlenAttention | None:
