@@ -10,7 +10,8 @@ builds it on GPUs), ``pad_to_multiple_of`` the split. DeepSpeed's data path hand
 with global ``position_ids`` and ``shift_labels``; the Trainer reduces the ranks' losses. ``--trainer stream`` is
 StreamSFTTrainer (each rank streams its share, attention over the whole row through the engine's own key/value
 exchange), ``trl`` TRL's SFTTrainer (DeepSpeed's Ulysses attention). ``--world-one`` runs StreamSFTTrainer in one
-process without the split, on the same rows.
+process without the split, on the same rows; ``--unsplit`` under ZeRO-3 without the split (each rank training a row
+of its own, the same row: the same steps).
 
 The dataset is two copies of one chat row, so whichever rank's row a step takes, every step trains the same row:
 one process's steps are the same steps. Rank 0 writes each step's logged loss (and, with ``--eval``, eval loss), the
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--trainer", choices=("stream", "trl"), default="stream")
     parser.add_argument("--objective", choices=("sft", "dpo", "kto", "reward", "grpo", "rloo"), default="sft")
     parser.add_argument("--world-one", action="store_true")
+    parser.add_argument("--unsplit", action="store_true", help="ZeRO-3 without the split: each rank a row of its own")
     parser.add_argument(
         "--padding-free", action="store_true", help="SFT on padding-free rows: each step's two examples packed in one"
     )
@@ -114,8 +116,9 @@ def main() -> None:
         )
         # as `accelerate launch` with configs/accelerate/zero3_sp.yaml hands it over (GRPO's and RLOO's configs refuse
         # a parallelism_config of their own)
-        if args.objective in ONLINE:
+        if args.objective in ONLINE or args.unsplit:
             del extra["parallelism_config"]
+        if args.objective in ONLINE and not args.unsplit:
             os.environ.update(
                 ACCELERATE_USE_PARALLELISM_CONFIG="true",
                 PARALLELISM_CONFIG_SP_SIZE=str(world),

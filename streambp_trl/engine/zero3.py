@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 from torch import nn
 
 from ..layers.sharding import partitioned
@@ -44,6 +45,13 @@ def mark_zero3_leaves(model: nn.Module) -> None:
     chunks. Must run before ``deepspeed.initialize`` (which registers the hooks); the trainers do this at construction.
     The flag is DeepSpeed's own and stays after ``disable_streambp``: DeepSpeed's hooks were registered by it, and a
     leaf layer runs its own forward just as well.
+
+    DeepSpeed reduces a leaf's gradients in a backward hook on the layer, which fires once the gradient of the layer's
+    input is ready, or, where the input needs none (frozen embeddings: LoRA), as soon as its output's is: before the
+    layer's backward has given its parameters theirs, which would then be lost (or added to the zeros the hook left,
+    a shape error). So the decoder's input embeddings are made to require grad (as transformers'
+    ``enable_input_require_grads`` does for adapters): the first layer's backward then also computes its input
+    gradient, which a trained embedding needs anyway.
     """
     lm = causal_lm(model)
     decoder = find_decoder(lm)
@@ -62,6 +70,16 @@ def mark_zero3_leaves(model: nn.Module) -> None:
         )
     for layer in layers:
         set_z3_leaf_module(layer, True)
+    embeddings = lm.get_input_embeddings()
+    if not getattr(embeddings, "_streambp_input_grad", False):
+        embeddings.register_forward_hook(_input_requires_grad)
+        embeddings._streambp_input_grad = True
+
+
+def _input_requires_grad(module: nn.Module, args: tuple, output: object) -> None:
+    """A forward hook: the embeddings' output requires grad in a call with grad (see :func:`mark_zero3_leaves`)."""
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
 
 
 def _registered_by_deepspeed(layer: nn.Module) -> bool:
