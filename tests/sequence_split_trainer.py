@@ -49,7 +49,7 @@ def main() -> None:
     )
     parser.add_argument("--packing", action="store_true", help="SFT with packing=True (bfd): two examples a row")
     parser.add_argument("--peft", action="store_true", help="a LoRA adapter trained (DPO: its reference disabled)")
-    parser.add_argument("--eval", action="store_true", help="SFT: evaluate four other rows after each step")
+    parser.add_argument("--eval", action="store_true", help="evaluate four other rows after each step")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])

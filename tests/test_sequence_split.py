@@ -191,12 +191,14 @@ def test_lora_under_zero3_trains_as_one_process(tmp_path, case):
     assert any("lora_B" in n for n in one["after"]) and _rounding(one["after"], split["after"]) < 4
 
 
-def test_evaluation_under_the_split_logs_one_processs_eval_loss(tmp_path):
+@pytest.mark.parametrize("objective", ["sft", "dpo", "reward"])
+def test_evaluation_under_the_split_logs_one_processs_eval_loss(tmp_path, objective):
     """eval_strategy="steps" under the split: each rank evaluates rows of its own unsplit (the split is a training
-    step's; DeepSpeed's Ulysses attention is off in eval, accelerate's default), and the eval losses gathered over the
-    ranks are one process's on the same rows (seen: 1e-7 relative, float32)."""
-    split = _trained(tmp_path, "split", "--eval")
-    one = _trained(tmp_path, "one", "--eval", "--world-one", ranks=1)
+    step's, whole-rows models' included; DeepSpeed's Ulysses attention is off in eval, accelerate's default), and the
+    eval losses gathered over the ranks are one process's on the same rows (seen: 1e-7 relative, float32)."""
+    split = _trained(tmp_path, "split", "--eval", "--objective", objective)
+    one = _trained(tmp_path, "one", "--eval", "--objective", objective, "--world-one", ranks=1)
+    assert [grad for *_, grad in split["splits"]] == list(SPLIT_CALLS[objective])  # (the training steps' alone)
     assert len(split["eval_losses"]) == len(one["eval_losses"]) == 2
     assert split["eval_losses"] == pytest.approx(one["eval_losses"], rel=1e-6)
 
