@@ -190,6 +190,9 @@ def main() -> None:
         help="packed rows, as TRL's padding-free batches come: position ids that restart where each document starts "
         "(within and at the ranks' shares), no attention mask",
     )
+    parser.add_argument(
+        "--cached", action="store_true", help="packed whole rows with use_cache left on: attended across the documents"
+    )
     parser.add_argument("--flash", action="store_true", help="flash attention named as the streamed model's own")
     parser.add_argument("--refusals", action="store_true", help="write what each input the split refuses raises")
     parser.add_argument(
@@ -260,6 +263,8 @@ def main() -> None:
     mine = slice(rank * args.per_rank, (rank + 1) * args.per_rank)
     if args.whole_rows:
         rows = {"position_ids": positions, "use_cache": False} if args.packed else {"attention_mask": mask}
+        if args.cached:  # (the model's config has use_cache on: both build a cache, and attend across the documents)
+            rows.pop("use_cache")
         whole(args, model, reference, ids, rows, labels, world, counts)
     torch.manual_seed(100 + rank)
     given = {"attention_mask": mask[:, mine]}

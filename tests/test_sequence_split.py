@@ -55,6 +55,7 @@ WHOLE = {
     "a sequence classifier's scores, 4 ranks": (4, 4, "qwen3", "score"),
     "packed rows, the model's own loss, 2 ranks": (2, 6, "qwen3", "nll", "--packed"),
     "packed rows, a preference loss, a window, 4 ranks": (4, 3, "mistral", "pairs", "--packed"),
+    "packed rows with use_cache on (across the documents), 2 ranks": (2, 6, "qwen3", "pairs", "--packed", "--cached"),
 }
 
 
@@ -65,7 +66,7 @@ def test_whole_rows_on_every_rank_equal_one_process(tmp_path, case):
     rank holding its last token, and summed over the ranks), so a loss over whole sequences (a preference loss on
     fused_lm_head=True's log-probs, or on scores) runs on every rank as on one process; the gradients averaged over
     the ranks equal plain autograd's on the whole rows."""
-    ranks, per_rank, family, loss, *extra = WHOLE[case]
+    ranks, per_rank, family, loss, *extra = WHOLE[case]  # (a cache built: no packed rows read, on one process too)
     out = tmp_path / "out.json"
     args = ("--family", family, "--per-rank", str(per_rank), "--chunk", "2", "--whole-rows", loss, *extra)
     args = (*args, "--out", str(out))
@@ -179,8 +180,8 @@ def test_lora_under_zero3_trains_as_one_process(tmp_path, case):
     """A LoRA adapter (peft_config) under ZeRO-3, with and without the split (DPO's reference: the policy with its
     adapter disabled, split too, without grad): the losses and weights after two steps are one process's. ZeRO-3
     reduces a leaf layer's gradients in a backward hook that fires, for an input without grad (LoRA's frozen
-    embeddings), before the layer's backward: the engine makes the input require grad (seen: 0, 2.1 and 1.6
-    epsilons of each tensor's largest weight)."""
+    embeddings), before the layer's backward: the engine hands the layer an input that requires grad (seen: 0, 2.1
+    and 1.6 epsilons of each tensor's largest weight)."""
     objective, how = case.split(", ")
     flags = ("--objective", objective, "--peft")
     split = _trained(tmp_path, "split", *flags, *(("--unsplit",) if how == "unsplit" else ()))

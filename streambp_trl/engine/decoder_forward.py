@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention import streaming
 from ..layers import DecoderCall, decoder_call
-from ..layers.layer_args import CACHE_KWARGS, PACKING_KWARGS, cache_argument
+from ..layers.layer_args import CACHE_KWARGS, PACKING_KWARGS, builds_cache, cache_argument
 from ..layers.sequence_split import SequenceSplit
 from ..layers.sharding import check_segmentable
 from ..layers.traits import takes_state_argument
@@ -115,6 +115,8 @@ def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -
     if isinstance(mask, torch.Tensor) and mask.dim() != 2:
         mask = None  # (a 4D mask: refused by the layers)
     positions = kwargs.get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() != 2:
+        positions = None  # (per-axis positions, rotary sections: no packed rows read from them)
     return SequenceSplit.of(
         state.sequence_group(), inputs.shape[1], mask, state.split_draws, positions, state.kernel_apart
     )
@@ -184,15 +186,9 @@ def packing_as_plain(decoder: nn.Module, args: tuple, kwargs: dict) -> None:
     ``use_cache`` left at its default) attends across the documents. A streamed call has no cache; an all-ones mask
     turns the detection off as the cache does and masks nothing (TRL's padding-free batches pass
     ``use_cache=False``: their documents stay apart, in both)."""
-    cache = cache_argument(kwargs) is not None
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:
-        use_cache = getattr(decoder.config, "use_cache", False)
-    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
-        use_cache = False
     inputs = _inputs(args, kwargs)
     if (
-        (cache or use_cache)
+        builds_cache(decoder, kwargs)
         and kwargs.get("position_ids") is not None
         and kwargs.get("attention_mask") is None
         and len(args) <= 1  # (a positional attention mask would follow the inputs)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from trl.trainer.utils import FusedCausalLMOutput
 
+from ..layers.layer_args import builds_cache
 from ..layers.sequence_split import SequenceSplit, packed_documents
 from .state import EngineState
 
@@ -92,7 +93,7 @@ def forward(
     gathered to the whole rows, and the loss of the whole rows (summed over the scored tokens and divided by
     ``num_items_in_batch``, or by their count)."""
     group = state.sequence_group()
-    share = Share.of(group, kwargs, state.split_draws, state.kernel_apart)
+    share = Share.of(group, kwargs, state)
     if shift_labels is None:
         shift_labels = labels[:, 1:] if shifted else labels
     whole = shift_labels.shape[1]
@@ -120,7 +121,7 @@ def pooled(state: EngineState, decode: Callable, kwargs: dict, positions: torch.
     ``positions`` (global, one per row), taken on the rank whose share holds it and summed over the ranks (a
     differentiable all-reduce: every rank then has every row's); returns ``(the head side, the rows)``."""
     group = state.sequence_group()
-    share = Share.of(group, kwargs, state.split_draws, state.kernel_apart)
+    share = Share.of(group, kwargs, state)
     with sharing(share.split):
         side = decode(**share.kwargs)
     hidden = side.hidden
@@ -141,12 +142,12 @@ class Share:
     mine: slice
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup, kwargs: dict, draws: Iterator[int], kernel_apart: bool = False) -> Share:
+    def of(cls, group: dist.ProcessGroup, kwargs: dict, state: EngineState) -> Share:
         """The share of a call on the whole rows ``kwargs`` hold (``input_ids`` or ``inputs_embeds``, a 2D
         ``attention_mask``, ``position_ids``: the model's own from 0 where none are given; packed rows' documents
-        kept apart as :func:`~streambp_trl.layers.sequence_split.packed_documents` says, ``kernel_apart``: some
-        layer's attention keeps them apart whatever the mask), the rows right-padded to a multiple of the ranks with
-        masked positions; ``draws``: the engine's count of split layer calls."""
+        kept apart as :func:`~streambp_trl.layers.sequence_split.packed_documents` says for ``state``'s decoder),
+        the rows right-padded to a multiple of the ranks with masked positions, its split drawing from the engine's
+        count of split layer calls."""
         name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         inputs = kwargs.get(name)
         if inputs is None:
@@ -163,19 +164,21 @@ class Share:
         share = -(-length // ranks)
         pad = share * ranks - length
         device = inputs.device
-        masked = mask is not None
+        masked = mask is not None or builds_cache(state.decoder, kwargs)  # (a cache: transformers reads no packing)
         mask = torch.ones(batch, length, dtype=torch.long, device=device) if mask is None else mask
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device).expand(batch, -1)
-        documents = packed_documents(positions, masked, not bool(mask.all()), kernel_apart)
+        documents = ()
+        if positions.dim() == 2:  # (per-axis positions, rotary sections: no packed rows read from them)
+            documents = packed_documents(positions, masked, not bool(mask.all()), state.kernel_apart)
         if pad:  # masked positions after the rows' last: no earlier position attends to them, none is scored
             inputs = F.pad(inputs, (0, 0, 0, pad) if name == "inputs_embeds" else (0, pad))
             mask = F.pad(mask, (0, pad))
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1, device=device)], dim=1)
         mine = slice(rank * share, (rank + 1) * share)
         padded = None if bool(mask.all()) else mask.bool()
-        split = SequenceSplit(group, rank, ranks, share, padded, documents, draws)
+        split = SequenceSplit(group, rank, ranks, share, padded, documents, state.split_draws)
         call = {**kwargs, name: inputs[:, mine], "attention_mask": mask[:, mine], "position_ids": positions[:, mine]}
         return cls(split, call, mine)
 

@@ -49,9 +49,10 @@ def mark_zero3_leaves(model: nn.Module) -> None:
     DeepSpeed reduces a leaf's gradients in a backward hook on the layer, which fires once the gradient of the layer's
     input is ready, or, where the input needs none (frozen embeddings: LoRA), as soon as its output's is: before the
     layer's backward has given its parameters theirs, which would then be lost (or added to the zeros the hook left,
-    a shape error). So the decoder's input embeddings are made to require grad (as transformers'
-    ``enable_input_require_grads`` does for adapters): the first layer's backward then also computes its input
-    gradient, which a trained embedding needs anyway.
+    a shape error). So each leaf layer with trained parameters takes, in a call with grad, an input that requires
+    grad (a forward pre-hook, before DeepSpeed's: :func:`_input_requires_grad`): the first layer's backward then also
+    computes its input gradient (a trained embedding needs it anyway), and that layer keeps its input rather than
+    rebuilding it from the token ids. The hook stays with the layer, as the leaf flag does.
     """
     lm = causal_lm(model)
     decoder = find_decoder(lm)
@@ -70,16 +71,20 @@ def mark_zero3_leaves(model: nn.Module) -> None:
         )
     for layer in layers:
         set_z3_leaf_module(layer, True)
-    embeddings = lm.get_input_embeddings()
-    if not getattr(embeddings, "_streambp_input_grad", False):
-        embeddings.register_forward_hook(_input_requires_grad)
-        embeddings._streambp_input_grad = True
+        if not getattr(layer, "_streambp_input_grad", False):
+            layer.register_forward_pre_hook(_input_requires_grad)
+            layer._streambp_input_grad = True
 
 
-def _input_requires_grad(module: nn.Module, args: tuple, output: object) -> None:
-    """A forward hook: the embeddings' output requires grad in a call with grad (see :func:`mark_zero3_leaves`)."""
-    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
-        output.requires_grad_(True)
+def _input_requires_grad(layer: nn.Module, args: tuple) -> tuple | None:
+    """A leaf layer's forward pre-hook: in a call with grad, a floating input hidden state that requires none is
+    handed on as a detached copy that does, where the layer has trained parameters (see :func:`mark_zero3_leaves`)."""
+    x = args[0] if args else None
+    if not (torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.is_floating_point() and not x.requires_grad):
+        return None
+    if not any(p.requires_grad for p in layer.parameters()):
+        return None
+    return (x.detach().requires_grad_(), *args[1:])
 
 
 def _registered_by_deepspeed(layer: nn.Module) -> bool:

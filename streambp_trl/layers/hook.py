@@ -202,14 +202,13 @@ def _whole_rows_masked(kwargs: dict, split: SequenceSplit) -> dict:
 
 def _check_split(call: LayerCall, seq_len: int) -> None:
     """Refuse a layer call on one rank's share of a split sequence (:mod:`.sequence_split`) that the split does not
-    serve: a user-given 4D mask, a recurrent mixer's document resets (its state would cross ranks), or an input of
-    another length than the split's share."""
+    serve: a user-given 4D mask, or an input of another length than the split's share."""
     name = type(call.layer).__name__
     if seq_len != call.split.length:
         raise ValueError(
             f"StreamBP: {name} got {seq_len} tokens on a rank whose share of the sequence is {call.split.length}."
         )
-    if any(m.dense is not None for m in call.masks) or call.resets:
+    if any(m.dense is not None for m in call.masks):
         raise ValueError(
             f"StreamBP cannot split the sequence of {name} across ranks with a 4D attention mask: pass a 2D "
             "attention_mask (or none) with the rows' global position_ids, as DeepSpeed's Ulysses data path hands them "

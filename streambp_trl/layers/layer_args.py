@@ -46,6 +46,20 @@ def cache_argument(kwargs: dict):
     return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 
+def builds_cache(decoder: nn.Module, kwargs: dict) -> bool:
+    """Whether a decoder call with ``kwargs`` builds or extends a key/value cache: one is passed, or ``use_cache`` is
+    on (the argument, else ``config.use_cache``, on by default), which Hugging Face gradient checkpointing turns off
+    in training. transformers' mask reads packed rows from restarting position ids only in a call without one."""
+    if cache_argument(kwargs) is not None:
+        return True
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(decoder.config, "use_cache", False)
+    if getattr(decoder, "gradient_checkpointing", False) and decoder.training:
+        return False
+    return bool(use_cache)
+
+
 def document_starts(cu_seq_lens: torch.Tensor, seq_len: int) -> tuple[int, ...]:
     """The positions where a document of a packed row starts, but the first: the inner cumulative lengths (one host
     read per layer call)."""

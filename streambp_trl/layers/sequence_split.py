@@ -35,7 +35,8 @@ Served: layers of one softmax attention (dense, grouped-query, sliding window), 
 restart where a document starts, no attention mask) keep their documents apart across the ranks as on one process:
 the documents' starts are read from the whole rows' position ids (gathered once per call where some rank's restart)
 and every layer's mask keeps them apart (:func:`packed_documents`). A user-given 4D mask and a layer with a family
-adapter (a recurrent mixer, whose state would cross ranks; shared or compressed keys/values) are refused by name.
+adapter other than flash attention's (a recurrent mixer, whose state would cross ranks; shared or compressed
+keys/values) are refused by name.
 """
 
 from __future__ import annotations
@@ -75,10 +76,10 @@ class SequenceSplit:
         cls,
         group: dist.ProcessGroup,
         length: int,
-        mask: torch.Tensor | None = None,
-        draws: Iterator[int] = (),
-        positions: torch.Tensor | None = None,
-        kernel_apart: bool = False,
+        mask: torch.Tensor | None,
+        draws: Iterator[int],
+        positions: torch.Tensor | None,
+        kernel_apart: bool,
     ) -> SequenceSplit:
         """The split of a call whose rows hold ``length`` tokens on this rank, checked to be the same on every rank of
         ``group`` (one four-element ``all_reduce``); ``mask``: this rank's (batch, length) 2D attention mask, if the
@@ -89,8 +90,8 @@ class SequenceSplit:
         apart whatever the mask)."""
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         padded = mask is not None and not bool(mask.all())
-        facts = [length, -length, int(padded), int(positions is not None and _restarts(positions, rank * length))]
-        facts = torch.tensor(facts, dtype=torch.int64, device=_device(group))
+        restarts = positions is not None and _restarts(positions, rank * length)
+        facts = torch.tensor([length, -length, int(padded), int(restarts)], dtype=torch.int64, device=_device(group))
         dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)
         if int(facts[0]) != length or int(-facts[1]) != length:
             raise ValueError(
@@ -177,7 +178,8 @@ def packed_documents(positions: torch.Tensor, masked: bool, padded: bool, kernel
     """Where the documents of packed rows start (but the first), as a split call keeps them apart: ``positions`` are
     the whole rows' position ids (batch, T), which restart where a document starts (a step other than 1:
     transformers' packed-sequence detection). One process keeps the documents apart in a call without an attention
-    mask (``masked`` False: transformers' mask does), and otherwise attends across them, unless some layer's kernel
+    mask that builds no key/value cache (``masked`` False: transformers' mask does), and otherwise attends across
+    them, unless some layer's kernel
     keeps them apart whatever the mask (``kernel_apart``: flash attention's variable-length kernel, on rows without
     padding), a case refused here: the split's layers see only the shares' masks. Rows whose documents start at
     different positions are refused too (TRL's padding-free batches are one row)."""

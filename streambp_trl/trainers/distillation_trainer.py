@@ -103,7 +103,7 @@ class StreamDistillationTrainer(StreamGeneratingMixin, DistillationTrainer):
         # each model's decoder streamed, its final norm left to the divergence kernel where decode_for_head says so
         student = causal_lm(unwrapped_student)
         group = deepspeed_sequence_group() if self.splits_sequences and unwrapped_student.training else None
-        share = Share.of(group, model_inputs, engine_state(student).split_draws) if group is not None else None
+        share = Share.of(group, model_inputs, engine_state(student)) if group is not None else None
         called = share.kwargs if share is not None else model_inputs
         with sharing(share.split) if share is not None else contextlib.nullcontext():
             student_side = decode_for_head(student, lambda: student.base_model(**called))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from trl import SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from ..engine import PACKING_KWARGS, packed_rows_refusal
 from .mixin import StreamTrainerMixin
@@ -31,10 +31,10 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         refusal = packed_rows_refusal(self.model) if self.padding_free else None  # packing="bfd" or padding_free
         if refusal is not None:
             raise ValueError(f"{type(self).__name__}: {refusal}")
-        if self.padding_free and self.splits_sequences:
+        if self.padding_free and self.splits_sequences and type(self.data_collator) is DataCollatorForLanguageModeling:
             # DeepSpeed's Ulysses data path hands each rank its share of every (batch, T) field, and takes no (n + 1)
             # cumulative lengths: the split rows keep their documents apart by the global position ids alone
-            self.data_collator = PositionsOnly(self.data_collator)
+            self.data_collator = PositionsOnlyCollator.of(self.data_collator)
 
     def _longest_batch(self) -> tuple[tuple[int, int], str] | None:
         """Padding-free batches (``padding_free``, or ``packing`` with the "bfd" strategies) are one row of every
@@ -54,12 +54,15 @@ class StreamSFTTrainer(StreamTrainerMixin, SFTTrainer):
         return {"token_mean_loss": self.args.loss_type == "nll"}
 
 
-@dataclasses.dataclass(frozen=True)
-class PositionsOnly:
-    """A padding-free collator's batches without the packed rows' sequence descriptors (``cu_seq_lens_q``, ...):
-    their documents are told apart by the ``position_ids``, which restart at each document's start."""
+@dataclasses.dataclass
+class PositionsOnlyCollator(DataCollatorForLanguageModeling):
+    """TRL's padding-free collator without the packed rows' sequence descriptors (``cu_seq_lens_q``, ...) in its
+    batches: their documents are told apart by the ``position_ids``, which restart at each document's start."""
 
-    collator: Callable
+    @classmethod
+    def of(cls, collator: DataCollatorForLanguageModeling) -> PositionsOnlyCollator:
+        """``collator``'s settings, the descriptors left out."""
+        return cls(**{f.name: getattr(collator, f.name) for f in dataclasses.fields(collator) if f.init})
 
-    def __call__(self, examples: list) -> dict:
-        return {k: v for k, v in self.collator(examples).items() if k not in PACKING_KWARGS}
+    def torch_call(self, examples: list) -> dict:
+        return {k: v for k, v in super().torch_call(examples).items() if k not in PACKING_KWARGS}
