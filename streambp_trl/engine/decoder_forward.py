@@ -115,8 +115,6 @@ def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -
     if isinstance(mask, torch.Tensor) and mask.dim() != 2:
         mask = None  # (a 4D mask: refused by the layers)
     positions = kwargs.get("position_ids")
-    if isinstance(positions, torch.Tensor) and positions.dim() != 2:
-        positions = None  # (per-axis positions, rotary sections: no packed rows read from them)
     return SequenceSplit.of(
         state.sequence_group(), inputs.shape[1], mask, state.split_draws, positions, state.kernel_apart
     )

@@ -169,9 +169,7 @@ class Share:
         positions = kwargs.get("position_ids")
         if positions is None:
             positions = torch.arange(length, device=device).expand(batch, -1)
-        documents = ()
-        if positions.dim() == 2:  # (per-axis positions, rotary sections: no packed rows read from them)
-            documents = packed_documents(positions, masked, not bool(mask.all()), state.kernel_apart)
+        documents = packed_documents(positions, masked, not bool(mask.all()), state.kernel_apart)
         if pad:  # masked positions after the rows' last: no earlier position attends to them, none is scored
             inputs = F.pad(inputs, (0, 0, 0, pad) if name == "inputs_embeds" else (0, pad))
             mask = F.pad(mask, (0, pad))

@@ -177,18 +177,20 @@ class SequenceSplit:
 def packed_documents(positions: torch.Tensor, masked: bool, padded: bool, kernel_apart: bool) -> tuple[int, ...]:
     """Where the documents of packed rows start (but the first), as a split call keeps them apart: ``positions`` are
     the whole rows' position ids (batch, T), which restart where a document starts (a step other than 1:
-    transformers' packed-sequence detection). One process keeps the documents apart in a call without an attention
-    mask that builds no key/value cache (``masked`` False: transformers' mask does), and otherwise attends across
-    them, unless some layer's kernel
-    keeps them apart whatever the mask (``kernel_apart``: flash attention's variable-length kernel, on rows without
-    padding), a case refused here: the split's layers see only the shares' masks. Rows whose documents start at
-    different positions are refused too (TRL's padding-free batches are one row)."""
+    transformers' packed-sequence detection; per-axis positions, (axes, batch, T), hold no packed rows). One process
+    keeps the documents apart in a call without an attention mask that builds no key/value cache (``masked`` False:
+    transformers' mask does), and otherwise attends across them, unless some layer's kernel keeps them apart whatever
+    the mask (``kernel_apart``: flash attention's variable-length kernel, on rows without padding), a case refused
+    here: the split's layers see only the shares' masks. Rows whose documents start at different positions are
+    refused too (TRL's padding-free batches are one row)."""
+    if positions.dim() != 2:
+        return ()
     steps = positions.diff(dim=1) != 1
     if not bool(steps.any()):
         return ()
-    if masked and not (kernel_apart and not padded):
-        return ()
     if masked:
+        if not kernel_apart or padded:
+            return ()
         raise ValueError(
             "StreamBP cannot split packed rows (position_ids that restart) given with an attention mask across ranks "
             "for a flash attention model: pass them without attention_mask (as TRL's padding-free batches come), or "
@@ -203,8 +205,10 @@ def packed_documents(positions: torch.Tensor, masked: bool, padded: bool, kernel
 
 
 def _restarts(positions: torch.Tensor, offset: int) -> bool:
-    """Whether a rank's share of position ids may hold a document's start: they restart within the share, or do not
-    begin at its offset."""
+    """Whether a rank's share of position ids (batch, L) may hold a document's start: they restart within the share,
+    or do not begin at its offset (per-axis positions: never, :func:`packed_documents`)."""
+    if positions.dim() != 2:
+        return False
     return bool((positions.diff(dim=1) != 1).any() or (positions[:, 0] != offset).any())
 
 
