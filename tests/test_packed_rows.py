@@ -117,7 +117,8 @@ def test_flash_keeps_documents_apart_by_restarting_position_ids():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
     assert VarlenAttention.documents({"attention_mask": mask, "position_ids": positions}, 8) == (3, 5)
     assert VarlenAttention.documents({"attention_mask": mask, "position_ids": torch.arange(8)[None]}, 8) == ()
-    sdpa = hook.LayerFacts.of(model.model.layers[0], PlanChoices(), type(model.model))  # its own attention is SDPA
+    # its own attention is SDPA
+    sdpa = hook.LayerFacts.of(model.model.layers[0], PlanChoices(), type(model.model), None)
     assert not any(isinstance(a, VarlenAttention) for a in sdpa.adapters)
 
 

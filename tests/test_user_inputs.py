@@ -5,7 +5,6 @@ relative error < 1e-10), or a clear error naming the problem and the fix, never 
 * a rotary embedding computed inside the layers whose frequencies depend on each call's positions is refused;
 * a 4D attention mask that lets a query see a later key is refused at the first forward;
 * the loss takes ``ignore_index`` as transformers' does, and refuses other arguments of the model's loss function;
-* ``torch_compile=True`` is refused when a stream trainer is built;
 * packed rows given by position ids alone attend as plain's do, across the documents where plain builds a cache;
 * eager attention, whose fully masked (left-padding) rows differ from the stream's, is warned about at enable.
 """
@@ -15,12 +14,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import args, assert_matches_plain, load_model, load_tokenizer, max_rel_grad_error, tiny_dataset
+from helpers import assert_matches_plain, max_rel_grad_error
 from model_support import packed_row
 from models import batch, tiny_model
 from zoo import tiny_causal_lm
 
-import streambp_trl
 from streambp_trl import disable_streambp, enable_streambp
 
 CHUNK = 5
@@ -162,31 +160,6 @@ def test_a_loss_argument_the_kernel_does_not_take_is_refused():
     ids, mask, labels = batch()
     with pytest.raises(ValueError, match=r"not \['label_smoothing'\] .* disable_streambp"):
         streamed(input_ids=ids, attention_mask=mask, labels=labels, label_smoothing=0.1)
-
-
-@pytest.mark.parametrize(
-    ("trainer_cls", "config_cls", "options"),
-    [
-        (streambp_trl.StreamSFTTrainer, streambp_trl.StreamSFTConfig, {}),
-        (streambp_trl.StreamDPOTrainer, streambp_trl.StreamDPOConfig, {}),
-        (streambp_trl.StreamKTOTrainer, streambp_trl.StreamKTOConfig, {}),
-        (streambp_trl.StreamGRPOTrainer, streambp_trl.StreamGRPOConfig, {"num_generations": 2}),
-        (streambp_trl.StreamRLOOTrainer, streambp_trl.StreamRLOOConfig, {"num_generations": 2}),
-        (streambp_trl.StreamRewardTrainer, streambp_trl.StreamRewardConfig, {}),
-        (streambp_trl.StreamDistillationTrainer, streambp_trl.StreamDistillationConfig, {}),
-    ],
-)
-def test_torch_compile_is_refused_at_construction(tmp_path, trainer_cls, config_cls, options):
-    """torch_compile=True crashed every stream trainer at its first step with an unclear dynamo assertion. Refused
-    before anything else is read (the SFT trainer gets all it needs to be built, and was built)."""
-    config = args(config_cls, tmp_path, torch_compile=True, **options)
-    given = {}
-    if trainer_cls is streambp_trl.StreamDistillationTrainer:
-        given = {"teacher_model": load_model()}
-    if trainer_cls is streambp_trl.StreamSFTTrainer:
-        given = {"train_dataset": tiny_dataset("chat", 4), "processing_class": load_tokenizer()}
-    with pytest.raises(ValueError, match=r"torch_compile=True is not supported yet .* set torch_compile=False"):
-        trainer_cls(model=load_model(), args=config, **given)
 
 
 @pytest.mark.parametrize("use_cache", [None, False])

@@ -53,6 +53,7 @@ _registered = False
 def _register() -> None:
     global _registered
     if not _registered:
-        AttentionInterface.register(IMPLEMENTATION, stream_attention)
+        # run eagerly where a compiled layer calls it (a graph break): the prefix keys/values never enter a graph
+        AttentionInterface.register(IMPLEMENTATION, torch.compiler.disable(stream_attention))
         AttentionMaskInterface.register(IMPLEMENTATION, stream_mask)
         _registered = True

@@ -194,7 +194,7 @@ def _engine_state(
         options=options,
         decoder=decoder,
         layers=layers,
-        facts=tuple(LayerFacts.of(layer, options.choices, type(decoder)) for layer in layers),
+        facts=tuple(LayerFacts.of(layer, options.choices, type(decoder), options.compiled) for layer in layers),
         configs=stream_configs(decoder, *layers),
         decoder_path=next(name for name, module in lm.named_modules() if module is decoder),
         norm_name=norm_name,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..layers.compiled import LayerCompile, check_mode
 from ..logits import STAT_OUTPUTS
 from ..sizing.auto import AUTO
 from ..sizing.choices import KV_MODES, PlanChoices
@@ -86,6 +87,10 @@ class StreamOptions:
             log-likelihood): the logit kernel may form the LM head's gradient in the forward, computing each logit
             once (:mod:`streambp_trl.logits.eager`); checked in backward, which recomputes otherwise. Calls without
             ``fused_lm_head`` do so whatever this says: their loss is the engine's own token mean.
+        torch_compile: compile each decoder layer's per-chunk body with ``torch.compile`` (the chunk loop, the
+            key/value cache and the attention stay eager; :mod:`streambp_trl.layers.compiled`), by
+            ``torch_compile_backend`` (default ``"inductor"``) in ``torch_compile_mode`` (inductor's; CUDA-graph modes
+            are refused), as TrainingArguments name them; setting either of those turns it on, as there.
 
     What each call's plan takes from these is :attr:`choices` (:class:`~streambp_trl.sizing.choices.PlanChoices`),
     built here once: the chunk (``None`` for ``"auto"``), ``keep_every``, offload, the key/value mode as a
@@ -109,7 +114,11 @@ class StreamOptions:
     keep_activations: int | None = None
     keep_attention: bool | None = None
     token_mean_loss: bool = False
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
     choices: PlanChoices = dataclasses.field(init=False, default=PlanChoices(), repr=False, compare=False)
+    compiled: LayerCompile | None = dataclasses.field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("stream_chunk_size", "logits_chunk_size"):
@@ -133,7 +142,7 @@ class StreamOptions:
         if unknown:
             raise ValueError(f"Unknown fused_outputs {sorted(unknown)}; choose among {STAT_OUTPUTS}.")
         object.__setattr__(self, "fused_outputs", tuple(dict.fromkeys(("log_probs", *self.fused_outputs))))
-        for name in ("stream_eval", "verify", "token_mean_loss"):
+        for name in ("stream_eval", "verify", "token_mean_loss", "torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         if self.offload_checkpoints is not None and not isinstance(self.offload_checkpoints, bool):
@@ -162,6 +171,13 @@ class StreamOptions:
                 f"{_named('keep_attention')} must be True, False or None (planned per call), got "
                 f"{self.keep_attention!r}."
             )
+        for name in ("torch_compile_backend", "torch_compile_mode"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a name (a string) or None, got {getattr(self, name)!r}.")
+        check_mode(self.torch_compile_mode)
+        if self.torch_compile or self.torch_compile_backend is not None or self.torch_compile_mode is not None:
+            compiled = LayerCompile(self.torch_compile_backend or "inductor", self.torch_compile_mode)
+            object.__setattr__(self, "compiled", compiled)
         choices = PlanChoices(
             chunk=None if self.stream_chunk_size == AUTO else self.stream_chunk_size,
             keep_every=self.keep_every,

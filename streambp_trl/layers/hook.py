@@ -29,6 +29,7 @@ from ..sizing.choices import PlanChoices, StepPlan
 from .adapters import CallArguments, LayerAdapter, adapters_of, wrapped
 from .call import LayerCall, StreamLayerFunction, keeps_activations, returned
 from .carry import ChunkCache
+from .compiled import LayerCompile, compiled_forward
 from .decoder_call import DecoderCall, active_call
 from .kept import Segment
 from .layer_args import CACHE_KWARGS, cache_argument, parameter_names, per_token
@@ -41,17 +42,19 @@ class LayerFacts:
     plan ``choices``, the transformers ``configs`` its attention reads, the names of its forward's parameters
     and the one that takes the cache, and its family ``adapters`` (:mod:`.adapters`), whose facts it reads:
     the fewest tokens a chunk may have, the arguments sliced from a chunk's first key position, the compressed
-    attentions' cache slots."""
+    attentions' cache slots; and how its per-chunk body is compiled (``compiled``; ``None``: eager)."""
 
     choices: PlanChoices
     configs: tuple
     parameter_names: tuple[str, ...]
     cache_name: str
     adapters: tuple[LayerAdapter, ...] = ()
+    compiled: LayerCompile | None = None
 
     @classmethod
-    def of(cls, layer: nn.Module, choices: PlanChoices, decoder: type) -> LayerFacts:
-        """The facts of ``layer``, a layer of a ``decoder`` class, streamed with the user's ``choices``."""
+    def of(cls, layer: nn.Module, choices: PlanChoices, decoder: type, compiled: LayerCompile | None) -> LayerFacts:
+        """The facts of ``layer``, a layer of a ``decoder`` class, streamed with the user's ``choices`` and compiled
+        as ``compiled`` says."""
         names = tuple(parameter_names(layer))
         adapters = adapters_of(layer, decoder)
         cache_name = next((k for k in CACHE_KWARGS if k in names), None)
@@ -64,7 +67,14 @@ class LayerFacts:
             parameter_names=names,
             cache_name=cache_name,
             adapters=adapters,
+            compiled=compiled,
         )
+
+    def body(self, forward: object) -> object:
+        """What each chunk runs, ``body(layer, x, **kwargs)``: the layer's own ``forward``, compiled where asked,
+        with its family's adapters around it."""
+        own = forward if self.compiled is None else compiled_forward(forward, self.compiled)
+        return wrapped(own, self.adapters)
 
     @property
     def min_chunk(self) -> int:
@@ -150,7 +160,7 @@ def stream_checkpoint(facts: LayerFacts, forward: functools.partial, *args: torc
     split = decoder.split
     call = LayerCall(
         layer=layer,
-        func=wrapped(forward.func, facts.adapters),
+        func=facts.body(forward.func),
         kwargs=kwargs,
         per_token=sliced,
         kv_mode=run.kv_mode,

@@ -39,14 +39,18 @@ from .stream_config import stream_options
 logger = get_logger(__name__)
 
 
-def take_over_checkpointing(args):
-    """``args``, or a copy of it with Hugging Face activation checkpointing off (the stream engine checkpoints and
-    streams every decoder layer itself) and TRL's activation offloading off: ``activation_offloading=True`` is the
-    engine's ``offload_checkpoints=True`` (:func:`~.stream_config.stream_options`, read from ``args`` as given), never
-    a second offload on top of it. The caller's config object is never changed."""
+def taken_over(args):
+    """``args``, or a copy of it with what the stream engine takes over turned off: Hugging Face activation
+    checkpointing (the engine checkpoints and streams every decoder layer itself), TRL's activation offloading
+    (``activation_offloading=True`` is the engine's ``offload_checkpoints=True``,
+    :func:`~.stream_config.stream_options`, read from ``args`` as given: never a second offload on top of it) and
+    ``torch_compile`` with its backend and mode (the engine compiles each decoder layer's per-chunk body,
+    :mod:`streambp_trl.layers.compiled`; accelerate would compile the whole model, streamed layers included). The
+    caller's config object is never changed."""
     checkpointing = getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False)
     offloading = getattr(args, "activation_offloading", False)
-    if not (checkpointing or offloading):
+    compiling = getattr(args, "torch_compile", False)
+    if not (checkpointing or offloading or compiling):
         return args
     args = copy.copy(args)
     if checkpointing:
@@ -55,6 +59,9 @@ def take_over_checkpointing(args):
     if offloading:
         logger.info("activation_offloading=True is the stream engine's offload_checkpoints=True; TRL's is turned off.")
         args.activation_offloading = False
+    if compiling:
+        logger.info("torch_compile=True compiles each streamed layer's per-chunk body, not the whole model.")
+        args.torch_compile, args.torch_compile_backend, args.torch_compile_mode = False, None, None
     return args
 
 
@@ -156,11 +163,6 @@ class StreamTrainerMixin:
         # Under ZeRO-3 the decoder layers must be leaf modules before DeepSpeed registers its hooks, which TRL does
         # inside its constructor for a reference model (DPO): mark the models given here first.
         config = kwargs.get("args", next((a for a in args if hasattr(a, "deepspeed_plugin")), None))
-        if getattr(config, "torch_compile", False):
-            raise ValueError(
-                f"{type(self).__name__}: torch_compile=True is not supported yet with StreamBP (the streamed layers' "
-                "autograd Functions and hooks stop torch.compile at the first step); set torch_compile=False."
-            )
         if _zero3_run(config):
             _mark_zero3_leaves([*args, *kwargs.values()])
         super().__init__(*args, **kwargs)
@@ -168,11 +170,11 @@ class StreamTrainerMixin:
 
     def _stream_args(self, args, model):
         """The config TRL's constructor gets: ``args`` (TRL's default of ``config_class`` when ``None``) with Hugging
-        Face's checkpointing and TRL's activation offloading taken over by the engine
-        (:func:`take_over_checkpointing`); the stream options are read from ``args`` as given."""
+        Face's checkpointing, TRL's activation offloading and ``torch_compile`` taken over by the engine
+        (:func:`taken_over`); the stream options are read from ``args`` as given."""
         args = args if args is not None else default_args(self.config_class, model)
         self._given_options = stream_options(args)
-        return take_over_checkpointing(args)
+        return taken_over(args)
 
     def _build_accelerator_args(self, **kwargs) -> dict:
         """transformers' accelerator arguments, with DDP's ``find_unused_parameters`` off unless the config (or TRL,

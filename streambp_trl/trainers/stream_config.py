@@ -161,6 +161,7 @@ class StreamArguments:
             keep_every=self.stream_keep_every,
             keep_activations=self.stream_keep_activations,
             keep_attention=self.stream_keep_attention,
+            **compile_options(self),
             **engine_options,
         )
 
@@ -190,4 +191,16 @@ def stream_options(args, **engine_options) -> StreamOptions:
     if isinstance(args, StreamArguments):
         return args.to_options(**engine_options)
     offload = checkpoint_offload(getattr(args, "activation_offloading", False), None)
-    return StreamOptions(stream_chunk_size=AUTO, offload_checkpoints=offload, **engine_options)
+    compiling = compile_options(args)
+    return StreamOptions(stream_chunk_size=AUTO, offload_checkpoints=offload, **compiling, **engine_options)
+
+
+def compile_options(args) -> dict:
+    """The engine's compile options of a config: TrainingArguments' ``torch_compile``, ``torch_compile_backend`` and
+    ``torch_compile_mode``, which the engine honours for each layer's per-chunk body
+    (:mod:`streambp_trl.layers.compiled`)."""
+    return {
+        "torch_compile": bool(getattr(args, "torch_compile", False)),
+        "torch_compile_backend": getattr(args, "torch_compile_backend", None),
+        "torch_compile_mode": getattr(args, "torch_compile_mode", None),
+    }

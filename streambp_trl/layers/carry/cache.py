@@ -12,6 +12,7 @@ from transformers.cache_utils import Cache
 
 from ...attention import PrefixGrad
 from ...patching import forwards_replaced
+from ..compiled import opaque_methods
 from .compressed import CompressorStates
 from .store import KV, CarryStore, States, recurrent_key
 
@@ -69,6 +70,7 @@ class _Extend(torch.autograd.Function):
         return None, None, None, grad[:, :, : ctx.split], grad[:, :, ctx.split :]
 
 
+@opaque_methods  # a compiled layer calls it eagerly: its prefix and state never enter a graph (..compiled)
 class ChunkCache(Cache):
     """A ``transformers.Cache`` for one layer call on the chunk of positions starting at ``start``.
 

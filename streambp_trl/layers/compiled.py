@@ -1,0 +1,120 @@
+"""``torch.compile`` for a decoder layer's per-chunk body; the chunk loop, the key/value cache and the attention stay
+eager, as chunked-loss kernels compile their per-chunk function and not their loop.
+
+What is compiled is the layer's own forward, ``type(layer).forward``, once per layer class and compile setting
+(:func:`compiled_forward`), on one chunk at a time, so its shapes are the chunk's: (batch, chunk, hidden), the last
+chunk of a call shorter. The engine's parts that the layer's code calls (the chunk cache's methods, the streamed
+attention and mask functions) are opaque to the compiler (:func:`opaque`, ``torch.compiler.disable``): dynamo breaks
+its graph there and runs them eagerly, so the prefix's growing keys/values, a chunk's position and the cache's state
+never enter a graph and cause no recompile. A dense layer thus compiles into one graph before its cache update (norm,
+projections, rotary embedding) and one after its attention (output projection, residual, norm, MLP), for each kind
+of run: the forward without grad, the recompute with grad, the collecting pass (no queries), a shorter last chunk.
+Every layer of a class shares those graphs: a layer's integer attributes (``layer_idx``) are graph inputs, not
+constants (dynamo's ``allow_unspec_int_on_nn_module``), and its parameters are inputs as well.
+
+Exact as eager is: each graph computes the layer's own operations. Random operations in a graph draw from PyTorch's
+generator as eager ones do (inductor's ``fallback_random``), so the random state replayed for every recompute of a
+chunk gives it the forward's dropout masks. Where the compiler fuses a computation whose intermediate rounding the
+model's code fixes (a norm computed in float32 inside a float64 or bfloat16 model), the result may differ from eager
+in the last bits of that precision, as with ``torch.compile`` of the whole model.
+
+A graph the backend fails to compile runs eagerly, with one warning naming the layer class and the error
+(:func:`_graph_compiler`); what dynamo cannot trace it runs eagerly itself. CUDA graphs (``mode="reduce-overhead"``,
+``"max-autotune"``) are refused where the options are read (:func:`check_mode`): the next replay of a captured graph
+overwrites the outputs of the previous one, which the streamed layer still holds (each chunk's output, its saved
+graph). Memory: the chunk's activations, as eager (the compiler may keep fewer intermediates for backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# modes whose graphs replay as CUDA graphs (torch._inductor.list_mode_options)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCompile:
+    """How a streamed layer's per-chunk body is compiled: ``torch.compile``'s ``backend`` (a dynamo backend name) and,
+    for inductor, its ``mode`` (``None``: the default), as TrainingArguments' ``torch_compile_backend`` and
+    ``torch_compile_mode`` name them."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+
+
+def check_mode(mode: str | None) -> None:
+    """Refuse a compile mode whose graphs replay as CUDA graphs (this module's docstring says why)."""
+    if mode in CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"torch_compile_mode={mode!r} replays the compiled graphs as CUDA graphs, whose next replay overwrites "
+            "the outputs the streamed layers still hold: use torch_compile_mode='max-autotune-no-cudagraphs' or leave "
+            "it unset (inductor's default)."
+        )
+
+
+def opaque(func: Callable) -> Callable:
+    """``func``, run eagerly where a compiled layer calls it: a graph break (``torch.compiler.disable``); the same
+    function outside a compiled frame."""
+    return torch.compiler.disable(func, recursive=True)
+
+
+def opaque_methods(cls: type) -> type:
+    """``cls`` with each of its own public methods :func:`opaque` (a cache the layer's code calls into)."""
+    for name, value in list(vars(cls).items()):
+        if callable(value) and not name.startswith("_") and not isinstance(value, type):
+            setattr(cls, name, opaque(value))
+    return cls
+
+
+def compiled_forward(forward: Callable, spec: LayerCompile) -> Callable:
+    """``forward`` (a layer class's own forward, ``forward(layer, x, **kwargs)``) compiled by ``spec``: one compiled
+    function per (forward, spec), shared by every layer of the class (this module's docstring)."""
+    return _compiled(forward, spec)
+
+
+@functools.cache
+def _compiled(forward: Callable, spec: LayerCompile) -> Callable:
+    where = getattr(forward, "__qualname__", repr(forward)).rsplit(".", 1)[0]
+    compiled = torch.compile(forward, backend=_graph_compiler(spec, where), dynamic=None)
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        with (
+            torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True),
+            torch._inductor.config.patch(fallback_random=True),
+        ):
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+def _graph_compiler(spec: LayerCompile, where: str) -> Callable:
+    """The backend dynamo hands each captured graph of ``where`` (a layer class): ``spec``'s, or, where that fails,
+    the graph itself, run eagerly, with one warning."""
+
+    def compile_graph(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        try:
+            if spec.backend == "inductor":
+                from torch._inductor import list_mode_options
+                from torch._inductor.compile_fx import compile_fx
+
+                patches = list_mode_options(spec.mode) if spec.mode is not None else {}  # (None lists every mode)
+                return compile_fx(graph, example_inputs, config_patches=patches)
+            return torch._dynamo.lookup_backend(spec.backend)(graph, example_inputs)
+        except Exception as error:  # noqa: BLE001 (any compiler failure: the graph runs eagerly)
+            first = next(iter(str(error).strip().splitlines()), type(error).__name__)
+            logger.warning(
+                f"StreamBP: torch.compile (backend {spec.backend!r}) failed on a part of {where}'s forward, which "
+                f"runs eagerly: {type(error).__name__}: {first}"
+            )
+            return graph.forward
+
+    return compile_graph

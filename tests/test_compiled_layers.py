@@ -1,0 +1,272 @@
+"""``torch_compile=True``: each streamed layer's per-chunk body compiled (:mod:`streambp_trl.layers.compiled`), exact
+against eager.
+
+Float64 comparisons run the models' RMS norms in the model's dtype (:func:`_norms_in_model_dtype`): the models' own
+norms round to float32 inside a float64 model, and a compiled norm rounds there differently from an eager one (about
+4e-7 relative in the gradients here), which would hide nothing of the engine but the comparison's precision. With
+them, the compiled stream agrees with plain autograd and with the eager stream to float64 rounding, dropout included.
+"""
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+import transformers
+from helpers import (
+    EXACT,
+    MODEL,
+    LengthReward,
+    args,
+    assert_each_close,
+    assert_matches_plain,
+    load_model,
+    load_tokenizer,
+    max_rel_grad_error,
+    tiny_dataset,
+    train,
+)
+from models import batch, tiny_model
+from peft import LoraConfig, get_peft_model
+from torch._dynamo.utils import counters
+from zoo import tiny_causal_lm
+
+import streambp_trl
+from streambp_trl import StreamOptions, enable_streambp
+from streambp_trl.layers.compiled import LayerCompile
+
+
+def _rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The models' RMS norm, ``weight * x / sqrt(mean(x^2) + eps)``, in the input's dtype (no float32 round trip)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@pytest.fixture
+def _norms_in_model_dtype(monkeypatch):
+    monkeypatch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm)
+    monkeypatch.setattr(transformers.models.mistral.modeling_mistral.MistralRMSNorm, "forward", _rms_norm)
+    torch._dynamo.reset()  # no graph compiled before the patch is reused
+    yield
+    torch._dynamo.reset()
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _loss_and_grads(model, ids, mask, labels, seed: int = 0):
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.usefixtures("_norms_in_model_dtype")
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # dense with q/k norms; a sliding window
+def test_compiled_layers_match_plain_autograd_float64(family):
+    reference = tiny_model(family)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, torch_compile=True)
+    before = _graphs()
+    assert_matches_plain(reference, streamed, *batch(padding="left"))
+    assert _graphs() > before  # the layers ran compiled graphs, not eager code
+
+
+@pytest.mark.usefixtures("_norms_in_model_dtype")
+@pytest.mark.parametrize(
+    "plan",
+    [{"kv_mode": "capture"}, {"keep_activations": 1}, {"keep_attention": True}, {"keep_every": 2}],
+    ids=["capture", "kept-layer", "kept-attention", "segments"],
+)
+def test_compiled_layers_under_each_plan_choice(plan):
+    reference = tiny_model("qwen3", num_hidden_layers=3)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, torch_compile=True, **plan)
+    assert_matches_plain(reference, streamed, *batch(padding="right"))
+
+
+@pytest.mark.usefixtures("_norms_in_model_dtype")
+def test_every_layer_of_a_class_shares_its_graphs():
+    """Graphs compiled per layer class and kind of run, not per layer, chunk or prefix length: a 2- and a 4-layer
+    model (5 chunks a call, the last shorter) compile the same number of graphs, and a longer sequence (9 chunks, the
+    last as short) none more."""
+    compiled = []
+    for layers in (2, 4):
+        torch._dynamo.reset()
+        model = enable_streambp(tiny_model("qwen3", num_hidden_layers=layers), stream_chunk_size=5, torch_compile=True)
+        before = _graphs()
+        _loss_and_grads(model, *batch(padding="right"))
+        compiled.append(_graphs() - before)
+    assert compiled[0] == compiled[1] > 0, compiled
+    before = _graphs()
+    _loss_and_grads(model, *batch(seq_len=43, padding="right"))
+    assert _graphs() == before
+
+
+@pytest.mark.usefixtures("_norms_in_model_dtype")
+def test_dropout_inside_compiled_graphs_is_replayed():
+    """LoRA dropout runs inside the compiled graphs: each recompute draws the forward's masks, as the eager stream's
+    does (the same random states), so the two agree to float64 rounding, losses and gradients."""
+    targets = ["q_proj", "v_proj", "up_proj"]
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=targets, init_lora_weights=False)
+    base = get_peft_model(tiny_model("qwen3"), config)
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4)
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True)
+    data = batch(padding="right")
+    loss, _ = _loss_and_grads(eager, *data)
+    before = _graphs()
+    loss_c, _ = _loss_and_grads(compiled, *data)
+    assert _graphs() > before
+    assert abs(loss_c.item() - loss.item()) <= EXACT * abs(loss.item())
+    err, where = max_rel_grad_error(eager, compiled)
+    assert err < EXACT, f"relative gradient error {err:.3e} at {where}"
+    torch.manual_seed(1)  # another draw: the dropout is live
+    assert compiled(input_ids=data[0], attention_mask=data[1], labels=data[2]).loss.item() != loss_c.item()
+
+
+def test_a_hybrid_compiled_matches_eager():
+    """Qwen3.5 (Gated DeltaNet layers beside attention layers), float32: the compiled stream against the eager one,
+    to float32 rounding (its float32 internals are compiled, fused, as they are; the bound is float32's)."""
+    torch._dynamo.reset()
+    base = tiny_causal_lm("qwen3_5_text", dtype=torch.float32)
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4)
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True)
+    data = batch(padding="right")
+    loss, _ = _loss_and_grads(eager, *data)
+    before = _graphs()
+    loss_c, _ = _loss_and_grads(compiled, *data)
+    assert _graphs() > before
+    assert abs(loss_c.item() - loss.item()) <= 1e-6 * abs(loss.item())
+    err, where = max_rel_grad_error(eager, compiled)
+    assert err < 1e-4, f"relative gradient error {err:.3e} at {where}"
+
+
+def test_a_graph_the_backend_fails_runs_eagerly_with_one_warning(caplog):
+    """A backend that fails on every graph: each runs eagerly, with a warning naming the layer class and the error,
+    and the result is the eager stream's, bit for bit."""
+
+    def failing(graph, example_inputs):
+        raise RuntimeError("no kernel for this graph\nsecond line")
+
+    torch._dynamo.reset()
+    torch._dynamo.register_backend(failing, name="streambp_failing_backend")
+    base = tiny_model("qwen3")
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4)
+    failing_backend = {"torch_compile_backend": "streambp_failing_backend"}
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **failing_backend)
+    data = batch(padding="right")
+    loss, grads = _loss_and_grads(eager, *data)
+    with caplog.at_level(logging.WARNING, logger="streambp_trl.layers.compiled"):
+        loss_c, grads_c = _loss_and_grads(compiled, *data)
+    warned = [r.getMessage() for r in caplog.records if r.name == "streambp_trl.layers.compiled"]
+    assert warned and all("Qwen3DecoderLayer's forward, which runs eagerly" in m for m in warned)
+    assert all("RuntimeError: no kernel for this graph" in m and "second line" not in m for m in warned)
+    assert loss_c.item() == loss.item()
+    assert all(torch.equal(grads[n], grads_c[n]) for n in grads)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_are_refused(mode, tmp_path):
+    with pytest.raises(ValueError, match=rf"torch_compile_mode='{mode}' replays the compiled graphs as CUDA graphs"):
+        StreamOptions(stream_chunk_size=8, torch_compile=True, torch_compile_mode=mode)
+    with pytest.raises(ValueError, match="replays the compiled graphs as CUDA graphs"):
+        args(streambp_trl.StreamSFTConfig, tmp_path, torch_compile=True, torch_compile_mode=mode)
+
+
+def test_compile_options_as_training_arguments_name_them():
+    assert StreamOptions(stream_chunk_size=8).compiled is None
+    assert StreamOptions(stream_chunk_size=8, torch_compile=True).compiled == LayerCompile("inductor", None)
+    given = StreamOptions(stream_chunk_size=8, torch_compile_backend="aot_eager")  # a backend alone turns it on
+    assert given.compiled == LayerCompile("aot_eager", None)
+    mode = StreamOptions(stream_chunk_size=8, torch_compile_mode="max-autotune-no-cudagraphs").compiled
+    assert mode == LayerCompile("inductor", "max-autotune-no-cudagraphs")
+    with pytest.raises(ValueError, match="torch_compile must be True or False"):
+        StreamOptions(stream_chunk_size=8, torch_compile="yes")
+
+
+def _prompts():
+    return tiny_dataset("prompt_completion", 4).remove_columns("completion")
+
+
+@pytest.mark.parametrize(
+    ("trainer_cls", "config_cls", "options", "given"),
+    [
+        (
+            streambp_trl.StreamSFTTrainer,
+            streambp_trl.StreamSFTConfig,
+            {},
+            lambda: {"train_dataset": tiny_dataset("chat", 4)},
+        ),
+        (
+            streambp_trl.StreamDPOTrainer,
+            streambp_trl.StreamDPOConfig,
+            {},
+            lambda: {"train_dataset": tiny_dataset("preference", 4)},
+        ),
+        (
+            streambp_trl.StreamKTOTrainer,
+            streambp_trl.StreamKTOConfig,
+            {},
+            lambda: {"train_dataset": tiny_dataset("unpaired_preference", 4)},
+        ),
+        (
+            streambp_trl.StreamGRPOTrainer,
+            streambp_trl.StreamGRPOConfig,
+            {"num_generations": 2, "per_device_train_batch_size": 2},
+            lambda: {"train_dataset": _prompts(), "reward_funcs": LengthReward()},
+        ),
+        (
+            streambp_trl.StreamRLOOTrainer,
+            streambp_trl.StreamRLOOConfig,
+            {"num_generations": 2, "per_device_train_batch_size": 2},
+            lambda: {"train_dataset": _prompts(), "reward_funcs": LengthReward()},
+        ),
+        (
+            streambp_trl.StreamRewardTrainer,
+            streambp_trl.StreamRewardConfig,
+            {},
+            lambda: {"train_dataset": tiny_dataset("preference", 4)},
+        ),
+        (
+            streambp_trl.StreamDistillationTrainer,
+            streambp_trl.StreamDistillationConfig,
+            {},
+            lambda: {"train_dataset": tiny_dataset("chat", 4), "teacher_model": load_model()},
+        ),
+    ],
+)
+def test_trainers_compile_the_layers_not_the_whole_model(tmp_path, trainer_cls, config_cls, options, given):
+    """torch_compile=True (with its backend and mode) reaches the engine, and accelerate does not compile the whole
+    model (which would trace the streamed layers' autograd Functions); the user's config is unchanged."""
+    config = args(config_cls, tmp_path, torch_compile=True, torch_compile_mode="max-autotune-no-cudagraphs", **options)
+    model = str(MODEL) if trainer_cls is streambp_trl.StreamRewardTrainer else load_model()  # (a 1-label head)
+    trainer = trainer_cls(model=model, args=config, processing_class=load_tokenizer(), **given())
+    assert config.torch_compile and not trainer.args.torch_compile
+    assert str(trainer.accelerator.state.dynamo_plugin.backend) in ("NO", "DynamoBackend.NO")
+    hooks = [getattr(m, "_gradient_checkpointing_func", None) for m in trainer.model.modules()]
+    facts = [h.args[0] for h in hooks if isinstance(h, functools.partial)]
+    assert facts and all(f.compiled == LayerCompile("inductor", "max-autotune-no-cudagraphs") for f in facts)
+
+
+def test_sft_trains_compiled_as_eager(tmp_path):
+    """Two SFT steps (float32) with torch_compile=True and without: the same losses and updates, to float32
+    rounding."""
+    torch._dynamo.reset()
+    runs = {}
+    for compiled in (False, True):
+        before = _graphs()
+        trainer, update = train(
+            streambp_trl.StreamSFTTrainer,
+            streambp_trl.StreamSFTConfig,
+            tmp_path / str(compiled),
+            tiny_dataset("chat", 4),
+            torch_compile=compiled,
+            max_steps=2,
+        )
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[compiled] = (losses, update)
+        assert (_graphs() > before) == compiled
+    (losses, update), (losses_c, update_c) = runs[False], runs[True]
+    assert losses and losses_c == pytest.approx(losses, rel=1e-5)
+    assert_each_close(update, update_c, 1e-5)
