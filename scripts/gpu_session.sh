@@ -10,6 +10,9 @@
 #       allocator capped at 78 GiB and stream as the trainers plan it (--planned): TRL's default and stream at 16k,
 #       32k and 64k; then at 64k stream and stream + offload with keys/values recomputed (offload's cost, and what
 #       capture saves); then stream recomputing at 16k and 32k; two measured steps per mode, a fresh process each
+#   bash scripts/gpu_session.sh [OUT] compile         # torch_compile=True (one call, under 9 minutes), as the speed
+#       check: TRL's default compiled whole (as accelerate compiles it) and stream with its layers' per-chunk bodies
+#       compiled, at 16k and 32k, then stream eager at the same lengths (whether compiling pays on the card)
 #   bash scripts/gpu_session.sh [OUT] qlora           # QLoRA (NF4 base, bf16 compute, LoRA r 16 on every linear
 #       layer), Qwen3-8B shapes, the allocator capped at 78 GiB, one optimizer step each: TRL's SFTTrainer (gradient
 #       checkpointing) at 118,784 tokens (max-len puts its limit at 121,856), then StreamSFTTrainer with "auto" and
@@ -77,7 +80,7 @@ if [ "${2:-}" = "calibrate" ]; then  # the time model's chunk and capture costs 
   exit 0
 fi
 
-if [ "${2:-}" = "speed" ]; then
+if [ "${2:-}" = "speed" ] || [ "${2:-}" = "compile" ]; then
   # bench NAME SECONDS ARGS...: scripts/gpu.py bench with stream as the trainers plan it, in at most SECONDS
   bench() {
     local name=$1 most=$2 left; shift 2
@@ -88,6 +91,11 @@ if [ "${2:-}" = "speed" ]; then
       --time-budget $((left - 15)) --out-dir "$OUT" --name "$name" "$@" > "$OUT/$name.log" 2>&1
     echo "rc=$?"; tail -14 "$OUT/$name.log"
   }
+  if [ "${2:-}" = "compile" ]; then
+    bench gpu_compile 360 --seq-len 16384 32768 --mode checkpoint+chunked-loss stream --compile
+    bench gpu_compile_eager 180 --seq-len 16384 32768 --mode stream
+    exit 0
+  fi
   bench gpu_speed 360 --seq-len 16384 32768 65536 --mode checkpoint+chunked-loss stream
   bench gpu_speed_recompute_64k 200 --seq-len 65536 --mode stream stream+offload --kv-mode recompute
   bench gpu_speed_recompute 200 --seq-len 16384 32768 --mode stream --kv-mode recompute

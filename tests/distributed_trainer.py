@@ -1,7 +1,7 @@
 """One training step of StreamSFTTrainer or StreamDPOTrainer across processes, for tests/test_distributed_trainer.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_trainer.py \
-        --objective sft|dpo --wrap ddp|fsdp2|zero1|zero2|zero3|zero3_offload --chunk 8 --out F
+        --objective sft|dpo --wrap ddp|fsdp2|zero1|zero2|zero3|zero3_offload --chunk 8 [--compile] --out F
 
 The global batch is the whole (4-row) dataset, split across the ranks by accelerate's data loader, so the step
 equals one process's step on the whole batch (tests/test_distributed_trainer.py computes that one). Wrappers:
@@ -19,6 +19,7 @@ equals one process's step on the whole batch (tests/test_distributed_trainer.py 
   decoder layers ZeRO-3 leaf modules itself.
 
 ``--chunk`` sets both ``stream_chunk_size`` and ``logits_chunk_size``: the logit kernel's tile count changes with it.
+``--compile`` sets ``torch_compile=True`` (each layer's per-chunk body compiled).
 
 Rank 0 writes the applied update of every parameter (weights after the step minus before, float64, divided by the
 learning rate), the logged metrics and the collective calls of the training step to ``--out``.
@@ -42,6 +43,13 @@ sys.path.insert(0, str(HERE))
 
 ROWS = 4  # the whole dataset is one global batch
 LR = 1e4  # SGD: the update is -LR * grad, large enough that float32 rounding of the weights is ~1e-7 of it
+
+
+def counters_of_dynamo() -> int:
+    """How many graphs torch.compile compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def deepspeed_config(wrap: str) -> dict:
@@ -204,6 +212,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--fsdp", choices=("layers", "accelerate"), default="layers")
+    parser.add_argument("--compile", action="store_true", help="torch_compile=True (the layers' per-chunk bodies)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -226,7 +235,9 @@ def main() -> None:
         gloo_state(args.wrap)
     output_dir = str(Path(args.out).parent / "run")
     fsdp_layers = args.fsdp == "layers"
-    config = training_args(args.objective, args.wrap, output_dir, world, args.chunk, args.accum, fsdp_layers)
+    compiled = {"torch_compile": True} if args.compile else {}
+    steps = (args.chunk, args.accum, fsdp_layers)
+    config = training_args(args.objective, args.wrap, output_dir, world, *steps, **compiled)
     model = load_model()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
     partitioned_at_load = any(hasattr(p, "ds_id") for p in model.parameters())
     if args.wrap == "fsdp2" and args.fsdp == "layers":
@@ -258,6 +269,7 @@ def main() -> None:
         "wrapper_bases": [cls.__name__ for cls in type(trainer.model_wrapped).__mro__],
         "num_processes": trainer.accelerator.num_processes,
         "partitioned_at_load": partitioned_at_load,
+        "compiled_graphs": counters_of_dynamo(),
         "z3_leaf_layers": sum(bool(getattr(layer, "_z3_leaf", False)) for layer in unwrapped.model.layers),
         "collectives": counter.summary(unwrapped),
     }

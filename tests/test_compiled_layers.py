@@ -17,6 +17,7 @@ import transformers
 from helpers import (
     EXACT,
     MODEL,
+    RECOMPUTED,
     LengthReward,
     args,
     assert_each_close,
@@ -67,7 +68,7 @@ def _loss_and_grads(model, ids, mask, labels, seed: int = 0):
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])  # dense with q/k norms; a sliding window
 def test_compiled_layers_match_plain_autograd_float64(family):
     reference = tiny_model(family)
-    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, torch_compile=True)
+    streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
     before = _graphs()
     assert_matches_plain(reference, streamed, *batch(padding="left"))
     assert _graphs() > before  # the layers ran compiled graphs, not eager code
@@ -76,7 +77,12 @@ def test_compiled_layers_match_plain_autograd_float64(family):
 @pytest.mark.usefixtures("_norms_in_model_dtype")
 @pytest.mark.parametrize(
     "plan",
-    [{"kv_mode": "capture"}, {"keep_activations": 1}, {"keep_attention": True}, {"keep_every": 2}],
+    [
+        {"kv_mode": "capture", **RECOMPUTED},
+        {"keep_activations": 1, "keep_attention": False},
+        {"keep_activations": 0, "keep_attention": True},
+        {"keep_every": 2, **RECOMPUTED},
+    ],
     ids=["capture", "kept-layer", "kept-attention", "segments"],
 )
 def test_compiled_layers_under_each_plan_choice(plan):
@@ -93,7 +99,8 @@ def test_every_layer_of_a_class_shares_its_graphs():
     compiled = []
     for layers in (2, 4):
         torch._dynamo.reset()
-        model = enable_streambp(tiny_model("qwen3", num_hidden_layers=layers), stream_chunk_size=5, torch_compile=True)
+        model = tiny_model("qwen3", num_hidden_layers=layers)
+        model = enable_streambp(model, stream_chunk_size=5, torch_compile=True, **RECOMPUTED)
         before = _graphs()
         _loss_and_grads(model, *batch(padding="right"))
         compiled.append(_graphs() - before)
@@ -110,8 +117,8 @@ def test_dropout_inside_compiled_graphs_is_replayed():
     targets = ["q_proj", "v_proj", "up_proj"]
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=targets, init_lora_weights=False)
     base = get_peft_model(tiny_model("qwen3"), config)
-    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4)
-    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True)
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
     data = batch(padding="right")
     loss, _ = _loss_and_grads(eager, *data)
     before = _graphs()
@@ -129,8 +136,8 @@ def test_a_hybrid_compiled_matches_eager():
     to float32 rounding (its float32 internals are compiled, fused, as they are; the bound is float32's)."""
     torch._dynamo.reset()
     base = tiny_causal_lm("qwen3_5_text", dtype=torch.float32)
-    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4)
-    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True)
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
     data = batch(padding="right")
     loss, _ = _loss_and_grads(eager, *data)
     before = _graphs()
@@ -142,8 +149,8 @@ def test_a_hybrid_compiled_matches_eager():
 
 
 def test_a_graph_the_backend_fails_runs_eagerly_with_one_warning(caplog):
-    """A backend that fails on every graph: each runs eagerly, with a warning naming the layer class and the error,
-    and the result is the eager stream's, bit for bit."""
+    """A backend that fails on every graph: each runs eagerly, with one warning naming the layer class and the error
+    (its first line), and the result is the eager stream's, bit for bit."""
 
     def failing(graph, example_inputs):
         raise RuntimeError("no kernel for this graph\nsecond line")
@@ -151,18 +158,48 @@ def test_a_graph_the_backend_fails_runs_eagerly_with_one_warning(caplog):
     torch._dynamo.reset()
     torch._dynamo.register_backend(failing, name="streambp_failing_backend")
     base = tiny_model("qwen3")
-    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4)
-    failing_backend = {"torch_compile_backend": "streambp_failing_backend"}
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    failing_backend = {"torch_compile_backend": "streambp_failing_backend", **RECOMPUTED}
     compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **failing_backend)
     data = batch(padding="right")
     loss, grads = _loss_and_grads(eager, *data)
     with caplog.at_level(logging.WARNING, logger="streambp_trl.layers.compiled"):
         loss_c, grads_c = _loss_and_grads(compiled, *data)
     warned = [r.getMessage() for r in caplog.records if r.name == "streambp_trl.layers.compiled"]
-    assert warned and all("Qwen3DecoderLayer's forward, which runs eagerly" in m for m in warned)
-    assert all("RuntimeError: no kernel for this graph" in m and "second line" not in m for m in warned)
+    assert warned == [
+        "StreamBP: torch.compile (backend 'streambp_failing_backend') failed on a part of Qwen3DecoderLayer's "
+        "forward, which runs eagerly: RuntimeError: no kernel for this graph"
+    ]
     assert loss_c.item() == loss.item()
     assert all(torch.equal(grads[n], grads_c[n]) for n in grads)
+    torch._dynamo.reset()
+
+
+def test_a_frame_dynamo_fails_to_trace_runs_eagerly_with_one_warning(caplog, monkeypatch):
+    """dynamo failing on every frame it traces: each runs eagerly, one warning line for the failure (not dynamo's
+    traceback), and the result is the eager stream's, bit for bit."""
+
+    def failing(self):
+        raise RuntimeError("tracing failed here")
+
+    torch._dynamo.reset()
+    base = tiny_model("qwen3")
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    monkeypatch.setattr(torch._dynamo.symbolic_convert.InstructionTranslator, "run", failing)
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
+    data = batch(padding="right")
+    loss, grads = _loss_and_grads(eager, *data)
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo.convert_frame"):
+        loss_c, grads_c = _loss_and_grads(compiled, *data)
+    warned = [r for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert [r.getMessage() for r in warned] == [
+        "StreamBP: torch.compile failed to trace a part of Qwen3DecoderLayer's forward, which runs eagerly: "
+        "InternalTorchDynamoError: RuntimeError: tracing failed here"
+    ]
+    assert warned[0].exc_info is None
+    assert loss_c.item() == loss.item()
+    assert all(torch.equal(grads[n], grads_c[n]) for n in grads)
+    monkeypatch.undo()
     torch._dynamo.reset()
 
 

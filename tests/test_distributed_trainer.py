@@ -79,6 +79,10 @@ CASES = [
     ("dpo", "zero2", 8, 1, (), "DEEPSPEED", "DeepSpeedEngine"),
     ("dpo", "zero3", 6, 1, (), "DEEPSPEED", "DeepSpeedEngine"),
     ("dpo", "fsdp2", 8, 1, ("--fsdp", "accelerate"), "FSDP", "FSDPModule"),
+    # torch_compile=True: each layer's per-chunk body compiled, against the eager one-process step
+    ("sft", "ddp", 8, 1, ("--compile",), "MULTI_CPU", "DistributedDataParallel"),
+    ("sft", "zero3", 7, 1, ("--compile",), "DEEPSPEED", "DeepSpeedEngine"),
+    ("sft", "fsdp2", 7, 1, ("--compile",), "FSDP", "FSDPModule"),
 ]
 
 
@@ -98,6 +102,7 @@ def test_two_processes_apply_the_one_process_update(
     assert abs(log["loss"] - _reference(objective)[1]) < 1e-5, (log, _reference(objective)[1])
     if wrap.startswith("zero3"):  # the engine made the decoder layers ZeRO-3 leaf modules itself
         assert result["partitioned_at_load"] and result["z3_leaf_layers"] == LAYERS
+    assert (result["compiled_graphs"] > 0) == ("--compile" in flags), result["compiled_graphs"]
 
 
 def _parameters() -> set[str]:

@@ -78,6 +78,7 @@ def metadata(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "logits_chunk_size": args.logits_chunk_size,
         "trl_token_chunk_size": args.logits_chunk_size if args.same_logits_tile else trl_token_chunk(),
         "kv_mode": args.kv_mode,
+        "torch_compile": args.compile,
         "repeats": args.repeats,
         "memory": "peak RSS above the loaded model (VmHWM - VmRSS baseline)"
         if device == "cpu"
@@ -334,6 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also record each phase's peak and time (forward, head backward, each layer's backward) and the "
         "per-phase memory slopes; the step's peak is then the largest phase peak",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch_compile=True: the whole model compiled (checkpoint modes), the layers' per-chunk bodies (stream)",
+    )
     parser.add_argument("--out", metavar="NAME", help="write benchmarks/NAME.json and benchmarks/NAME.md")
     parser.add_argument("--baseline", metavar="FILE", help="earlier JSON output supplying the modes not run here")
     parser.add_argument("--timeout", type=float, default=None, help="seconds allowed per measurement subprocess")
@@ -376,6 +382,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             kv_mode=args.kv_mode,
             phases=args.phases,
             same_logits_tile=args.same_logits_tile,
+            compile=args.compile,
         )
 
     measured: list[dict[str, Any]] = []

@@ -96,6 +96,7 @@ class Run:
                 "planned": args.planned,
                 "kv_mode": args.kv_mode or ("planned" if args.planned else "recompute"),
                 "memory_cap": args.memory_cap,
+                "torch_compile": args.compile,
                 "warmup_seq_len": args.warmup_seq_len,
                 "repeats": args.repeats,
                 "step": args.step,
@@ -151,6 +152,7 @@ class Run:
             planned=a.planned,
             memory_budget=a.memory_cap if a.planned else None,
             memory_cap=a.memory_cap,
+            compile=a.compile,
         )
         start = self.clock()
         record = measure(spec, timeout=max(a.time_budget - self.elapsed(), 1.0))
@@ -307,6 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         type=_budget_arg,
         help="the bisection's memory budget, e.g. 78GiB (cuda default: the GPU's total memory; cpu: required)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch_compile=True: the whole model compiled (checkpoint modes), the layers' per-chunk bodies (stream)",
     )
     p.add_argument("--out-dir", type=Path, default=BENCH_DIR)
     p.add_argument("--name", help="output file stem (default: gpu_<device>, or cpu_fallback on a CPU)")

@@ -90,11 +90,13 @@ def _stream_options(spec: MeasureSpec) -> dict[str, Any]:
         "keep_attention": None if spec.planned else False,
         "token_mean_loss": spec.objective == "sft",  # as StreamSFTTrainer sets it for TRL's nll loss
         "memory_budget": spec.memory_budget,
+        "torch_compile": spec.compile,
     }
 
 
 def prepare_model(model: Any, spec: MeasureSpec, *, trainable: bool = True) -> Any:
-    """Set ``model`` up for ``spec.mode`` (and LoRA); returns the model to call (a PEFT wrapper with LoRA)."""
+    """Set ``model`` up for ``spec.mode`` (and LoRA, and ``torch_compile``); returns the model to call (a PEFT wrapper
+    with LoRA, a compiled module where a mode other than stream compiles)."""
     outputs = ("log_probs",) if spec.objective == "sft" else ("log_probs", "entropy")
     if spec.mode.checkpoints and trainable:
         enable = getattr(model, "activation_checkpointing_enable", None)  # the name since transformers 5.23
@@ -118,6 +120,10 @@ def prepare_model(model: Any, spec: MeasureSpec, *, trainable: bool = True) -> A
         from streambp_trl import enable_streambp
 
         enable_streambp(model, **_stream_options(spec), fused_outputs=outputs, stream_eval=not trainable)
+    elif spec.compile:  # as accelerate does for TrainingArguments' torch_compile=True
+        import torch
+
+        model = torch.compile(model)
     return model
 
 

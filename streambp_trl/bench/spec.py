@@ -101,6 +101,8 @@ class MeasureSpec:
     planned: bool = False  # stream modes: kept inputs, offload (stream+offload: on) and, with kv_mode None, kept
     # keys/values left to the plan (as the trainers leave them)
     memory_cap: str | None = None  # CUDA: PyTorch's allocator capped at this size, e.g. "78GiB" (an 80 GB card's)
+    compile: bool = False  # TrainingArguments' torch_compile=True: the checkpointing modes compile the whole model, as
+    # accelerate does; the stream modes their layers' per-chunk bodies (torch_compile=True); plain: the whole model
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))

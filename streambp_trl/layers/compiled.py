@@ -19,14 +19,17 @@ model's code fixes (a norm computed in float32 inside a float64 or bfloat16 mode
 in the last bits of that precision, as with ``torch.compile`` of the whole model.
 
 A graph the backend fails to compile runs eagerly, with one warning naming the layer class and the error
-(:func:`_graph_compiler`); what dynamo cannot trace it runs eagerly itself. CUDA graphs (``mode="reduce-overhead"``,
-``"max-autotune"``) are refused where the options are read (:func:`check_mode`): the next replay of a captured graph
-overwrites the outputs of the previous one, which the streamed layer still holds (each chunk's output, its saved
-graph). Memory: the chunk's activations, as eager (the compiler may keep fewer intermediates for backward).
+(:func:`_graph_compiler`); so does a frame dynamo fails to trace (its ``suppress_errors``; its warning made one line,
+:class:`_OneLine`); each failure is warned about once. What dynamo does not trace (a graph break) it runs eagerly
+itself. CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``) are refused where the options are read
+(:func:`check_mode`): the next replay of a captured graph overwrites the outputs of the previous one, which the
+streamed layer still holds (each chunk's output, its saved graph). Memory: the chunk's activations, as eager (the
+compiler may keep fewer intermediates for backward).
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -35,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+_RUNNING: contextvars.ContextVar[str | None] = contextvars.ContextVar("streambp_compiled_layer", default=None)
 
 # modes whose graphs replay as CUDA graphs (torch._inductor.list_mode_options)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -87,13 +91,37 @@ def _compiled(forward: Callable, spec: LayerCompile) -> Callable:
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        with (
-            torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True),
-            torch._inductor.config.patch(fallback_random=True),
-        ):
-            return compiled(*args, **kwargs)
+        running = _RUNNING.set(where)
+        try:
+            with (
+                torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, suppress_errors=True),
+                torch._inductor.config.patch(fallback_random=True),
+            ):
+                return compiled(*args, **kwargs)
+        finally:
+            _RUNNING.reset(running)
 
     return run
+
+
+class _OneLine(logging.Filter):
+    """dynamo's warning for a frame it failed to trace and runs eagerly (``suppress_errors``: "WON'T CONVERT", with
+    its traceback), in one line naming the layer class, where the frame is a compiled layer's."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        where = _RUNNING.get()
+        if where is not None and record.getMessage().startswith("WON'T CONVERT"):
+            error = record.exc_info[1] if record.exc_info else None
+            said = _first_line(error) if error is not None else record.getMessage().splitlines()[0]
+            record.msg = (
+                f"StreamBP: torch.compile failed to trace a part of {where}'s forward, which runs eagerly: {said}"
+            )
+            record.args, record.exc_info, record.exc_text = (), None, None
+            return _first_time(record.msg)
+        return True
+
+
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_OneLine())
 
 
 def _graph_compiler(spec: LayerCompile, where: str) -> Callable:
@@ -110,11 +138,27 @@ def _graph_compiler(spec: LayerCompile, where: str) -> Callable:
                 return compile_fx(graph, example_inputs, config_patches=patches)
             return torch._dynamo.lookup_backend(spec.backend)(graph, example_inputs)
         except Exception as error:  # noqa: BLE001 (any compiler failure: the graph runs eagerly)
-            first = next(iter(str(error).strip().splitlines()), type(error).__name__)
-            logger.warning(
+            said = (
                 f"StreamBP: torch.compile (backend {spec.backend!r}) failed on a part of {where}'s forward, which "
-                f"runs eagerly: {type(error).__name__}: {first}"
+                f"runs eagerly: {_first_line(error)}"
             )
+            if _first_time(said):
+                logger.warning(said)
             return graph.forward
 
     return compile_graph
+
+
+def _first_line(error: BaseException) -> str:
+    """``error``'s type and the first line of its message."""
+    return f"{type(error).__name__}: {next(iter(str(error).strip().splitlines()), '')}"
+
+
+_SAID: set[str] = set()
+
+
+def _first_time(message: str) -> bool:
+    """Whether ``message`` is said for the first time in this process (each failure is warned about once)."""
+    new = message not in _SAID
+    _SAID.add(message)
+    return new
