@@ -28,7 +28,7 @@ from helpers import (
     tiny_dataset,
     train,
 )
-from models import batch, tiny_model
+from models import FAMILIES, batch, tiny_model
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 from zoo import tiny_causal_lm
@@ -68,8 +68,8 @@ def _loss_and_grads(model, ids, mask, labels, seed: int = 0):
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])  # dense with q/k norms; a sliding window
 def test_compiled_layers_match_plain_autograd_float64(family):
     reference = tiny_model(family)
+    before = _graphs()  # (the probe at enable runs the compiled layers too)
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
-    before = _graphs()
     assert_matches_plain(reference, streamed, *batch(padding="left"))
     assert _graphs() > before  # the layers ran compiled graphs, not eager code
 
@@ -87,8 +87,10 @@ def test_compiled_layers_match_plain_autograd_float64(family):
 )
 def test_compiled_layers_under_each_plan_choice(plan):
     reference = tiny_model("qwen3", num_hidden_layers=3)
+    before = _graphs()
     streamed = enable_streambp(copy.deepcopy(reference), stream_chunk_size=4, torch_compile=True, **plan)
     assert_matches_plain(reference, streamed, *batch(padding="right"))
+    assert _graphs() > before
 
 
 @pytest.mark.usefixtures("_norms_in_model_dtype")
@@ -100,8 +102,8 @@ def test_every_layer_of_a_class_shares_its_graphs():
     for layers in (2, 4):
         torch._dynamo.reset()
         model = tiny_model("qwen3", num_hidden_layers=layers)
-        model = enable_streambp(model, stream_chunk_size=5, torch_compile=True, **RECOMPUTED)
         before = _graphs()
+        model = enable_streambp(model, stream_chunk_size=5, torch_compile=True, **RECOMPUTED)
         _loss_and_grads(model, *batch(padding="right"))
         compiled.append(_graphs() - before)
     assert compiled[0] == compiled[1] > 0, compiled
@@ -118,10 +120,10 @@ def test_dropout_inside_compiled_graphs_is_replayed():
     config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, target_modules=targets, init_lora_weights=False)
     base = get_peft_model(tiny_model("qwen3"), config)
     eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    before = _graphs()  # (the probe at enable runs the compiled layers too)
     compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
     data = batch(padding="right")
     loss, _ = _loss_and_grads(eager, *data)
-    before = _graphs()
     loss_c, _ = _loss_and_grads(compiled, *data)
     assert _graphs() > before
     assert abs(loss_c.item() - loss.item()) <= EXACT * abs(loss.item())
@@ -131,16 +133,34 @@ def test_dropout_inside_compiled_graphs_is_replayed():
     assert compiled(input_ids=data[0], attention_mask=data[1], labels=data[2]).loss.item() != loss_c.item()
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_compiled_matches_eager_float32(family):
+    """Each family of the tests' zoo (q/k/v biases, q/k norms, a sliding window, Gemma 3's interleaved layers, a fused
+    qkv projection, a mixture of experts), float32: the compiled stream against the eager one, to float32 rounding."""
+    torch._dynamo.reset()
+    base = tiny_model(family, dtype=torch.float32)
+    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    before = _graphs()  # (the probe at enable runs the compiled layers too)
+    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
+    data = batch(padding="left")
+    loss, _ = _loss_and_grads(eager, *data)
+    loss_c, _ = _loss_and_grads(compiled, *data)
+    assert _graphs() > before
+    assert abs(loss_c.item() - loss.item()) <= 1e-6 * abs(loss.item())
+    err, where = max_rel_grad_error(eager, compiled)
+    assert err < 1e-4, f"relative gradient error {err:.3e} at {where}"
+
+
 def test_a_hybrid_compiled_matches_eager():
     """Qwen3.5 (Gated DeltaNet layers beside attention layers), float32: the compiled stream against the eager one,
     to float32 rounding (its float32 internals are compiled, fused, as they are; the bound is float32's)."""
     torch._dynamo.reset()
     base = tiny_causal_lm("qwen3_5_text", dtype=torch.float32)
     eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
+    before = _graphs()  # (the probe at enable runs the compiled layers too)
     compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
     data = batch(padding="right")
     loss, _ = _loss_and_grads(eager, *data)
-    before = _graphs()
     loss_c, _ = _loss_and_grads(compiled, *data)
     assert _graphs() > before
     assert abs(loss_c.item() - loss.item()) <= 1e-6 * abs(loss.item())

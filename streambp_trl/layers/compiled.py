@@ -4,13 +4,15 @@ eager, as chunked-loss kernels compile their per-chunk function and not their lo
 What is compiled is the layer's own forward, ``type(layer).forward``, once per layer class and compile setting
 (:func:`compiled_forward`), on one chunk at a time, so its shapes are the chunk's: (batch, chunk, hidden), the last
 chunk of a call shorter. The engine's parts that the layer's code calls (the chunk cache's methods, the streamed
-attention and mask functions) are opaque to the compiler (:func:`opaque`, ``torch.compiler.disable``): dynamo breaks
+attention function) are opaque to the compiler (:func:`opaque`, ``torch.compiler.disable``): dynamo breaks
 its graph there and runs them eagerly, so the prefix's growing keys/values, a chunk's position and the cache's state
 never enter a graph and cause no recompile. A dense layer thus compiles into one graph before its cache update (norm,
 projections, rotary embedding) and one after its attention (output projection, residual, norm, MLP), for each kind
 of run: the forward without grad, the recompute with grad, the collecting pass (no queries), a shorter last chunk.
 Every layer of a class shares those graphs: a layer's integer attributes (``layer_idx``) are graph inputs, not
-constants (dynamo's ``allow_unspec_int_on_nn_module``), and its parameters are inputs as well.
+constants (dynamo's ``allow_unspec_int_on_nn_module``), and its parameters are inputs as well. A code object may
+hold up to 32 variants (``recompile_limit``, 8 by default: kinds of run times layer types, a sliding window's and
+a full attention's, and chunk shapes); past that dynamo runs it eagerly, with its warning.
 
 Exact as eager is: each graph computes the layer's own operations. Random operations in a graph draw from PyTorch's
 generator as eager ones do (inductor's ``fallback_random``), so the random state replayed for every recompute of a
@@ -94,7 +96,9 @@ def _compiled(forward: Callable, spec: LayerCompile) -> Callable:
         running = _RUNNING.set(where)
         try:
             with (
-                torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, suppress_errors=True),
+                torch._dynamo.config.patch(
+                    allow_unspec_int_on_nn_module=True, suppress_errors=True, recompile_limit=32
+                ),
                 torch._inductor.config.patch(fallback_random=True),
             ):
                 return compiled(*args, **kwargs)
