@@ -128,6 +128,30 @@ class Float64Internals(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def _rms_norm_in_input_dtype(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """An RMS norm, ``weight * x / sqrt(mean(x^2) + eps)``, in the input's dtype (no float32 round trip)."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+@contextlib.contextmanager
+def norms_in_model_dtype():
+    """Qwen3's and Mistral's RMS norms computed in the model's dtype, for comparisons with compiled layers: the
+    models' own norms round to float32 inside a float64 model, and a compiled norm rounds there differently from an
+    eager one (about 4e-7 relative in the gradients), which would hide nothing of the engine but the comparison's
+    precision (:class:`Float64Internals` does not reach compiled kernels)."""
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    with (
+        mock.patch.object(Qwen3RMSNorm, "forward", _rms_norm_in_input_dtype),
+        mock.patch.object(MistralRMSNorm, "forward", _rms_norm_in_input_dtype),
+    ):
+        torch._dynamo.reset()  # no graph compiled with the models' own norms is reused
+        yield
+    torch._dynamo.reset()
+
+
 def own_loss(model, **inputs) -> torch.Tensor:
     """Plain autograd (``model`` not streamed): the model's own ``labels=`` loss, as its forward computes it from the
     full logits, pairing labels and logits as it does (transformers' causal-LM loss shifts the labels; the decoders of

@@ -18,6 +18,7 @@ gradient), rounds it differently from plain autograd: ~1e-7 relative, the float3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import faulthandler
 import json
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_support import Float64Internals  # noqa: E402
+from model_support import Float64Internals, norms_in_model_dtype  # noqa: E402
 from models import VOCAB, tiny_model  # noqa: E402
 
 from streambp_trl import enable_streambp  # noqa: E402
@@ -203,8 +204,12 @@ def main() -> None:
         "fused_lm_head=True (pairs), or over a sequence classifier's scores, the second row ending in padding "
         "(score); the gradients averaged over the ranks",
     )
+    parser.add_argument("--compile", action="store_true", help="torch_compile=True, the norms in the model's dtype")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    held = contextlib.ExitStack()  # (held until the process's os._exit)
+    if args.compile:  # compiled norms round their float32 differently: both sides compute them in float64
+        held.enter_context(norms_in_model_dtype())
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.refusals:
@@ -249,6 +254,7 @@ def main() -> None:
         keep_attention=args.keep_attention,
         sequence_group=dist.group.WORLD,
         whole_rows=args.whole_rows is not None,
+        torch_compile=args.compile,
     )
     pristine = copy.deepcopy(model)  # (before any step: its copies draw the first step's dropout masks)
     counts = dict.fromkeys(COUNTED, 0)
@@ -278,7 +284,10 @@ def main() -> None:
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
-    out = {"loss": total.item(), "collectives": counts, "chunks": args.chunk}
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]  # compiled by this process (torch_compile)
+    out = {"loss": total.item(), "collectives": counts, "chunks": args.chunk, "compiled_graphs": graphs}
     if args.dropout:  # the masks are the split's own, which no plain forward draws: a central difference instead
         out.update(directional(model, pristine, lambda m: split_loss(m, ids[:, mine], shift[:, mine], tokens, rank)))
     else:

@@ -1,10 +1,10 @@
 """``torch_compile=True``: each streamed layer's per-chunk body compiled (:mod:`streambp_trl.layers.compiled`), exact
 against eager.
 
-Float64 comparisons run the models' RMS norms in the model's dtype (:func:`_norms_in_model_dtype`): the models' own
-norms round to float32 inside a float64 model, and a compiled norm rounds there differently from an eager one (about
-4e-7 relative in the gradients here), which would hide nothing of the engine but the comparison's precision. With
-them, the compiled stream agrees with plain autograd and with the eager stream to float64 rounding, dropout included.
+Float64 comparisons run the models' RMS norms in the model's dtype (``model_support.norms_in_model_dtype``: their own
+round to float32 inside a float64 model, which a compiled norm does differently from an eager one). With them, the
+compiled stream agrees with plain autograd and with the eager stream to float64 rounding, dropout included; elsewhere
+(every family of the zoo, a hybrid) it agrees with the eager stream to float32 rounding.
 """
 
 import copy
@@ -13,7 +13,6 @@ import logging
 
 import pytest
 import torch
-import transformers
 from helpers import (
     EXACT,
     MODEL,
@@ -28,6 +27,7 @@ from helpers import (
     tiny_dataset,
     train,
 )
+from model_support import norms_in_model_dtype
 from models import FAMILIES, batch, tiny_model
 from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
@@ -38,19 +38,10 @@ from streambp_trl import StreamOptions, enable_streambp
 from streambp_trl.layers.compiled import LayerCompile
 
 
-def _rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """The models' RMS norm, ``weight * x / sqrt(mean(x^2) + eps)``, in the input's dtype (no float32 round trip)."""
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
 @pytest.fixture
-def _norms_in_model_dtype(monkeypatch):
-    monkeypatch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", _rms_norm)
-    monkeypatch.setattr(transformers.models.mistral.modeling_mistral.MistralRMSNorm, "forward", _rms_norm)
-    torch._dynamo.reset()  # no graph compiled before the patch is reused
-    yield
-    torch._dynamo.reset()
+def _norms_in_model_dtype():
+    with norms_in_model_dtype():
+        yield
 
 
 def _graphs() -> int:

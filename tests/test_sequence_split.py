@@ -26,6 +26,8 @@ CASES = {
     "packed rows, documents starting inside and at a rank's share": (2, 6, 4, "qwen3", ("--packed",)),
     "packed rows, a window, 4 ranks": (4, 3, 2, "mistral", ("--packed",)),
     "packed rows, flash attention (documents apart by its kernel)": (2, 6, 4, "qwen3", ("--packed", "--flash")),
+    "compiled layers (torch_compile)": (2, 6, 4, "qwen3", ("--compile",)),
+    "compiled layers, a window, padding, 4 ranks": (4, 3, 2, "mistral", ("--compile", "--padding")),
 }
 
 
@@ -44,6 +46,7 @@ def test_split_sequence_equals_one_process(tmp_path, case):
     rounds = 3 * 2 * (ranks - 1) * passes  # (3 layers)
     gathered = int("--padding" in extra or "--packed" in extra)  # the padding mask, or packed rows' positions
     assert result["collectives"] == {"all_gather": gathered, "batch_isend_irecv": rounds}
+    assert (result["compiled_graphs"] > 0) == ("--compile" in extra)
 
 
 WHOLE = {
