@@ -10,9 +10,10 @@
 #       allocator capped at 78 GiB and stream as the trainers plan it (--planned): TRL's default and stream at 16k,
 #       32k and 64k; then at 64k stream and stream + offload with keys/values recomputed (offload's cost, and what
 #       capture saves); then stream recomputing at 16k and 32k; two measured steps per mode, a fresh process each
-#   bash scripts/gpu_session.sh [OUT] compile         # torch_compile=True (one call, under 9 minutes), as the speed
-#       check: TRL's default compiled whole (as accelerate compiles it) and stream with its layers' per-chunk bodies
-#       compiled, at 16k and 32k, then stream eager at the same lengths (whether compiling pays on the card)
+#   bash scripts/gpu_session.sh [OUT] compile         # torch_compile=True (one call, under 9 minutes): the compiled
+#       layers' dropout replay on the card (tests/test_compiled_layers.py -k cuda, float64), then as the speed check
+#       TRL's default compiled whole (as accelerate compiles it) and stream with its layers' per-chunk bodies compiled,
+#       at 16k and 32k, then stream eager at the same lengths (whether compiling pays on the card)
 #   bash scripts/gpu_session.sh [OUT] qlora           # QLoRA (NF4 base, bf16 compute, LoRA r 16 on every linear
 #       layer), Qwen3-8B shapes, the allocator capped at 78 GiB, one optimizer step each: TRL's SFTTrainer (gradient
 #       checkpointing) at 118,784 tokens (max-len puts its limit at 121,856), then StreamSFTTrainer with "auto" and
@@ -92,8 +93,12 @@ if [ "${2:-}" = "speed" ] || [ "${2:-}" = "compile" ]; then
     echo "rc=$?"; tail -14 "$OUT/$name.log"
   }
   if [ "${2:-}" = "compile" ]; then
-    bench gpu_compile 360 --seq-len 16384 32768 --mode checkpoint+chunked-loss stream --compile
-    bench gpu_compile_eager 180 --seq-len 16384 32768 --mode stream
+    echo "== tests/test_compiled_layers.py -k cuda"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_compiled_layers.py -k cuda \
+      > "$OUT/test_compiled_cuda.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/test_compiled_cuda.log"
+    bench gpu_compile 300 --seq-len 16384 32768 --mode checkpoint+chunked-loss stream --compile
+    bench gpu_compile_eager 150 --seq-len 16384 32768 --mode stream
     exit 0
   fi
   bench gpu_speed 360 --seq-len 16384 32768 65536 --mode checkpoint+chunked-loss stream

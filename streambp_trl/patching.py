@@ -6,7 +6,8 @@ records live on the module, and the methods the engine installs are :class:`Meth
 and the module), so ``copy.deepcopy`` and pickling (``torch.save(model)``) copy a patched model with its records and
 methods bound to the copy; no registry outside the model exists.
 :func:`guarded_set_gradient_checkpointing` lets transformers' checkpointing switches act on every other module while
-the streamed layers keep their hook.
+the streamed layers keep their hook. :func:`opaque` and :func:`opaque_methods` mark the engine's code a compiled
+layer calls (:mod:`streambp_trl.layers.compiled`) as run eagerly.
 """
 
 from __future__ import annotations
@@ -17,10 +18,31 @@ import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 _PATCHES = "_streambp_patches"
+# the item access a cache-like object serves a layer's code by, run eagerly beside its public methods
+_SERVED = ("__getitem__", "__setitem__", "__contains__", "__len__", "__iter__")
+
+
+def opaque(func: Callable) -> Callable:
+    """``func``, run eagerly where a compiled layer calls it: a graph break (``torch.compiler.disable``), so what it
+    reads and changes (the chunk cache's store, a prefix that grows chunk by chunk) never enters a graph; outside a
+    compiled frame, ``func`` as it is."""
+    return torch.compiler.disable(func, recursive=True)
+
+
+def opaque_methods(cls: type) -> type:
+    """``cls`` with each of its own methods a layer's code may call made :func:`opaque`: its public methods, its
+    properties' getters and its item access (``__getitem__``, ``__len__``, ...)."""
+    for name, value in list(vars(cls).items()):
+        if isinstance(value, property) and value.fget is not None:
+            setattr(cls, name, property(opaque(value.fget), value.fset, value.fdel, value.__doc__))
+        elif inspect.isfunction(value) and (not name.startswith("_") or name in _SERVED):
+            setattr(cls, name, opaque(value))
+    return cls
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
-from ..patching import temporarily
+from ..patching import opaque, temporarily
 from .kernels import stream_attention
 from .masks import stream_mask
 
@@ -54,6 +54,6 @@ def _register() -> None:
     global _registered
     if not _registered:
         # run eagerly where a compiled layer calls it (a graph break): the prefix keys/values never enter a graph
-        AttentionInterface.register(IMPLEMENTATION, torch.compiler.disable(stream_attention))
+        AttentionInterface.register(IMPLEMENTATION, opaque(stream_attention))
         AttentionMaskInterface.register(IMPLEMENTATION, stream_mask)
         _registered = True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..layers.compiled import LayerCompile, check_mode
+from ..layers.compiled import LayerCompile, check_compile
 from ..logits import STAT_OUTPUTS
 from ..sizing.auto import AUTO
 from ..sizing.choices import KV_MODES, PlanChoices
@@ -89,8 +89,8 @@ class StreamOptions:
             ``fused_lm_head`` do so whatever this says: their loss is the engine's own token mean.
         torch_compile: compile each decoder layer's per-chunk body with ``torch.compile`` (the chunk loop, the
             key/value cache and the attention stay eager; :mod:`streambp_trl.layers.compiled`), by
-            ``torch_compile_backend`` (default ``"inductor"``) in ``torch_compile_mode`` (inductor's; CUDA-graph modes
-            are refused), as TrainingArguments name them; setting either of those turns it on, as there.
+            ``torch_compile_backend`` (default ``"inductor"``) in ``torch_compile_mode`` (inductor's; CUDA graphs are
+            refused), as TrainingArguments name them; setting either of those turns it on, as there.
 
     What each call's plan takes from these is :attr:`choices` (:class:`~streambp_trl.sizing.choices.PlanChoices`),
     built here once: the chunk (``None`` for ``"auto"``), ``keep_every``, offload, the key/value mode as a
@@ -174,7 +174,7 @@ class StreamOptions:
         for name in ("torch_compile_backend", "torch_compile_mode"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a name (a string) or None, got {getattr(self, name)!r}.")
-        check_mode(self.torch_compile_mode)
+        check_compile(self.torch_compile_backend, self.torch_compile_mode)
         if self.torch_compile or self.torch_compile_backend is not None or self.torch_compile_mode is not None:
             compiled = LayerCompile(self.torch_compile_backend or "inductor", self.torch_compile_mode)
             object.__setattr__(self, "compiled", compiled)

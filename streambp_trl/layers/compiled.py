@@ -3,30 +3,33 @@ eager, as chunked-loss kernels compile their per-chunk function and not their lo
 
 What is compiled is the layer's own forward, ``type(layer).forward``, once per layer class and compile setting
 (:func:`compiled_forward`), on one chunk at a time, so its shapes are the chunk's: (batch, chunk, hidden), the last
-chunk of a call shorter. The engine's parts that the layer's code calls (the chunk cache's methods, the streamed
-attention function) are opaque to the compiler (:func:`opaque`, ``torch.compiler.disable``): dynamo breaks
-its graph there and runs them eagerly, so the prefix's growing keys/values, a chunk's position and the cache's state
-never enter a graph and cause no recompile. A dense layer thus compiles into one graph before its cache update (norm,
-projections, rotary embedding) and one after its attention (output projection, residual, norm, MLP), for each kind
-of run: the forward without grad, the recompute with grad, the collecting pass (no queries), a shorter last chunk.
-Every layer of a class shares those graphs: a layer's integer attributes (``layer_idx``) are graph inputs, not
-constants (dynamo's ``allow_unspec_int_on_nn_module``), and its parameters are inputs as well. A code object may
-hold up to 32 variants (``recompile_limit``, 8 by default: kinds of run times layer types, a sliding window's and
-a full attention's, and chunk shapes); past that dynamo runs it eagerly, with its warning.
+chunk of a call shorter. The engine's objects the layer's code calls (the chunk cache, its compressed-attention
+states, the shared keys/values, the streamed attention function) are opaque to the compiler
+(:func:`~streambp_trl.patching.opaque_methods`, ``torch.compiler.disable``): dynamo breaks its graph there and runs
+them eagerly, so the prefix's growing keys/values, a chunk's position and the cache's state never enter a graph and
+cause no recompile. A dense layer thus compiles into a few graphs (dynamo also breaks where the layer's forward calls
+its attention module) between its cache update and its attention, for each kind of run: the forward without grad,
+the recompute with grad, the collecting pass (no queries), a shorter last chunk. Every layer of a class shares them:
+a layer's integer attributes (``layer_idx``) are graph inputs, not constants (dynamo's
+``allow_unspec_int_on_nn_module``), and its parameters are inputs as well. A code object may hold up to 32 variants
+(``recompile_limit``, 8 by default; transformers' ``deprecate_kwarg`` wrapper is one code object for every layer
+class it decorates); past that dynamo runs it eagerly, with its warning.
 
 Exact as eager is: each graph computes the layer's own operations. Random operations in a graph draw from PyTorch's
-generator as eager ones do (inductor's ``fallback_random``), so the random state replayed for every recompute of a
-chunk gives it the forward's dropout masks. Where the compiler fuses a computation whose intermediate rounding the
-model's code fixes (a norm computed in float32 inside a float64 or bfloat16 model), the result may differ from eager
-in the last bits of that precision, as with ``torch.compile`` of the whole model.
+generator as eager ones do, in the program's order (inductor's ``fallback_random``, with ``reorder_for_peak_memory``
+off), so the random state replayed for every recompute of a chunk gives it the forward's dropout masks. Where the
+compiler fuses a computation whose intermediate rounding the model's code fixes (a norm computed in float32 inside a
+float64 or bfloat16 model), the result may differ from eager in the last bits of that precision, as with
+``torch.compile`` of the whole model.
 
-A graph the backend fails to compile runs eagerly, with one warning naming the layer class and the error
+A graph the backend fails to compile, forward or backward (the backward is compiled with the forward,
+``force_non_lazy_backward_lowering``), runs eagerly, with one warning naming the layer class and the error
 (:func:`_graph_compiler`); so does a frame dynamo fails to trace (its ``suppress_errors``; its warning made one line,
 :class:`_OneLine`); each failure is warned about once. What dynamo does not trace (a graph break) it runs eagerly
-itself. CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``) are refused where the options are read
-(:func:`check_mode`): the next replay of a captured graph overwrites the outputs of the previous one, which the
-streamed layer still holds (each chunk's output, its saved graph). Memory: the chunk's activations, as eager (the
-compiler may keep fewer intermediates for backward).
+itself, with its own warning where it gives one. CUDA graphs (``mode="reduce-overhead"``, ``"max-autotune"``, the
+``cudagraphs`` backend) are refused where the options are read (:func:`check_compile`): the next replay of a captured
+graph overwrites the outputs of the previous one, which the streamed layer still holds (each chunk's output, its
+saved graph). Memory: the chunk's activations, as eager (the compiler may keep fewer intermediates for backward).
 """
 
 from __future__ import annotations
@@ -56,38 +59,34 @@ class LayerCompile:
     mode: str | None = None
 
 
-def check_mode(mode: str | None) -> None:
-    """Refuse a compile mode whose graphs replay as CUDA graphs (this module's docstring says why)."""
-    if mode in CUDA_GRAPH_MODES:
+def check_compile(backend: str | None, mode: str | None) -> None:
+    """Refuse a compile setting the streamed layers cannot run: CUDA graphs (this module's docstring says why), a mode
+    inductor does not know, a mode given to another backend (modes are inductor's)."""
+    if mode in CUDA_GRAPH_MODES or backend == "cudagraphs":
+        said = f"torch_compile_mode={mode!r}" if mode in CUDA_GRAPH_MODES else "torch_compile_backend='cudagraphs'"
         raise ValueError(
-            f"torch_compile_mode={mode!r} replays the compiled graphs as CUDA graphs, whose next replay overwrites "
-            "the outputs the streamed layers still hold: use torch_compile_mode='max-autotune-no-cudagraphs' or leave "
-            "it unset (inductor's default)."
+            f"{said} replays the compiled graphs as CUDA graphs, whose next replay overwrites the outputs the "
+            "streamed layers still hold: use torch_compile_mode='max-autotune-no-cudagraphs' or leave it unset "
+            "(inductor's default), with the inductor backend."
         )
+    if mode is not None and backend not in (None, "inductor"):
+        raise ValueError(
+            f"torch_compile_mode={mode!r} is a mode of the inductor backend, not of "
+            f"torch_compile_backend={backend!r}: leave one of them unset."
+        )
+    if mode is not None:
+        from torch._inductor import list_mode_options
 
-
-def opaque(func: Callable) -> Callable:
-    """``func``, run eagerly where a compiled layer calls it: a graph break (``torch.compiler.disable``); the same
-    function outside a compiled frame."""
-    return torch.compiler.disable(func, recursive=True)
-
-
-def opaque_methods(cls: type) -> type:
-    """``cls`` with each of its own public methods :func:`opaque` (a cache the layer's code calls into)."""
-    for name, value in list(vars(cls).items()):
-        if callable(value) and not name.startswith("_") and not isinstance(value, type):
-            setattr(cls, name, opaque(value))
-    return cls
-
-
-def compiled_forward(forward: Callable, spec: LayerCompile) -> Callable:
-    """``forward`` (a layer class's own forward, ``forward(layer, x, **kwargs)``) compiled by ``spec``: one compiled
-    function per (forward, spec), shared by every layer of the class (this module's docstring)."""
-    return _compiled(forward, spec)
+        try:
+            list_mode_options(mode)
+        except RuntimeError as error:
+            raise ValueError(f"torch_compile_mode={mode!r} is not a mode of inductor: {error}") from None
 
 
 @functools.cache
-def _compiled(forward: Callable, spec: LayerCompile) -> Callable:
+def compiled_forward(forward: Callable, spec: LayerCompile) -> Callable:
+    """``forward`` (a layer class's own forward, ``forward(layer, x, **kwargs)``) compiled by ``spec``: one compiled
+    function per (forward, spec), shared by every layer of the class (this module's docstring)."""
     where = getattr(forward, "__qualname__", repr(forward)).rsplit(".", 1)[0]
     compiled = torch.compile(forward, backend=_graph_compiler(spec, where), dynamic=None)
 
@@ -99,7 +98,8 @@ def _compiled(forward: Callable, spec: LayerCompile) -> Callable:
                 torch._dynamo.config.patch(
                     allow_unspec_int_on_nn_module=True, suppress_errors=True, recompile_limit=32
                 ),
-                torch._inductor.config.patch(fallback_random=True),
+                torch._inductor.config.patch(fallback_random=True, reorder_for_peak_memory=False),
+                torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
             ):
                 return compiled(*args, **kwargs)
         finally:

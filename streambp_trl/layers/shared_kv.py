@@ -25,6 +25,7 @@ from collections import UserDict
 
 import torch
 
+from ..patching import opaque_methods
 from .carry import ChunkCache
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -60,6 +61,7 @@ class SharedKV:
         return self.grads.pop(kind, None)
 
 
+@opaque_methods  # run eagerly where a compiled layer calls it (..compiled)
 class ChunkShared(UserDict):
     """A layer chunk's ``shared_kv_states``: what a storing layer writes is noted (its layer types, and ``slot``, the
     cache slot its chunk cache last updated), what a reusing layer reads is the :class:`SharedKV` keys/values of the

@@ -100,6 +100,21 @@ def _sequence_split(trainer) -> int:
     return split
 
 
+def _refuse_whole_model_compile(trainer) -> None:
+    """Refuse accelerate's own whole-model compile, set outside the training config (``dynamo_backend`` in the
+    accelerate config file, ``ACCELERATE_DYNAMO_BACKEND``): it would trace the streamed layers' autograd Functions and
+    fail at the first step. The config's ``torch_compile`` is the engine's (:func:`taken_over`)."""
+    plugin = getattr(getattr(trainer.accelerator, "state", None), "dynamo_plugin", None)
+    backend = getattr(plugin, "backend", None)
+    if backend is not None and str(getattr(backend, "value", backend)).upper() != "NO":
+        raise ValueError(
+            f"{type(trainer).__name__}: accelerate compiles the whole model (dynamo_backend={backend.value!r}, from "
+            "the accelerate config or ACCELERATE_DYNAMO_BACKEND), which the streamed layers cannot run. Set "
+            "dynamo_backend to 'no' there and torch_compile=True in the training config: the stream engine then "
+            "compiles each layer's per-chunk body."
+        )
+
+
 def _say_where_trl_differs(trainer) -> None:
     """Warn where this trainer's step differs from TRL's on purpose: TRL's fused LM head (its trainers' default) reads
     a model's logit softcap from ``final_logit_softcapping`` only, so TRL trains a model that caps its logits under
@@ -206,6 +221,7 @@ class StreamTrainerMixin:
         if self.stream_options is not None:
             return
         split = _sequence_split(self)
+        _refuse_whole_model_compile(self)
         if getattr(self, "aux_loss_enabled", False):
             raise router_loss_refusal(
                 type(self).__name__,

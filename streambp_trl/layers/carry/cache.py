@@ -11,8 +11,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from ...attention import PrefixGrad
-from ...patching import forwards_replaced
-from ..compiled import opaque_methods
+from ...patching import forwards_replaced, opaque_methods
 from .compressed import CompressorStates
 from .store import KV, CarryStore, States, recurrent_key
 
@@ -70,7 +69,7 @@ class _Extend(torch.autograd.Function):
         return None, None, None, grad[:, :, : ctx.split], grad[:, :, ctx.split :]
 
 
-@opaque_methods  # a compiled layer calls it eagerly: its prefix and state never enter a graph (..compiled)
+@opaque_methods  # run eagerly where a compiled layer calls it: its prefix and state never enter a graph
 class ChunkCache(Cache):
     """A ``transformers.Cache`` for one layer call on the chunk of positions starting at ``start``.
 
@@ -247,6 +246,7 @@ class ChunkCache(Cache):
         return full[:, self.start - self.prefix_len :]
 
 
+@opaque_methods
 class _CompressorLayers:
     """``cache.layers[layer_idx]`` of a chunk cache: the compressor states of a compressed attention's slot."""
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ...patching import opaque_methods
 from .store import COMPRESSED, StateKey, States
 
 NAMES = ("compressor", "indexer")
@@ -36,6 +37,7 @@ def _key(kind: str, layer_idx: int, name: str) -> StateKey:
     return (kind, layer_idx, NAMES.index(name))
 
 
+@opaque_methods  # run eagerly where a compiled layer calls it (..compiled)
 class CompressorStates:
     """The cache layer a compressed attention's compressors call for slot ``layer_idx`` of the chunk starting at
     ``start`` (of ``seq_len`` positions), compress rate ``rate``: reads ``incoming``, writes ``outgoing`` (the chunk
