@@ -154,22 +154,26 @@ def test_dropout_inside_compiled_graphs_is_replayed(device):
     assert compiled(input_ids=data[0], attention_mask=data[1], labels=data[2]).loss.item() != loss_c.item()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_every_family_compiled_matches_eager_float32(family):
-    """Each family of the tests' zoo (q/k/v biases, q/k norms, a sliding window, Gemma 3's interleaved layers, a fused
-    qkv projection, a mixture of experts), float32: the compiled stream against the eager one, to float32 rounding."""
+def _assert_compiled_as_eager_float32(base, data) -> None:
+    """``base`` (float32) streamed compiled and eager, keys/values recomputed: losses within 1e-6 and gradients within
+    1e-4 relative (float32 rounding), every graph compiled."""
     torch._dynamo.reset()
-    base = tiny_model(family, dtype=torch.float32)
     eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
     before = _state()  # (the probe at enable runs the compiled layers too)
     compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
-    data = batch(padding="left")
     loss, _ = _loss_and_grads(eager, *data)
     loss_c, _ = _loss_and_grads(compiled, *data)
     _assert_compiled(before)
     assert abs(loss_c.item() - loss.item()) <= 1e-6 * abs(loss.item())
     err, where = max_rel_grad_error(eager, compiled)
     assert err < 1e-4, f"relative gradient error {err:.3e} at {where}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_compiled_matches_eager_float32(family):
+    """Each family of the tests' zoo (q/k/v biases, q/k norms, a sliding window, Gemma 3's interleaved layers, a fused
+    qkv projection, a mixture of experts), float32: the compiled stream against the eager one, to float32 rounding."""
+    _assert_compiled_as_eager_float32(tiny_model(family, dtype=torch.float32), batch(padding="left"))
 
 
 @pytest.mark.parametrize(
@@ -186,18 +190,7 @@ def test_every_family_compiled_matches_eager_float32(family):
 def test_carried_state_compiled_matches_eager(model_type):
     """Layers whose chunks carry more than keys/values through the cache, float32: the compiled stream against the
     eager one, to float32 rounding (their float32 internals are compiled, fused, as they are)."""
-    torch._dynamo.reset()
-    base = tiny_causal_lm(model_type, dtype=torch.float32)
-    eager = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, **RECOMPUTED)
-    before = _state()  # (the probe at enable runs the compiled layers too)
-    compiled = enable_streambp(copy.deepcopy(base), stream_chunk_size=4, torch_compile=True, **RECOMPUTED)
-    data = batch(padding="right")
-    loss, _ = _loss_and_grads(eager, *data)
-    loss_c, _ = _loss_and_grads(compiled, *data)
-    _assert_compiled(before)
-    assert abs(loss_c.item() - loss.item()) <= 1e-6 * abs(loss.item())
-    err, where = max_rel_grad_error(eager, compiled)
-    assert err < 1e-4, f"relative gradient error {err:.3e} at {where}"
+    _assert_compiled_as_eager_float32(tiny_causal_lm(model_type, dtype=torch.float32), batch(padding="right"))
 
 
 def test_a_graph_the_backend_fails_runs_eagerly_with_one_warning(caplog):
