@@ -7,9 +7,9 @@ chunk of a call shorter. The engine's objects the layer's code calls (the chunk 
 states, the shared keys/values, the streamed attention function) are opaque to the compiler
 (:func:`~streambp_trl.patching.opaque_methods`, ``torch.compiler.disable``): dynamo breaks its graph there and runs
 them eagerly, so the prefix's growing keys/values, a chunk's position and the cache's state never enter a graph and
-cause no recompile. A dense layer thus compiles into a few graphs (dynamo also breaks where the layer's forward calls
-its attention module) between its cache update and its attention, for each kind of run: the forward without grad,
-the recompute with grad, the collecting pass (no queries), a shorter last chunk. Every layer of a class shares them:
+cause no recompile. A dense layer thus compiles into a few graphs between those breaks (dynamo also breaks where the
+layer's forward calls its attention module), for each kind of run: the forward without grad, the recompute with
+grad, the collecting pass (no queries), a shorter last chunk. Every layer of a class shares them:
 a layer's integer attributes (``layer_idx``) are graph inputs, not constants (dynamo's
 ``allow_unspec_int_on_nn_module``), and its parameters are inputs as well. A code object may hold up to 32 variants
 (``recompile_limit``, 8 by default; transformers' ``deprecate_kwarg`` wrapper is one code object for every layer
