@@ -37,6 +37,7 @@ from ..attention import stream_configs
 from ..layers import LayerFacts, stream_checkpoint
 from ..layers.sharding import check_segmentable
 from ..logits.forms import HeadForm
+from ..logs import get_logger
 from ..patching import Method, guarded_set_gradient_checkpointing, patch, unpatch
 from ..sizing.auto import AutoChunks
 from ..sizing.choices import KVMode, StepPlan
@@ -53,10 +54,13 @@ from .model_parts import (
     lm_head_linear,
 )
 from .options import StreamOptions
+from .quantized import holds_bitsandbytes
 from .score_head import sequence_classifier, stream_score_forward
 from .state import EngineState
 from .support import check_peft_method, check_supported, refuse
 from .zero3 import mark_zero3_leaves, zero3_enabled
+
+logger = get_logger(__name__)
 
 
 def enable_streambp(
@@ -190,11 +194,18 @@ def _engine_state(
     """What the engine runs ``lm`` with: its layers' facts, the per-call plan policy where anything is planned
     (:class:`~streambp_trl.sizing.auto.AutoChunks`), and where the decoder and its final norm are."""
     auto = AutoChunks(lm, options.choices) if options.planned else None
+    compiled = options.compiled
+    if compiled is not None and any(holds_bitsandbytes(layer) for layer in layers):
+        logger.warning(
+            "StreamBP: torch_compile=True leaves the decoder layers eager: they hold bitsandbytes' quantized weights, "
+            "whose kernels the compiler cannot run chunk by chunk."
+        )
+        compiled = None
     return EngineState(
         options=options,
         decoder=decoder,
         layers=layers,
-        facts=tuple(LayerFacts.of(layer, options.choices, type(decoder), options.compiled) for layer in layers),
+        facts=tuple(LayerFacts.of(layer, options.choices, type(decoder), compiled) for layer in layers),
         configs=stream_configs(decoder, *layers),
         decoder_path=next(name for name, module in lm.named_modules() if module is decoder),
         norm_name=norm_name,

@@ -30,6 +30,13 @@ _FIX = (
 )
 
 
+def holds_bitsandbytes(module: nn.Module) -> bool:
+    """Whether ``module`` holds bitsandbytes' quantized weights (4-bit or 8-bit). Such a layer runs eagerly under
+    ``torch_compile``: bitsandbytes' fake kernels give the compiler wrong shapes for a chunk (measured: the 4-bit
+    layers' graph fails when it runs, after it compiled), so compiling it would stop the step."""
+    return any(type(p).__name__ in _BITSANDBYTES_PARAMETERS for p in module.parameters())
+
+
 def check_quantized(lm: nn.Module) -> None:
     """Raise ``ValueError`` if ``lm`` holds quantized weights of a format the engine has not been tested on (see the
     module docstring), naming the method or the parameter and its type."""
