@@ -1,8 +1,8 @@
-"""Two SFT training steps with the sequence split across processes (DeepSpeed Ulysses, ``sp_size`` = the world), for
-tests/test_sequence_split.py.
+"""Two SFT training steps with the sequence split across processes (DeepSpeed Ulysses, ``sp_size`` = the world; with
+``--cp`` context parallelism under FSDP2, ``cp_size`` = the world), for tests/test_sequence_split.py.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/sequence_split_trainer.py \
-        --trainer stream|trl --out F
+        --trainer stream|trl [--cp] --out F
 
 Set up as TRL documents sequence parallelism for SFT: accelerate's ``ParallelismConfig(sp_backend="deepspeed",
 sp_size=N)`` in the config, DeepSpeed ZeRO-3 (tests/distributed_trainer.py's gloo state, as ``accelerate launch``
@@ -11,7 +11,9 @@ with global ``position_ids`` and ``shift_labels``; the Trainer reduces the ranks
 StreamSFTTrainer (each rank streams its share, attention over the whole row through the engine's own key/value
 exchange), ``trl`` TRL's SFTTrainer (DeepSpeed's Ulysses attention). ``--world-one`` runs StreamSFTTrainer in one
 process without the split, on the same rows; ``--unsplit`` under ZeRO-3 without the split (each rank training a row
-of its own, the same row: the same steps).
+of its own, the same row: the same steps). ``--cp``: accelerate's FSDP2 on gloo with ``ParallelismConfig(cp_size=N)``
+(GRPO and RLOO: in the environment, as ``accelerate launch`` with configs/accelerate/fsdp2_cp.yaml hands it over),
+whose loader hands every rank the same batches.
 
 The dataset is two copies of one chat row, so whichever rank's row a step takes, every step trains the same row:
 one process's steps are the same steps. Rank 0 writes each step's logged loss (and, with ``--eval``, eval loss), the
@@ -50,6 +52,12 @@ def main() -> None:
     parser.add_argument("--packing", action="store_true", help="SFT with packing=True (bfd): two examples a row")
     parser.add_argument("--peft", action="store_true", help="a LoRA adapter trained (DPO: its reference disabled)")
     parser.add_argument("--eval", action="store_true", help="evaluate four other rows after each step")
+    parser.add_argument(
+        "--cp", action="store_true", help="context parallelism (cp_size=N) under FSDP2 in place of DeepSpeed's split"
+    )
+    parser.add_argument(
+        "--any-length", action="store_true", help="SFT rows not padded to a multiple of the split (pad_to_multiple_of)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -100,7 +108,21 @@ def main() -> None:
         )
 
     extra: dict = {}
-    if not args.world_one:
+    if not args.world_one and args.cp:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        gloo_state("fsdp2")
+        layer = type(load_model().model.layers[0]).__name__
+        extra = dict(
+            fsdp="full_shard auto_wrap",
+            fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": [layer]},
+            accelerator_config={"use_configured_state": True},
+            parallelism_config=ParallelismConfig(cp_size=world),
+        )
+        if args.objective in ONLINE:  # as `accelerate launch` hands it over (their configs refuse one of their own)
+            del extra["parallelism_config"]
+            os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_CP_SIZE=str(world))
+    elif not args.world_one:
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import DeepSpeedSequenceParallelConfig
 
@@ -149,7 +171,11 @@ def main() -> None:
             if args.objective not in ONLINE
             else {}
         ),
-        **(dict(pad_to_multiple_of=2 * world, padding_free=args.padding_free) if args.objective == "sft" else {}),
+        **(
+            dict(pad_to_multiple_of=None if args.any_length else 2 * world, padding_free=args.padding_free)
+            if args.objective == "sft"
+            else {}
+        ),
         **({"packing": True} if args.packing else {}),
         **(dict(num_generations=4, max_completion_length=8, temperature=0.7) if args.objective in ONLINE else {}),
         **(dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=1) if args.eval else {}),
@@ -190,10 +216,12 @@ def main() -> None:
     own_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward  # (DeepSpeed's Ulysses exchange replaces it)
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     after = full_parameters(unwrapped)
+    # hooks on the attention modules (accelerate's context-parallel preparation would add one dropping their masks)
+    hooks = sum(len(m._forward_pre_hooks) for n, m in unwrapped.named_modules() if n.endswith("self_attn"))
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     eval_losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     if int(os.environ["RANK"]) == 0:
-        record = {"after": after, "losses": losses, "splits": splits, "own_sdpa": own_sdpa}
+        record = {"after": after, "losses": losses, "splits": splits, "own_sdpa": own_sdpa, "attention_hooks": hooks}
         record["eval_losses"] = eval_losses
         record["completions"] = reward.seen
         torch.save(record, args.out)

@@ -1,5 +1,6 @@
-"""The shipped accelerate / DeepSpeed configs (configs/accelerate) parse and say what the README says, context or
-sequence parallelism is refused when a stream trainer is built, and ZeRO-3 gets the decoder layers as leaf modules."""
+"""The shipped accelerate / DeepSpeed configs (configs/accelerate) parse and say what the README says, context and
+sequence parallelism are served by the trainers that say how their rows reach the ranks (refused by another when it is
+built), and ZeRO-3 gets the decoder layers as leaf modules."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.parallelism_config import ParallelismConfig
 from accelerate.utils import DeepSpeedPlugin, DistributedType
-from helpers import ROOT, args, load_model, load_tokenizer, max_rel_grad_error, reference_loss, tiny_dataset
+from helpers import ROOT, max_rel_grad_error, reference_loss
 from models import batch, tiny_model
 
-from streambp_trl import StreamSFTConfig, StreamSFTTrainer
 from streambp_trl.trainers.mixin import _sequence_split
 
 CONFIGS = ROOT / "configs" / "accelerate"
@@ -28,18 +28,25 @@ def _load(name: str) -> ClusterConfig:
 
 def test_every_config_file_is_tested():
     assert sorted(p.name for p in CONFIGS.iterdir()) == sorted(
-        [f"{n}.yaml" for n in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload", "zero3_sp")]
+        [f"{n}.yaml" for n in ("ddp", "fsdp2", "fsdp2_cp", "zero2", "zero3", "zero3_offload", "zero3_sp")]
         + [f"{n}.json" for n in ("zero2", "zero3", "zero3_offload")]
     )
 
 
 def test_ddp_and_fsdp2_configs():
     assert _load("ddp").distributed_type == DistributedType.MULTI_GPU
-    fsdp = _load("fsdp2")
-    assert fsdp.distributed_type == DistributedType.FSDP
-    assert fsdp.fsdp_config["fsdp_version"] == 2
-    assert fsdp.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
-    assert fsdp.fsdp_config["fsdp_activation_checkpointing"] is False  # the engine checkpoints the layers
+    for name in ("fsdp2", "fsdp2_cp"):
+        fsdp = _load(name)
+        assert fsdp.distributed_type == DistributedType.FSDP
+        assert fsdp.fsdp_config["fsdp_version"] == 2
+        assert fsdp.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+        assert fsdp.fsdp_config["fsdp_activation_checkpointing"] is False  # the engine checkpoints the layers
+    assert _load("fsdp2").parallelism_config == {}
+    split = _load("fsdp2_cp").parallelism_config  # context parallelism over every GPU
+    assert split == {
+        "parallelism_config_dp_shard_size": 1,
+        "parallelism_config_cp_size": _load("fsdp2_cp").num_processes,
+    }
 
 
 @pytest.mark.parametrize(
@@ -74,36 +81,33 @@ def test_deepspeed_configs(monkeypatch, name, stage, offload, processes):
 def test_readme_launches_the_shipped_configs():
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Multi-GPU", 1)[1].split("\n## ", 1)[0]
-    for name in ("ddp", "fsdp2", "zero2", "zero3", "zero3_offload", "zero3_sp"):
+    for name in ("ddp", "fsdp2", "fsdp2_cp", "zero2", "zero3", "zero3_offload", "zero3_sp"):
         assert f"accelerate launch --config_file configs/accelerate/{name}.yaml" in section, name
     assert yaml.safe_load((ROOT / "configs" / "sft_qwen3_8b.yaml").read_text())  # the config the commands name
 
 
-def test_context_parallelism_and_unserved_sequence_splits_are_refused_at_construction(tmp_path):
-    """torch's context parallelism (cp_size) is refused by every trainer; DeepSpeed's sequence parallelism (sp_size
-    with sp_backend="deepspeed") is served by the trainers that say how their rows reach the ranks (every stream
-    trainer: SFT shares, the others whole rows; tests/test_sequence_split.py trains with each), refused by another."""
-    # on a CPU, accelerate cannot build a cp/sp mesh at all: set the config on a built trainer and install again
-    trainer = StreamSFTTrainer(
-        model=load_model(),
-        args=args(StreamSFTConfig, tmp_path, max_length=64),
-        train_dataset=tiny_dataset("chat", 4),
-        processing_class=load_tokenizer(),
-    )
-    trainer.stream_options = None
-    trainer.args.parallelism_config = ParallelismConfig(cp_size=2)
-    with pytest.raises(ValueError, match=r"StreamSFTTrainer: context/sequence parallelism .* Set cp_size=1"):
-        trainer._install_stream_engine()
+def test_sequence_splits_are_served_by_trainers_that_say_how_and_refused_by_others():
+    """DeepSpeed's sequence parallelism (sp_size) and FSDP2's context parallelism (cp_size), in the config or on the
+    accelerator (as an accelerate YAML sets them), are served by the trainers that say how their rows reach the ranks
+    (every stream trainer: SFT shares, the others whole rows; tests/test_sequence_split.py trains with each) over
+    DeepSpeed's sequence-parallel group or the device mesh's "cp" group; refused by another, naming the fix."""
+    from streambp_trl.trainers.sequence_rows import deepspeed_sequence_group
 
+    mesh = {"cp": SimpleNamespace(get_group=lambda: "the cp group")}
     sft = functools.partial(SimpleNamespace, sequence_rows="shares", args=SimpleNamespace())
     unserved = functools.partial(SimpleNamespace, sequence_rows=None, args=SimpleNamespace())
-    deepspeed = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # on the accelerator, as an accelerate YAML sets
-    assert _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=deepspeed))) == 2
-    with pytest.raises(ValueError, match=r"which SimpleNamespace does not say it serves"):
-        _sequence_split(unserved(accelerator=SimpleNamespace(parallelism_config=deepspeed)))
-    with pytest.raises(ValueError, match="cp_size=2"):
-        _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=2))))
-    assert _sequence_split(sft(args=SimpleNamespace(parallelism_config=ParallelismConfig()))) == 1
+    deepspeed = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    assert _sequence_split(sft(accelerator=SimpleNamespace(parallelism_config=deepspeed))) == (
+        2,
+        deepspeed_sequence_group,
+    )
+    context = SimpleNamespace(parallelism_config=ParallelismConfig(cp_size=4), torch_device_mesh=mesh)
+    split, group = _sequence_split(sft(accelerator=context))
+    assert split == 4 and group() == "the cp group"
+    for accelerator in (SimpleNamespace(parallelism_config=deepspeed), context):
+        with pytest.raises(ValueError, match=r"which SimpleNamespace does not\. Set cp_size=1 and sp_size=1"):
+            _sequence_split(unserved(accelerator=accelerator))
+    assert _sequence_split(sft(args=SimpleNamespace(parallelism_config=ParallelismConfig()))) == (1, None)
 
 
 def test_zero3_marks_the_decoder_layers_as_leaf_modules_and_the_mark_survives():

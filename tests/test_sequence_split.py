@@ -154,6 +154,38 @@ def test_stream_trainers_under_deepspeed_sequence_parallelism_train_as_one_proce
     assert _rounding(one["after"], split["after"]) < 4
 
 
+@pytest.mark.parametrize("objective", list(SPLIT_CALLS))
+def test_stream_trainers_under_fsdp2_context_parallelism_train_as_one_process(tmp_path, objective):
+    """Every stream trainer but distillation (its command below) under FSDP2 with context parallelism (cp_size=2, as
+    TRL's users set it: tests/sequence_split_trainer.py --cp): accelerate hands both ranks the same batches; SFT's
+    rows reach them as the shares the trainer cuts, the others' whole; the engine's own exchange replaces torch's ring
+    attention (accelerate's hooks dropping the attention modules' masks are not attached). Each rank streams half of
+    every row in every pass, and the steps log the losses of one process on the same rows, its weights after them to
+    float32 rounding (seen: 0.8 to 2.1 epsilons of each tensor's largest weight)."""
+    split = _trained(tmp_path, "split", "--cp", "--objective", objective)
+    one = _trained(tmp_path, "one", "--objective", objective, "--world-one", ranks=1)
+    tokens = split["splits"][0][2]
+    assert split["splits"] == [(0, 2, tokens, grad) for grad in SPLIT_CALLS[objective]] and one["splits"] == []
+    assert split["attention_hooks"] == 0 and split["own_sdpa"]
+    assert split["completions"] == one["completions"]
+    assert objective not in ("grpo", "rloo") or len(set(split["completions"])) > 1
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-12)
+    assert _rounding(one["after"], split["after"]) < 4
+
+
+def test_stream_sft_under_context_parallelism_pads_the_rows_and_evaluates_as_one_process(tmp_path):
+    """SFT rows of an odd length (no pad_to_multiple_of) under cp_size=2: the trainer pads them with masked, unscored
+    positions before cutting the shares; evaluation (TRL's own prediction step) streams each rank's rows whole. The
+    losses, eval losses and weights are one process's (seen: 3.4 epsilons of each tensor's largest weight)."""
+    flags = ("--any-length", "--eval")
+    split = _trained(tmp_path, "split", "--cp", *flags)
+    one = _trained(tmp_path, "one", *flags, "--world-one", ranks=1)
+    assert split["splits"] == [(0, 2, split["splits"][0][2], True)] * 2  # (the training steps' alone)
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    assert len(split["eval_losses"]) == 2 and split["eval_losses"] == pytest.approx(one["eval_losses"], rel=1e-6)
+    assert _rounding(one["after"], split["after"]) < 8
+
+
 def test_stream_sft_under_the_split_trains_as_trls_ulysses_sft(tmp_path):
     """The same two SFT steps as TRL's own SFTTrainer under DeepSpeed's Ulysses attention: the same losses, the
     weights to float32 rounding (seen: 5 epsilons of each tensor's largest weight)."""
@@ -214,11 +246,15 @@ def _logged(log: str) -> list[dict[str, str]]:
     return [ast.literal_eval(line[line.index("{'loss'") :]) for line in log.splitlines() if "{'loss'" in line]
 
 
-@pytest.mark.parametrize("command", ["grpo", "distillation"])
-def test_a_command_under_the_sequence_split_logs_one_processs_losses(tmp_path, command):
+@pytest.mark.parametrize(
+    "command, launch",
+    [("grpo", "zero3_sp"), ("distillation", "zero3_sp"), ("grpo", "fsdp2_cp"), ("distillation", "fsdp2_cp")],
+)
+def test_a_command_under_the_sequence_split_logs_one_processs_losses(tmp_path, command, launch):
     """``streambp-trl grpo|distillation --config configs/COMMAND_tiny.yaml`` launched as configs/accelerate/
-    zero3_sp.yaml launches it (the split in the environment accelerate hands each process, DeepSpeed ZeRO-3;
-    tests/sequence_split_cli.py does on two gloo processes what accelerate does on GPUs) logs the losses (and GRPO's
+    zero3_sp.yaml (DeepSpeed ZeRO-3 and its sequence parallelism) or fsdp2_cp.yaml (FSDP2 and context parallelism)
+    launches it (the split in the environment accelerate hands each process; tests/sequence_split_cli.py does on two
+    gloo processes what accelerate does on GPUs) logs the losses (and GRPO's
     rewards), completion lengths, entropies and token counts of the same command on one process, step for step: every
     rank generates from the group's first rank's random state, and the engine's split draws nothing from it (the
     distillation teacher streams the same share as its student)."""
@@ -229,7 +265,8 @@ def test_a_command_under_the_sequence_split_logs_one_processs_losses(tmp_path, c
     from helpers import ROOT
 
     steps = ("--max_steps", "2", "--logging_steps", "1")
-    torchrun("sequence_split_cli.py", command, str(tmp_path / "split"), *steps, log=tmp_path / "split.log")
+    cp = ("--cp",) if launch == "fsdp2_cp" else ()
+    torchrun("sequence_split_cli.py", *cp, command, str(tmp_path / "split"), *steps, log=tmp_path / "split.log")
     one = subprocess.run(
         [sys.executable, "-m", "streambp_trl.cli", command, "--config", f"configs/{command}_tiny.yaml", *steps]
         + ["--output_dir", str(tmp_path / "one")],

@@ -21,7 +21,6 @@ from ..engine.zero3 import zero3_gathered
 from ..logits import chunked_divergence
 from .distillation_config import StreamDistillationConfig
 from .mixin import StreamGeneratingMixin
-from .sequence_rows import deepspeed_sequence_group
 
 # what TRL's DistillationTrainer puts in a batch for a vision-language model's forward, besides the token ids
 _MULTIMODAL_INPUTS = (
@@ -73,7 +72,7 @@ class StreamDistillationTrainer(StreamGeneratingMixin, DistillationTrainer):
             )
         super().__init__(model, teacher_model, self._stream_args(args, model), *pos, **kwargs)
         teacher = dataclasses.replace(self.stream_options, fused_outputs=("log_probs",))
-        group = deepspeed_sequence_group if self.splits_sequences else None  # (the teacher streams the same share)
+        group = self.sequence_group  # (the teacher streams the same share)
         enable_streambp(
             self.accelerator.unwrap_model(self.teacher_model),
             teacher,
@@ -102,7 +101,7 @@ class StreamDistillationTrainer(StreamGeneratingMixin, DistillationTrainer):
         }
         # each model's decoder streamed, its final norm left to the divergence kernel where decode_for_head says so
         student = causal_lm(unwrapped_student)
-        group = deepspeed_sequence_group() if self.splits_sequences and unwrapped_student.training else None
+        group = self.sequence_group() if self.splits_sequences and unwrapped_student.training else None
         share = Share.of(group, model_inputs, engine_state(student)) if group is not None else None
         called = share.kwargs if share is not None else model_inputs
         with sharing(share.split) if share is not None else contextlib.nullcontext():

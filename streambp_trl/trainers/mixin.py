@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,9 +30,12 @@ from ..sizing.auto import NoPlanFits
 from .sequence_rows import (
     WholeRowsLoader,
     check_online_split,
+    context_parallel_group,
+    context_parallel_inputs,
     deepspeed_sequence_group,
     first_ranks,
     first_ranks_random_state,
+    keep_attention_masks,
     own_attention,
     restore_attention,
 )
@@ -73,31 +78,37 @@ def default_args(config_cls, model):
     return config_cls(f"{name.split('/')[-1]}-{method}")
 
 
-def _sequence_split(trainer) -> int:
-    """How many ranks ``trainer`` splits each sequence across (1: none), as TRL's users set it: DeepSpeed's sequence
-    parallelism (``parallelism_config`` with ``sp_backend="deepspeed"`` and ``sp_size`` > 1, in the config or the
-    accelerate config), which the engine serves with its own key/value exchange
-    (:mod:`streambp_trl.layers.sequence_split`) over DeepSpeed's sequence-parallel group, where the trainer says how
-    its rows reach the ranks (``sequence_rows``, :mod:`.sequence_rows`). Refused at construction: torch's context
-    parallelism (``cp_size`` > 1, ring attention under FSDP2, whose CUDA kernels shard the sequence their own way),
-    and a sequence split in a trainer that does not say."""
+def _sequence_split(trainer) -> tuple[int, Callable[[], dist.ProcessGroup] | None]:
+    """How many ranks ``trainer`` splits each sequence across (1: none) and how to get their process group, as TRL's
+    users set the split in ``parallelism_config`` (in the config or the accelerate config), which the engine serves
+    with its own key/value exchange (:mod:`streambp_trl.layers.sequence_split`), where the trainer says how its rows
+    reach the ranks (``sequence_rows``, :mod:`.sequence_rows`):
+
+    * DeepSpeed's sequence parallelism (``sp_backend="deepspeed"``, ``sp_size`` > 1): DeepSpeed's sequence-parallel
+      group;
+    * context parallelism under FSDP2 (``cp_size`` > 1): the device mesh's ``"cp"`` group, whose ranks accelerate
+      hands the same batches (the trainer cuts the shares, :func:`~.sequence_rows.context_parallel_inputs`, in place
+      of torch's ring attention).
+
+    Refused at construction: a split in a trainer that does not say how its rows reach the ranks (accelerate itself
+    refuses another backend, and context parallelism without FSDP2)."""
     configs = (getattr(trainer.args, "parallelism_config", None), getattr(trainer, "accelerator", None))
-    split = 1
+    split, group = 1, None
     for config in (configs[0], getattr(configs[1], "parallelism_config", None)):
         cp, sp = getattr(config, "cp_size", None) or 1, getattr(config, "sp_size", None) or 1
-        deepspeed = getattr(config, "sp_backend", None) == "deepspeed"
-        if cp > 1 or (sp > 1 and not (deepspeed and trainer.sequence_rows)):
-            served = "" if trainer.sequence_rows else f", which {type(trainer).__name__} does not say it serves"
-            backend = getattr(config, "sp_backend", None)
+        if (cp > 1 or sp > 1) and not trainer.sequence_rows:
             raise ValueError(
                 f"{type(trainer).__name__}: context/sequence parallelism (parallelism_config cp_size={cp}, "
-                f"sp_size={sp}, sp_backend={backend!r}) is served by StreamBP as DeepSpeed's sequence parallelism "
-                f"alone (sp_backend='deepspeed', sp_size > 1, cp_size=1){served}. Set cp_size=1 (sp_backend="
-                "'deepspeed' for sp_size > 1) in the accelerate config or `parallelism_config`, or shard the model "
-                "instead (DDP, FSDP2 or DeepSpeed ZeRO); lower `stream_chunk_size` to fit longer sequences."
+                f"sp_size={sp}) is served by StreamBP where the trainer says how its rows reach the ranks, which "
+                f"{type(trainer).__name__} does not. Set cp_size=1 and sp_size=1 in the accelerate config or "
+                "`parallelism_config`, or shard the model instead (DDP, FSDP2 or DeepSpeed ZeRO); lower "
+                "`stream_chunk_size` to fit longer sequences."
             )
-        split = max(split, sp)
-    return split
+        if sp > 1:
+            split, group = sp, deepspeed_sequence_group
+        elif cp > 1:
+            split, group = cp, context_parallel_group(trainer.accelerator)
+    return split, group
 
 
 def _refuse_whole_model_compile(trainer) -> None:
@@ -171,7 +182,9 @@ class StreamTrainerMixin:
     # how the trainer's rows reach the ranks of a sequence split (DeepSpeed's sp_size > 1): "shares" or "whole"
     # (.sequence_rows); None: the trainer refuses one
     sequence_rows: str | None = None
-    splits_sequences = False  # once installed: this run splits each sequence across ranks
+    # once installed: the process group a sequence split's ranks form (``enable_streambp``'s ``sequence_group``), or
+    # None where this run splits no sequence
+    sequence_group: Callable[[], dist.ProcessGroup] | None = None
     _given_options: StreamOptions | None = None  # read from the config as given (see _stream_args)
 
     def __init__(self, *args, **kwargs):
@@ -220,7 +233,7 @@ class StreamTrainerMixin:
     def _install_stream_engine(self) -> None:
         if self.stream_options is not None:
             return
-        split = _sequence_split(self)
+        split, group = _sequence_split(self)
         _refuse_whole_model_compile(self)
         if getattr(self, "aux_loss_enabled", False):
             raise router_loss_refusal(
@@ -241,13 +254,15 @@ class StreamTrainerMixin:
         policy = dataclasses.replace(options, fused_outputs=self._fused_outputs())
         _say_where_trl_differs(self)
         whole = split > 1 and self.sequence_rows == "whole"
-        group = deepspeed_sequence_group if split > 1 else None
         enable_streambp(self.model, policy, sequence_group=group, whole_rows=whole)
-        self.splits_sequences = split > 1
-        if whole:  # every rank of the group trains the same batch: TRL's replicated-batch token count, and our loader
+        self.sequence_group = group
+        if whole:  # every rank of the group trains the same batch: TRL's replicated-batch token count
             self._tp_size = getattr(self, "_tp_size", 1) * split
+        if whole and group is deepspeed_sequence_group:  # (accelerate hands a cp group's ranks the same batches)
             self._own_attention = own_attention()
             self.accelerator.deepspeed_ulysses_dl_adapter = self._whole_rows_loader
+        if group is not None and group is not deepspeed_sequence_group:
+            keep_attention_masks(self.accelerator)
         self._count_optimizer_state()
         self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)
@@ -263,6 +278,23 @@ class StreamTrainerMixin:
         share of each row) are given back, since every call the engine does not stream has the whole rows here."""
         restore_attention(self._own_attention)
         return WholeRowsLoader(loader, deepspeed_sequence_group())
+
+    @property
+    def splits_sequences(self) -> bool:
+        """Whether this run splits each sequence across ranks (once installed)."""
+        return self.sequence_group is not None
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """transformers' training step under context parallelism (``cp_size`` > 1), in place of torch's ring
+        attention (``context_parallel``, which the engine's own key/value exchange replaces): this rank's share of
+        every row where the trainer's rows reach the ranks as shares (:func:`~.sequence_rows.context_parallel_inputs`),
+        the rows as given where whole. transformers' prediction step (without grad) gets the rows whole: the engine
+        streams eval-mode calls unsplit."""
+        if self.sequence_group is None or self.sequence_group is deepspeed_sequence_group:
+            return super()._prepare_context_parallel_inputs(model, inputs)
+        if self.sequence_rows == "whole" or not torch.is_grad_enabled():
+            return contextlib.nullcontext, inputs
+        return contextlib.nullcontext, context_parallel_inputs(inputs, self.sequence_group())
 
     def _count_optimizer_state(self) -> None:
         """The policy's per-call plan counts the state of the optimizer ``args.optim`` names from the first step,
@@ -347,7 +379,7 @@ class StreamGeneratingMixin(StreamTrainerMixin):
     def _generate(self, prompts: list):
         if not (self.splits_sequences and self.model.training):  # (evaluation: each rank its own prompts)
             return super()._generate(prompts)
-        group = deepspeed_sequence_group()
+        group = self.sequence_group()
         first_ranks_random_state(group)
         seen = self.state.num_input_tokens_seen
         generated = first_ranks(super()._generate(prompts), group)

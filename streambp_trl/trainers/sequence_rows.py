@@ -1,23 +1,30 @@
-"""How a stream trainer's batches reach the ranks of a sequence split (DeepSpeed's sequence parallelism: accelerate's
-``parallelism_config`` with ``sp_backend="deepspeed"`` and ``sp_size`` > 1), by what its loss reads.
+"""How a stream trainer's batches reach the ranks of a sequence split, by what its loss reads. The split is set as
+TRL's users set it, in accelerate's ``parallelism_config``: DeepSpeed's sequence parallelism (``sp_backend=
+"deepspeed"``, ``sp_size`` > 1), or context parallelism under FSDP2 (``cp_size`` > 1).
 
-* ``"shares"`` (SFT, whose loss is a sum over tokens): TRL's own path. DeepSpeed's ``UlyssesSPDataLoaderAdapter``
-  hands each rank its share of every row, with global ``position_ids`` and ``shift_labels``; transformers' Trainer
-  reduces the ranks' losses; the engine streams each share (``enable_streambp(sequence_group=...)``).
-* ``"whole"`` (DPO, whose loss reads whole sequences' log-probabilities): :class:`WholeRowsLoader` in place of
-  DeepSpeed's adapter hands every rank of the group the same batch, one rank's at a time, and the engine cuts each
-  rank's share itself and gathers the per-token outputs back (``whole_rows=True``,
-  :mod:`streambp_trl.engine.whole_rows`), so TRL's loss code runs unchanged on every rank.
+* ``"shares"`` (SFT, whose loss is a sum over tokens): each rank gets its share of every row, with global
+  ``position_ids`` and ``shift_labels``; transformers' Trainer reduces the ranks' losses (their tokens counted before
+  the cut); the engine streams each share (``enable_streambp(sequence_group=...)``). Under DeepSpeed its
+  ``UlyssesSPDataLoaderAdapter`` cuts them (TRL's own path); under context parallelism, whose ranks accelerate hands
+  the same batches, :func:`context_parallel_inputs` does, where transformers would enter torch's ring attention.
+* ``"whole"`` (DPO, whose loss reads whole sequences' log-probabilities): every rank of the group gets the same batch
+  (under DeepSpeed :class:`WholeRowsLoader` in place of its adapter, one rank's batch at a time; under context
+  parallelism accelerate's loader as it is), and the engine cuts each rank's share itself and gathers the per-token
+  outputs back (``whole_rows=True``, :mod:`streambp_trl.engine.whole_rows`), so TRL's loss code runs unchanged on every
+  rank.
 
-Either way a step trains one rank's batch on the whole group (DeepSpeed's "sequence parallelism over data
-parallelism"): the loader yields ``sp_size`` batches for each of the wrapped loader's, as transformers' Trainer counts
-them.
+Under DeepSpeed a step trains one rank's batch on the whole group ("sequence parallelism over data parallelism"): the
+loader yields ``sp_size`` batches for each of the wrapped loader's, as transformers' Trainer counts them. Under
+context parallelism a step trains the batch the group's ranks share.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 ROWS = ("shares", "whole")  # what a trainer's ``sequence_rows`` may say
 
@@ -28,6 +35,54 @@ def deepspeed_sequence_group():
     from deepspeed.utils import groups
 
     return groups._get_sequence_parallel_group()
+
+
+def context_parallel_group(accelerator) -> Callable[[], dist.ProcessGroup]:
+    """The process group of ``accelerator``'s context-parallel ranks (the device mesh's ``"cp"`` dimension)."""
+    return lambda: accelerator.torch_device_mesh["cp"].get_group()
+
+
+def keep_attention_masks(accelerator) -> None:
+    """``accelerator``'s preparation under context parallelism without what it adds for torch's ring attention: a
+    hook on every attention module that drops its mask (torch's ring attention keeps causal masks alone, so accelerate
+    refuses sliding windows there), and the ``context_parallel`` context the Trainer would enter. The engine attends
+    with the model's own masks (padding, sliding windows) over its own key/value exchange, and
+    :func:`context_parallel_inputs` cuts the rows."""
+    accelerator._prepare_cp = lambda *prepared: prepared
+
+
+def context_parallel_inputs(inputs: dict, group: dist.ProcessGroup) -> dict:
+    """This rank's share of a batch that every rank of the context-parallel ``group`` holds, as DeepSpeed's data path
+    cuts a sequence split's rows: with R ranks and rows of T tokens, rank q keeps positions [qL, (q + 1)L) of every
+    (batch, T) field, L = ceil(T / R), and gets ``shift_labels`` (the labels shifted over the whole rows: position t
+    scores token t + 1) and the whole rows' ``position_ids`` (0.. where the batch has none). Rows with a padding mask
+    are right-padded to R L with masked, unscored positions first (no earlier position attends to them); rows without
+    one (padding-free) must hold a multiple of R tokens (``pad_to_multiple_of``)."""
+    ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+    ids = inputs["input_ids"]
+    batch, length = ids.shape[:2]
+    share = -(-length // ranks)
+    pad = share * ranks - length
+    rows = dict(inputs)
+    if rows.get("shift_labels") is None and rows.get("labels") is not None:
+        rows["shift_labels"] = F.pad(rows["labels"][:, 1:], (0, 1), value=-100)
+    if rows.get("position_ids") is None:
+        rows["position_ids"] = torch.arange(length, device=ids.device).expand(batch, -1)
+    if pad and rows.get("attention_mask") is None:
+        raise ValueError(
+            f"StreamBP: rows of {length} tokens without an attention mask (padding-free) cannot be split into equal "
+            f"shares across the {ranks} context-parallel ranks: set pad_to_multiple_of to a multiple of cp_size."
+        )
+    fill = {"labels": -100, "shift_labels": -100}
+    for key, value in rows.items():
+        if not (isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == (batch, length)):
+            continue
+        if pad and key == "position_ids":
+            value = torch.cat([value, value[:, -1:] + torch.arange(1, pad + 1, device=value.device)], dim=1)
+        elif pad:
+            value = F.pad(value, (0, 0) * (value.dim() - 2) + (0, pad), value=fill.get(key, 0))
+        rows[key] = value[:, rank * share : (rank + 1) * share]
+    return rows
 
 
 def first_ranks(obj: object, group: dist.ProcessGroup) -> object:
