@@ -75,7 +75,7 @@ def directional(model, pristine, loss_of, eps: float = 1e-5) -> dict:
     return {"along": along, "difference": (4 * central(eps / 2) - central(eps)) / 3}
 
 
-def whole(args, model, reference, ids, rows: dict, labels, world: int, counts: dict) -> None:
+def whole(args, model, reference, ids, rows: dict, labels, world: int, counts: dict, internals) -> None:
     """Every rank given the whole rows (``rows``: their attention mask, or packed rows' position ids): the loss (the
     same on every rank) and the gradients averaged over the ranks against plain autograd on the whole rows; rank 0
     writes them to ``--out`` and the processes exit."""
@@ -102,7 +102,7 @@ def whole(args, model, reference, ids, rows: dict, labels, world: int, counts: d
         logps = per_token.sum(1)
         return -F.logsigmoid(0.5 * (logps[0] - logps[1]))
 
-    with Float64Internals():
+    with internals():
         loss = loss_of(model, True)
         loss.backward()
         ref = loss_of(reference, False)
@@ -114,6 +114,8 @@ def whole(args, model, reference, ids, rows: dict, labels, world: int, counts: d
     worst, where = 0.0, ""
     grads = dict(model.named_parameters())
     for name, p in reference.named_parameters():
+        if not p.requires_grad:  # (QLoRA's frozen base weights)
+            continue
         q = grads[name].grad
         err = float("inf") if q is None else ((p.grad - q).norm() / p.grad.norm().clamp_min(1e-300)).item()
         if err > worst:
@@ -175,6 +177,16 @@ def refusals(rank: int) -> dict[str, str]:
     return said
 
 
+def qlora_model():
+    """tests/test_quantized.py's QLoRA model (bitsandbytes' 4-bit layers re-laid as on a CPU with AVX512-BF16)."""
+    import bitsandbytes as bnb
+
+    bnb.nn.modules.has_avx512bf16 = lambda: True
+    from test_quantized import qlora_model as built
+
+    return built()
+
+
 def main() -> None:
     faulthandler.dump_traceback_later(120, exit=True)  # a hung collective shows where, instead of hanging the suite
     parser = argparse.ArgumentParser()
@@ -205,6 +217,12 @@ def main() -> None:
         "(score); the gradients averaged over the ranks",
     )
     parser.add_argument("--compile", action="store_true", help="torch_compile=True, the norms in the model's dtype")
+    parser.add_argument(
+        "--qlora",
+        action="store_true",
+        help="QLoRA in float32: the tiny checkpoint's NF4 base weights, LoRA on every linear layer (tests/"
+        "test_quantized.py's qlora_model), against plain autograd on the same quantized model",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     held = contextlib.ExitStack()  # (held until the process's os._exit)
@@ -219,15 +237,16 @@ def main() -> None:
         dist.barrier()
         os._exit(0)
     overrides = {"attention_dropout": args.dropout} if args.dropout else {}
-    reference = tiny_model(args.family, num_hidden_layers=3, **overrides)
+    internals = contextlib.nullcontext if args.qlora else Float64Internals  # (float32: bitsandbytes has no float64)
+    reference = qlora_model() if args.qlora else tiny_model(args.family, num_hidden_layers=3, **overrides)
     if args.whole_rows == "score":  # its *ForSequenceClassification (pad id 0), one score
         reference.config.num_labels = 1
         torch.manual_seed(0)
         reference = AutoModelForSequenceClassification.from_config(reference.config).double().train()
-    model = copy.deepcopy(reference)
+    model = qlora_model() if args.qlora else copy.deepcopy(reference)
     length = args.per_rank * world - (args.whole_rows is not None)
     g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, VOCAB, (2, length), generator=g)
+    ids = torch.randint(3, min(VOCAB, reference.config.vocab_size), (2, length), generator=g)
     labels = ids.clone()
     labels[0, : length // 3] = -100  # a prompt without labels, crossing ranks
     mask = torch.ones_like(ids)
@@ -271,12 +290,12 @@ def main() -> None:
         rows = {"position_ids": positions, "use_cache": False} if args.packed else {"attention_mask": mask}
         if args.cached:  # (the model's config has use_cache on: both build a cache, and attend across the documents)
             rows.pop("use_cache")
-        whole(args, model, reference, ids, rows, labels, world, counts)
+        whole(args, model, reference, ids, rows, labels, world, counts, internals)
     torch.manual_seed(100 + rank)
     given = {"attention_mask": mask[:, mine]}
     if args.packed:
         given = {"position_ids": positions[:, mine], "use_cache": False}
-    with Float64Internals():  # (see the module docstring)
+    with internals():  # (see the module docstring)
         loss = model(input_ids=ids[:, mine], shift_labels=shift[:, mine], num_items_in_batch=tokens, **given).loss
         loss.backward()
     total = loss.detach().clone()
@@ -292,13 +311,15 @@ def main() -> None:
         out.update(directional(model, pristine, lambda m: split_loss(m, ids[:, mine], shift[:, mine], tokens, rank)))
     else:
         whole_rows = {"position_ids": positions, "use_cache": False} if args.packed else {"attention_mask": mask}
-        with Float64Internals():
+        with internals():
             logits = reference(input_ids=ids, **whole_rows).logits
             ref = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), ignore_index=-100, reduction="sum") / tokens
             ref.backward()
         worst, where = 0.0, ""
         grads = dict(model.named_parameters())
         for name, p in reference.named_parameters():
+            if not p.requires_grad:  # (QLoRA's frozen base weights)
+                continue
             q = grads[name].grad
             if q is None:
                 worst, where = float("inf"), f"{name} (no gradient)"

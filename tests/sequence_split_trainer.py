@@ -51,6 +51,7 @@ def main() -> None:
     )
     parser.add_argument("--packing", action="store_true", help="SFT with packing=True (bfd): two examples a row")
     parser.add_argument("--peft", action="store_true", help="a LoRA adapter trained (DPO: its reference disabled)")
+    parser.add_argument("--qlora", action="store_true", help="with --peft: the base weights in NF4 (float32 storage)")
     parser.add_argument("--eval", action="store_true", help="evaluate four other rows after each step")
     parser.add_argument(
         "--cp", action="store_true", help="context parallelism (cp_size=N) under FSDP2 in place of DeepSpeed's split"
@@ -103,6 +104,17 @@ def main() -> None:
         AutoModelForSequenceClassification.from_config(config).save_pretrained(saved)
 
     def built():  # the model trained: the causal LM, or the reward model's classifier, loaded alike everywhere
+        if args.qlora:  # (float32 storage: FSDP2 and ZeRO-3 shard the 4-bit weights as float32 tensors)
+            from helpers import MODEL
+            from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+            quantized = BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=torch.float32,
+                bnb_4bit_quant_storage=torch.float32,
+            )
+            return AutoModelForCausalLM.from_pretrained(MODEL, quantization_config=quantized, dtype=torch.float32)
         return (
             load_model() if args.objective != "reward" else AutoModelForSequenceClassification.from_pretrained(saved)
         )

@@ -79,6 +79,30 @@ def test_whole_rows_on_every_rank_equal_one_process(tmp_path, case):
     assert result["error"] < EXACT, f"relative gradient error {result['error']:.3e} at {result['where']}"
 
 
+QLORA = {
+    # (ranks, tokens per rank, chunk, further arguments)
+    "shares, 2 ranks": (2, 6, 4, ()),
+    "shares with padding across the ranks, 4 ranks": (4, 3, 2, ("--padding",)),
+    "whole rows, a preference loss, 2 ranks": (2, 6, 2, ("--whole-rows", "pairs")),
+}
+FLOAT32_BOUND = 1e-5  # tests/test_quantized.py's: bitsandbytes computes in float32 (seen: 6e-7 to 1.9e-6)
+
+
+@pytest.mark.parametrize("case", list(QLORA))
+def test_qlora_split_across_ranks_equals_plain_autograd(tmp_path, case):
+    """QLoRA (the tiny checkpoint's NF4 base weights, LoRA on every linear layer, float32 compute) split across the
+    ranks, as each rank's share or with whole rows on every rank: the loss and the LoRA gradients (summed, or averaged,
+    over the ranks) equal plain autograd's on the whole rows of the same quantized model."""
+    ranks, per_rank, chunk, extra = QLORA[case]
+    out = tmp_path / "out.json"
+    args = ("--qlora", "--per-rank", str(per_rank), "--chunk", str(chunk), *extra, "--out", str(out))
+    torchrun("sequence_split_step.py", *args, log=tmp_path / "log", nproc=ranks)
+    result = json.loads(out.read_text())
+    assert abs(result["loss"] - result["reference_loss"]) <= FLOAT32_BOUND * abs(result["reference_loss"])
+    assert result["error"] < FLOAT32_BOUND, f"relative gradient error {result['error']:.3e} at {result['where']}"
+    assert "lora" in result["where"]  # (the trained parameters alone are compared: the adapters')
+
+
 def test_split_with_dropout_is_the_gradient_of_the_loss_it_returned(tmp_path):
     """Attention dropout: each chunk's masks are drawn once per forward and replayed by the collecting passes and the
     recompute, so the summed gradient is the derivative of the loss the split forward returns (against extrapolated
@@ -225,6 +249,27 @@ def test_lora_under_zero3_trains_as_one_process(tmp_path, case):
     assert [grad for *_, grad in split["splits"]] == ([] if how == "unsplit" else list(grads))
     assert split["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-12)
     assert any("lora_B" in n for n in one["after"]) and _rounding(one["after"], split["after"]) < 4
+
+
+@pytest.mark.parametrize("launch", ["zero3_sp", "fsdp2_cp"])
+def test_qlora_sft_under_the_split_trains_as_one_process(tmp_path, launch):
+    """QLoRA as TRL builds it (NF4 base weights stored as float32 so that ZeRO-3 and FSDP2 shard them, LoRA from
+    peft_config, which TRL casts to bfloat16) under DeepSpeed's sp_size=2 with ZeRO-3, or FSDP2's cp_size=2: two SFT
+    steps log the losses of one process (to 1e-5: the bfloat16 adapters), its adapters after them to bfloat16
+    rounding (seen: 1.6 and 0.8 bfloat16 epsilons of each tensor's largest weight), the base weights untouched."""
+    flags = ("--peft", "--qlora")
+    split = _trained(tmp_path, "split", *flags, *(("--cp",) if launch == "fsdp2_cp" else ()))
+    one = _trained(tmp_path, "one", *flags, "--world-one", ranks=1)
+    assert split["splits"] == [(0, 2, split["splits"][0][2], True)] * 2
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    adapters = [n for n in one["after"] if "lora" in n]
+    assert adapters
+    eps = torch.finfo(torch.bfloat16).eps
+    worst = max(
+        ((split["after"][n] - one["after"][n]).abs().max() / (eps * one["after"][n].abs().max())) for n in adapters
+    )
+    assert worst < 4
+    assert all(torch.equal(split["after"][n], one["after"][n]) for n in one["after"] if n not in adapters)
 
 
 @pytest.mark.parametrize("objective", ["sft", "dpo", "reward"])
