@@ -269,7 +269,9 @@ def test_qlora_sft_under_the_split_trains_as_one_process(tmp_path, launch):
         ((split["after"][n] - one["after"][n]).abs().max() / (eps * one["after"][n].abs().max())) for n in adapters
     )
     assert worst < 4
-    assert all(torch.equal(split["after"][n], one["after"][n]) for n in one["after"] if n not in adapters)
+    # (the packed 4-bit weights read as float32 hold NaN patterns: compared with equal_nan)
+    frozen = [n for n in one["after"] if n not in adapters]
+    assert all(torch.allclose(split["after"][n], one["after"][n], rtol=0, atol=0, equal_nan=True) for n in frozen)
 
 
 @pytest.mark.parametrize("objective", ["sft", "dpo", "reward"])
