@@ -91,7 +91,7 @@ def _sequence_split(trainer) -> tuple[int, Callable[[], dist.ProcessGroup] | Non
       of torch's ring attention).
 
     Refused at construction: a split in a trainer that does not say how its rows reach the ranks (accelerate itself
-    refuses another backend, and context parallelism without FSDP2)."""
+    refuses another backend)."""
     configs = (getattr(trainer.args, "parallelism_config", None), getattr(trainer, "accelerator", None))
     split, group = 1, None
     for config in (configs[0], getattr(configs[1], "parallelism_config", None)):
