@@ -258,11 +258,11 @@ class StreamTrainerMixin:
         self.sequence_group = group
         if whole:  # every rank of the group trains the same batch: TRL's replicated-batch token count
             self._tp_size = getattr(self, "_tp_size", 1) * split
-        if whole and group is deepspeed_sequence_group:  # (accelerate hands a cp group's ranks the same batches)
+        if self._context_parallel:
+            keep_attention_masks(self.accelerator)
+        elif whole:  # (under context parallelism accelerate already hands the group's ranks the same batches)
             self._own_attention = own_attention()
             self.accelerator.deepspeed_ulysses_dl_adapter = self._whole_rows_loader
-        if group is not None and group is not deepspeed_sequence_group:
-            keep_attention_masks(self.accelerator)
         self._count_optimizer_state()
         self._check_longest_batch()
         ref_model = getattr(self, "ref_model", None)
@@ -284,13 +284,18 @@ class StreamTrainerMixin:
         """Whether this run splits each sequence across ranks (once installed)."""
         return self.sequence_group is not None
 
+    @property
+    def _context_parallel(self) -> bool:
+        """Whether the split is FSDP2's context parallelism (``cp_size``), not DeepSpeed's (``sp_size``)."""
+        return self.splits_sequences and self.sequence_group is not deepspeed_sequence_group
+
     def _prepare_context_parallel_inputs(self, model, inputs):
         """transformers' training step under context parallelism (``cp_size`` > 1), in place of torch's ring
         attention (``context_parallel``, which the engine's own key/value exchange replaces): this rank's share of
         every row where the trainer's rows reach the ranks as shares (:func:`~.sequence_rows.context_parallel_inputs`),
         the rows as given where whole. transformers' prediction step (without grad) gets the rows whole: the engine
         streams eval-mode calls unsplit."""
-        if self.sequence_group is None or self.sequence_group is deepspeed_sequence_group:
+        if not self._context_parallel:
             return super()._prepare_context_parallel_inputs(model, inputs)
         if self.sequence_rows == "whole" or not torch.is_grad_enabled():
             return contextlib.nullcontext, inputs
