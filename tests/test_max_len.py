@@ -108,7 +108,7 @@ def fake_model(monkeypatch):
         calls["setups"].append(setup)
         return FAKE_BASE + FAKE_PER_TOKEN[setup.mode] * seq_len
 
-    def host(shape, plan, n, db=2):
+    def host(shape, plan, n, db=2, rows=1):
         return 288 * 2**10 * n if plan.offload else 0
 
     def longest(shape, setup, budget_bytes, step=1024):

@@ -22,7 +22,7 @@ from streambp_trl.bench.simulator import record_setup
 from streambp_trl.layers.carry import store as carry_store
 from streambp_trl.sizing import auto, layer_kinds, mixers
 from streambp_trl.sizing import memory_model as mm
-from streambp_trl.sizing.choices import PlanChoices, StepPlan, Trained
+from streambp_trl.sizing.choices import MaskBlocks, PlanChoices, StepPlan, Trained
 from streambp_trl.sizing.layout import Layout
 from streambp_trl.sizing.plan import Planner
 
@@ -531,17 +531,16 @@ def test_a_hybrids_plan_counts_its_captured_carries():
     )
     streamed(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     plan = streamed._streambp.auto.last_plan
-    shape, n = mm.ModelShape.from_model(model), ids.numel()
-    planner = Planner(shape, Trained(db=4, pending_grads=True), PlanChoices(chunk=4, kv_mode="capture"))
-    recomputed = planner.estimate(n, StepPlan(4, plan.layout, False))[0]
-    assert (
-        plan.kv_mode == "capture"
-        and plan.activations == planner.estimate(n, StepPlan(4, plan.layout, False, kv_mode="capture"))[0] > recomputed
-    )
-    captured = mm.captured_bytes(shape, n, 4, 4)
+    shape, n, rows = mm.ModelShape.from_model(model), ids.numel(), ids.shape[0]
+    masks = MaskBlocks(whole=not bool(mask.all()))  # (the padded rows' attention builds mask blocks)
+    planner = Planner(shape, Trained(db=4, pending_grads=True), PlanChoices(chunk=4, kv_mode="capture"), masks=masks)
+    recomputed = planner.estimate(n, StepPlan(4, plan.layout, False), rows=rows)[0]
+    captures = StepPlan(4, plan.layout, False, kv_mode="capture")
+    assert plan.kv_mode == "capture" and plan.activations == planner.estimate(n, captures, rows=rows)[0] > recomputed
+    captured = mm.captured_bytes(shape, n, 4, 4, rows=rows)
     assert captured[0] == captured[1] > 0 and plan.activations - recomputed <= sum(captured)
     host = [
-        planner.estimate(n, StepPlan(4, Layout(), True, kv_mode="capture" if capture else "recompute"))[1]
+        planner.estimate(n, StepPlan(4, Layout(), True, kv_mode="capture" if capture else "recompute"), rows=rows)[1]
         for capture in (False, True)
     ]
     assert host[1] - host[0] == sum(captured)

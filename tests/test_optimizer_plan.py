@@ -13,7 +13,7 @@ from streambp_trl import StreamSFTConfig, StreamSFTTrainer
 from streambp_trl.bench import max_len as ml
 from streambp_trl.bench import plans
 from streambp_trl.sizing import auto, optimizers
-from streambp_trl.sizing.choices import PlanChoices
+from streambp_trl.sizing.choices import MaskBlocks, PlanChoices
 
 GiB = 2**30
 LENGTHS = (65536, 131072, 212992)
@@ -189,8 +189,9 @@ def test_max_len_s_stream_rows_are_the_longest_the_trainers_plan(monkeypatch, ca
         engine = auto.AutoChunks(model, PlanChoices(offload=offload, budget=78 * GiB))
         engine.count_optimizer("adamw_torch_fused", _Owner())
         n = rows[mode]["max_len"]
-        plan = engine.plan(2, n, meta)  # (DPO: the chosen and the rejected sequence)
+        padded = MaskBlocks(whole=True)  # (DPO: the chosen and the rejected sequence, padded to the longer)
+        plan = engine.plan(2, n, meta, masks=padded)
         assert plan.describe(n, 36) == rows[mode]["plan"], mode
         assert plan.layout.describe(36) in rows[mode]["label"] and plan.layout.rebuilt(36), mode
         with pytest.raises(auto.NoPlanFits):
-            engine.plan(2, n + 1024, meta)
+            engine.plan(2, n + 1024, meta, masks=padded)

@@ -13,6 +13,8 @@ Without an fla / causal-conv1d install the Gated DeltaNet layers run transformer
 what is measured (the CUDA kernels hold fewer). Usage::
 
     python scripts/sim.py step --model qwen3.5-9b --lora --mode streambp --seq-len 65536 --chunk 2048 --grads-ready
+    python scripts/sim.py step --model qwen3-8b --mode streambp --rows 4 --seq-len 8192 \
+        --config '{"num_hidden_layers": 2, "layer_types": ["sliding_attention", "sliding_attention"]}'
 
 ``--model`` also takes a local config directory (``benchmarks/sim_configs/``: Qwen3.5-MoE's widths in 4 layers).
 """
@@ -108,7 +110,7 @@ def simulate(a: argparse.Namespace) -> dict:
     model = build(a.model, dtype, fake, a.lora, a.config)
     loss_fn = prepare(model, a.mode, a.chunk, a.stream_kwargs or {})
     with fake:
-        ids = torch.empty(1, a.seq_len, dtype=torch.long, device="cuda")
+        ids = torch.empty(a.rows, a.seq_len, dtype=torch.long, device="cuda")
         if a.grads_ready:
             for p in model.parameters():
                 if p.requires_grad:
@@ -131,6 +133,7 @@ def simulate(a: argparse.Namespace) -> dict:
         dtype=a.dtype,
         mode=a.mode,
         seq_len=a.seq_len,
+        rows=a.rows,
         chunk=a.chunk if a.mode == "streambp" else None,
         stream_kwargs=a.stream_kwargs or None,
         grads_ready=a.grads_ready,
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     p.add_argument("--model", required=True, help="a named shape (streambp_trl.sizing.shapes.NAMED_MODELS)")
     p.add_argument("--mode", required=True, choices=["gc", "gc+fused", "streambp"])
     p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--rows", type=int, default=1, help="sequences in the batch (each --seq-len tokens)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--lora", action="store_true", help="rank-16 LoRA on every linear layer (PEFT, all-linear)")

@@ -27,7 +27,7 @@ def planner(
     gradients; the logit tile is the chunk, as the engine plans it), with the user's fixed ``keep_every``, ``offload``
     and ``kv_mode`` (``None``: planned, as the trainers leave them)."""
     choices = PlanChoices(chunk=setup.chunk, keep_every=keep_every, offload=offload, kv_mode=kv_mode)
-    return Planner(shape, setup.trained(shape), choices, ranks=setup.gpus)
+    return Planner(shape, setup.trained(shape), choices, ranks=setup.gpus, masks=setup.masks)
 
 
 def activation_room(shape: mm.ModelShape, setup: mm.StepSetup, budget: int) -> int:
@@ -85,7 +85,7 @@ def least_peak_bytes(
     plans = planner(shape, setup, keep_every, offload)
     chunks, layouts, offloads = plans.choices_open(tokens, True, True)
     least = min(
-        plans.estimate(setup.rows * tokens, StepPlan(chunk, layout, each))[0]
+        plans.estimate(setup.rows * tokens, StepPlan(chunk, layout, each), rows=setup.rows)[0]
         for chunk in chunks
         for layout in layouts
         for each in offloads

@@ -19,6 +19,7 @@ from ..layers.sharding import check_segmentable
 from ..layers.traits import takes_state_argument
 from ..patching import hooked_without_grad, original, temporarily, unpatched
 from ..sizing.choices import StepPlan
+from .mask_blocks import call_masks
 from .state import EngineState
 from .support import router_loss_refusal
 from .whole_rows import current_share
@@ -77,7 +78,8 @@ def streamed_decoder_call(state: EngineState, args: tuple, kwargs: dict, plan: S
         call = DecoderCall(plan, state.offloader, len(state.layers), inputs_rebuildable=not hidden_states_kept)
     else:
         split = _call_split(state, inputs, kwargs)
-        call = state.call_for(inputs, rebuildable=not hidden_states_kept, ranks=split.size if split else 1)
+        masks = call_masks(decoder.config, kwargs, split, state.kernel_apart)
+        call = state.call_for(inputs, not hidden_states_kept, split.size if split else 1, masks)
         if split is not None:
             _split(state, call, split, inputs, kwargs)
         if torch.is_grad_enabled() and call.plan is not None:

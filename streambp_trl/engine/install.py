@@ -317,16 +317,17 @@ def count_optimizer(model: nn.Module, optim: object, owner: object) -> bool:
     return True
 
 
-def check_fits(model: nn.Module, rows: int, seq_len: int) -> None:
+def check_fits(model: nn.Module, rows: int, seq_len: int, padded: bool = False) -> None:
     """Before training: raise :class:`~streambp_trl.sizing.auto.NoPlanFits` (one line naming the shape, the memory
     and the longest length each way of running allows) where a training call of a streaming ``model`` on ``rows``
-    sequences of ``seq_len`` tokens fits no way of running within its memory_budget (or, on CUDA, the free memory),
+    sequences of ``seq_len`` tokens (``padded``: padded or packed rows, whose attention builds mask blocks) fits no
+    way of running within its memory_budget (or, on CUDA, the free memory),
     its gradients and counted optimizer state included. Nothing is checked where nothing is planned or no memory
     figure is known (the CPU without a budget)."""
     state = getattr(causal_lm(model), "_streambp", None)
     params = next(model.parameters(), None)
     if state is not None and params is not None:
-        state.check_fits(rows, seq_len, params.device)
+        state.check_fits(rows, seq_len, params.device, padded)
 
 
 def last_head_form(model: nn.Module) -> HeadForm | None:

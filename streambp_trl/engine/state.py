@@ -29,8 +29,9 @@ from ..layers.sharding import sharded_module
 from ..logits.forms import HeadForm
 from ..logs import get_logger
 from ..sizing.auto import AUTO, AutoChunks
-from ..sizing.choices import StepPlan
+from ..sizing.choices import NO_MASKS, MaskBlocks, StepPlan
 from ..sizing.room import head_form
+from .mask_blocks import model_window
 from .model_parts import final_norm, named_decoder_layers
 from .options import StreamOptions
 from .support import refuse
@@ -120,14 +121,16 @@ class EngineState:
             what = "its decoder layers were reordered"
         refuse(self.decoder, f"{what} after enable_streambp; {_AGAIN}")
 
-    def call_for(self, inputs: torch.Tensor | None, rebuildable: bool, ranks: int = 1) -> DecoderCall:
+    def call_for(
+        self, inputs: torch.Tensor | None, rebuildable: bool, ranks: int = 1, masks: MaskBlocks = NO_MASKS
+    ) -> DecoderCall:
         """The :class:`~streambp_trl.layers.DecoderCall` of a streamed decoder call on ``inputs`` (batch, T, ...),
         ``rebuildable``: its layer inputs may be rebuilt in backward (no hidden states kept), carrying the call's
         resolved plan: the planner's where anything is planned, else the user's choices
         (:meth:`~streambp_trl.sizing.choices.PlanChoices.fixed`). Without a recognisable input (no length to plan
         for) the call carries no plan, and each layer takes the user's choices at the rule of thumb for its length.
         ``ranks``: the rows are one rank's share of rows split across that many (the plan counts the split's
-        buffers)."""
+        buffers); ``masks``: the attention mask blocks its layers build (:mod:`.mask_blocks`)."""
         choices = self.options.choices
         call = functools.partial(
             DecoderCall, inputs_rebuildable=rebuildable, offloader=self.offloader, layers=len(self.layers)
@@ -139,7 +142,7 @@ class EngineState:
             self._say_fixed(tuple(inputs.shape[:2]), plan)
             return call(plan=plan)
         rows, seq_len = inputs.shape[:2]
-        plan = self.auto.plan(rows, seq_len, inputs.device, self._layouts_open(rebuildable), ranks)
+        plan = self.auto.plan(rows, seq_len, inputs.device, self._layouts_open(rebuildable), ranks, masks)
         return call(plan=plan)
 
     def _layouts_open(self, rebuildable: bool) -> bool:
@@ -148,11 +151,14 @@ class EngineState:
         counted = self.auto is not None and self.auto.shape is not None and self.auto.shape.layers == len(self.layers)
         return rebuildable and counted and sharded_module(self.decoder) is None
 
-    def check_fits(self, rows: int, seq_len: int, device: torch.device) -> None:
+    def check_fits(self, rows: int, seq_len: int, device: torch.device, padded: bool = False) -> None:
         """Raise :class:`~streambp_trl.sizing.auto.NoPlanFits` where a training call on ``rows`` x ``seq_len``
-        tokens fits no plan in the memory its first step would have (nothing planned: nothing checked)."""
+        tokens fits no plan in the memory its first step would have (nothing planned: nothing checked); ``padded``:
+        its rows are padded or packed, so its layers build mask blocks over the whole prefix (and the windowed
+        layers theirs, whatever the rows: :func:`.mask_blocks.model_window`)."""
         if self.auto is not None:
-            self.auto.check(rows, seq_len, device, self._layouts_open(True))
+            masks = MaskBlocks(whole=padded, window=model_window(self.decoder.config))
+            self.auto.check(rows, seq_len, device, self._layouts_open(True), masks)
 
     def _say_fixed(self, shape: tuple[int, int], plan: StepPlan) -> None:
         """At info level, once per call shape (rows, T): how a call runs where every choice is fixed and no budget

@@ -51,7 +51,7 @@ from transformers.utils import logging
 from .. import families
 from . import memory_model as mm
 from . import optimizers
-from .choices import KVMode, PlanChoices, StepPlan, Trained
+from .choices import NO_MASKS, KVMode, MaskBlocks, PlanChoices, StepPlan, Trained
 from .layout import Layout
 from .plan import Planner, margin
 from .room import Room, allocated_bytes, fits, grads_pending, host_room, offload_saves, room
@@ -185,11 +185,18 @@ class AutoChunks:
         return plan.chunk
 
     def plan(
-        self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True, ranks: int = 1
+        self,
+        rows: int,
+        seq_len: int,
+        device: torch.device,
+        rebuildable: bool = True,
+        ranks: int = 1,
+        masks: MaskBlocks = NO_MASKS,
     ) -> StepPlan:
         """The plan of a call on ``rows`` sequences of ``seq_len`` tokens (``rebuildable``: its layer inputs may be
         rebuilt in backward; ``ranks``: they are one rank's share of rows split across that many, sized for the rank
-        whose key/value store spans the whole rows), chosen once per shape and logged once (at warning level where it
+        whose key/value store spans the whole rows; ``masks``: the attention mask blocks its layers build), chosen
+        once per shape (and mask kind) and logged once (at warning level where it
         rebuilds or offloads inputs the user did not ask to, else at info level), and chosen again where its predicted
         activations no longer fit the room this call has (:func:`fits`). Raises where a call with grad fits nowhere
         within a known device figure (a budget, or a CUDA device's free memory)."""
@@ -209,6 +216,7 @@ class AutoChunks:
             state[0] // REPLAN_STEP,
             state[1] > 0,
             ranks,
+            masks,
         )
         figure = room(model, device, self.choices.budget, pending, allocated, state)
         plan = self._chosen.get(key)
@@ -216,23 +224,33 @@ class AutoChunks:
             if len(self._chosen) > 256:
                 self._chosen.clear()
                 self._latest.clear()
-            plan = self._chosen[key] = self._decide(rows, seq_len, device, rebuildable, grad, pending, figure, ranks)
+            plan = self._chosen[key] = self._decide(
+                rows, seq_len, device, rebuildable, grad, pending, figure, ranks, masks
+            )
         self._latest[(rows, seq_len)] = self.last_plan = plan
         self.last, self.last_shape = plan.chunk, (rows, seq_len)
         self.last_peak = None if figure is None else figure[1] + plan.activations
         return plan
 
-    def check(self, rows: int, seq_len: int, device: torch.device, rebuildable: bool = True) -> None:
+    def check(
+        self,
+        rows: int,
+        seq_len: int,
+        device: torch.device,
+        rebuildable: bool = True,
+        masks: MaskBlocks = NO_MASKS,
+    ) -> None:
         """Raise :class:`NoPlanFits` where a training call (with grad, before the first optimizer step) on ``rows``
-        sequences of ``seq_len`` tokens would fit no way of running within the memory :meth:`plan` would give it; a
-        check before training (a trainer's longest batch), which neither logs nor keeps a plan."""
+        sequences of ``seq_len`` tokens (its layers building the attention mask blocks ``masks``) would fit no way of
+        running within the memory :meth:`plan` would give it; a check before training (a trainer's longest batch),
+        which neither logs nor keeps a plan."""
         model = self._model()
         if model is None or self.shape is None:
             return
         pending = grads_pending(list(model.parameters()))
         figure = room(model, device, self.choices.budget, pending, allocated_bytes(device), self.optimizer_state())
         if figure is not None:
-            self._decide(rows, seq_len, device, rebuildable, True, pending, figure, announce=False)
+            self._decide(rows, seq_len, device, rebuildable, True, pending, figure, masks=masks, announce=False)
 
     def _decide(
         self,
@@ -244,6 +262,7 @@ class AutoChunks:
         pending: bool,
         figure: Room | None,
         ranks: int = 1,
+        masks: MaskBlocks = NO_MASKS,
         announce: bool = True,
     ) -> StepPlan:
         """The plan of a call within ``figure`` (:func:`room`; ``None``: no memory figure, the user's choices),
@@ -268,7 +287,7 @@ class AutoChunks:
         if not grad and choices.kv_mode is None:  # (a call without grad has no backward: nothing to keep for it)
             choices = dataclasses.replace(choices, kv_mode=KVMode.RECOMPUTE)
         trained = Trained(db, head_trained, adapters, layer_trained, pending)
-        planner = Planner(self.shape, trained, choices, ranks)
+        planner = Planner(self.shape, trained, choices, ranks, masks)
         rebuildable = rebuildable and grad
         limit = room - margin(total)
         host = host_room() if can_offload and self.choices.offload is not False else None

@@ -140,3 +140,52 @@ class Trained:
     adapters: bool = False
     layer_params: int | None = None
     pending_grads: bool = False
+
+
+MASK_ALIGN = 16  # an additive mask block's rows are padded to a multiple of this many keys (the CUDA kernels' rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskBlocks:
+    """The attention mask blocks a call's softmax-attention layers build, as the memory model counts them.
+
+    A chunk that is not plainly causal attends under a (rows, 1, chunk, keys) mask block
+    (:meth:`~streambp_trl.attention.StreamMask.block`), a bool block turned into one additive mask in the attention's
+    dtype (rows aligned to :data:`MASK_ALIGN` keys) that the memory-efficient kernel takes and saves for its
+    backward: from the chunk's recompute to its attention backward a layer holds ``rows x chunk x keys x db``, and
+    while the block is built the bool block too. ``whole``: the layers that attend over the whole prefix build one
+    (padding, packed rows, a 4D mask), ``keys`` the row's length; ``window``: the sliding-window or chunked layers'
+    span of earlier keys (their chunk attends to ``window - 1 + chunk`` keys at most), which build one whatever the
+    inputs; ``None`` where the model has none."""
+
+    whole: bool = False
+    window: int | None = None
+
+    def keys(self, chunk: int, length: int) -> int:
+        """Keys of the widest block a chunk of ``chunk`` queries builds in rows of ``length`` positions (0: none)."""
+        if self.whole:
+            return length
+        return min(self.window - 1 + chunk, length) if self.window else 0
+
+    def block_bytes(self, rows: int, chunk: int, length: int, db: int, built: bool = False) -> int:
+        """Bytes of the widest additive block of ``rows`` x ``chunk`` queries in rows of ``length`` positions, in
+        ``db``-byte elements; ``built``: with the bool block it is built from (one byte an element) beside it."""
+        keys = self.keys(chunk, length)
+        aligned = -(-keys // MASK_ALIGN) * MASK_ALIGN
+        return rows * chunk * (aligned * db + (keys if built else 0))
+
+    def every_block_bytes(self, rows: int, chunk: int, length: int, db: int) -> int:
+        """Bytes of every chunk's additive block, in rows of ``length`` positions in chunks of ``chunk``: what a layer
+        that keeps its activations from the forward holds of them until its backward. Chunk ``i`` (from 1) attends to
+        ``i x chunk`` keys, or a window's ``window - 1 + chunk`` at most; the last to every key it may."""
+        if not self.whole and not self.window:
+            return 0
+        full = -(-length // chunk) - 1  # the chunks before the last
+        widest = self.keys(chunk, 1 << 62)  # (a window's span, without the row's end)
+        growing = min(full, widest // chunk)  # the chunks whose keys are every earlier position
+        keys = chunk * growing * (growing + 1) // 2 + (full - growing) * widest
+        aligned = keys + full * (MASK_ALIGN - 1)  # (each block's rows aligned: at most this much more)
+        return rows * chunk * (aligned + self.keys(chunk, length) + MASK_ALIGN - 1) * db
+
+
+NO_MASKS = MaskBlocks()  # every chunk plainly causal: no block

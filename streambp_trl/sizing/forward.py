@@ -79,8 +79,10 @@ def forward_peak_bytes(
     offload: bool = False,
     captured: Callable[[int], int] | None = None,
     kv_n: int | None = None,
+    rows: int = 1,
 ) -> int:
-    """Peak activation bytes of a streamed forward, for ``n`` tokens in chunks of ``chunk``: the largest, over the
+    """Peak activation bytes of a streamed forward, for ``n`` tokens (``rows`` x length) in chunks of ``chunk``
+    positions (of every row): the largest, over the
     kinds of layer (softmax attention, Gated DeltaNet, any other), of the top such layer's first chunk
     (:func:`first_chunk_token_bytes`) beside the layer inputs kept up to it (:func:`forward_inputs`, ``H db`` per
     token each, times the hyper-connection streams), what ``captured`` says the layers below it keep for their
@@ -96,7 +98,7 @@ def forward_peak_bytes(
         "linear": linear,
         "other": set(range(shape.layers)) - attention - linear,
     }
-    peaks = [0]
+    peaks, chunk = [0], min(chunk, -(-n // rows))
     for kind, layers in groups.items():
         if not layers:
             continue
@@ -105,6 +107,6 @@ def forward_peak_bytes(
         held += captured(top) if captured is not None else 0
         if kind == "attention":  # its keys/values, and beside its first chunk any indexer's scores
             store = 2 * shape.kv_dim * db * (n if kv_n is None else kv_n)
-            held += store + indexer_scores_bytes(shape, n, min(chunk, n))
-        peaks.append(held + min(chunk, n) * first_chunk_token_bytes(shape, kind, db, lora))
+            held += store + indexer_scores_bytes(shape, n, chunk)
+        peaks.append(held + rows * chunk * first_chunk_token_bytes(shape, kind, db, lora))
     return max(peaks)

@@ -47,6 +47,12 @@ caching allocator's view of ``max_memory_allocated`` (no fragmentation, no CUDA 
   every softmax-attention layer that recomputes keeps its attention output and log-sum-exps from its forward to its
   backward (:func:`attention_output_bytes`), counted as captured keys/values are, but never offloaded.
 
+  A chunk holds its positions of every row (``rows`` x chunk tokens). A chunk that is not plainly causal (padded or
+  packed rows, a 4D mask: the whole prefix; a sliding-window or chunked layer: its window) attends under a mask block
+  (:class:`~.choices.MaskBlocks`), held as an additive mask ``rows x chunk x keys x db`` from the chunk's recompute
+  through its backward (and beside the bool block it is built from in the forward); a layer keeping its activations
+  keeps every chunk's. DPO's rows (``StepSetup.objective``) are sized padded.
+
 * ``hf-gc`` (Hugging Face gradient checkpointing, the model's own loss over full logits) and ``trl-default``
   (checkpointing + TRL's fused LM head): the saved layer inputs, and either the logits with their float32 copies
   and gradients (``hf-gc``) or one layer recomputed at full length with its gradients (``trl-default``).
@@ -152,21 +158,22 @@ def estimate_peak_bytes(shape: ModelShape, setup: StepSetup, seq_len: int) -> in
     n = setup.rows * seq_len
     if setup.mode.startswith("stream"):
         activations = estimate_activation_bytes(
-            shape, n, setup.plan(), setup.trained(shape), setup.logits_chunk, setup.head_form
-        )
+            shape, n, setup.plan(), setup.trained(shape), setup.logits_chunk, setup.head_form,
+            rows=setup.rows, masks=setup.masks,
+        )  # fmt: skip
     else:
         activations = _checkpointing_bytes(shape, setup, n)
     return max(static_bytes(shape, setup) + activations, optimizer_step_bytes(shape, setup))
 
 
-def estimate_host_bytes(shape: ModelShape, plan: StepPlan, n: int, db: int = 2) -> int:
-    """Pinned host bytes a step on ``n`` tokens run as ``plan`` holds: the offloaded layer inputs (the first input of
-    every segment but the first, which is rebuilt from the token ids; every layer's input but the first one's where
-    every input is kept) and, with keys/values captured, what every layer keeps from its forward
-    (:func:`captured_bytes`, at the plan's chunk); 0 without offload. ``db``: bytes per element."""
+def estimate_host_bytes(shape: ModelShape, plan: StepPlan, n: int, db: int = 2, rows: int = 1) -> int:
+    """Pinned host bytes a step on ``n`` tokens (``rows`` x length) run as ``plan`` holds: the offloaded layer inputs
+    (the first input of every segment but the first, which is rebuilt from the token ids; every layer's input but
+    the first one's where every input is kept) and, with keys/values captured, what every layer keeps from its
+    forward (:func:`captured_bytes`, at the plan's chunk); 0 without offload. ``db``: bytes per element."""
     if not plan.offload:
         return 0
     inputs = len(plan.layout.segments(shape.layers)) - 1
     captures = plan.kv_mode == KVMode.CAPTURE
-    captured = sum(captured_bytes(shape, n, min(plan.chunk, n), db)) if captures else 0
+    captured = sum(captured_bytes(shape, n, min(plan.chunk, -(-n // rows)), db, rows=rows)) if captures else 0
     return inputs * shape.residual * db * n + captured

@@ -37,7 +37,7 @@ import dataclasses
 
 from ..logits.forms import HEAD_FORMS, HeadForm
 from . import memory_model as mm
-from .choices import KVMode, PlanChoices, StepPlan, Trained
+from .choices import NO_MASKS, KVMode, MaskBlocks, PlanChoices, StepPlan, Trained
 from .layout import Layout
 from .lengths import longest_fitting
 from .model_shape import ModelShape
@@ -98,21 +98,26 @@ def layouts(layers: int, keep_every: int | None, rebuildable: bool) -> list[Layo
 @dataclasses.dataclass(frozen=True)
 class Planner:
     """What the plans of one model are chosen from: its ``shape``, what is ``trained`` (the memory model's
-    :class:`~.choices.Trained`) and the user's ``choices`` (each ``None``: chosen by the plan)."""
+    :class:`~.choices.Trained`) and the user's ``choices`` (each ``None``: chosen by the plan); of the calls planned,
+    how many ranks split their rows and the attention mask blocks they build (``masks``)."""
 
     shape: ModelShape
     trained: Trained = Trained()
     choices: PlanChoices = PlanChoices()
     ranks: int = 1  # a call's rows are one rank's share of rows split across this many (its store spans them all)
+    masks: MaskBlocks = NO_MASKS
 
-    def estimate(self, tokens: int, plan: StepPlan, head_form: HeadForm = HeadForm.TWO_NODE) -> tuple[int, int]:
-        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens run as ``plan`` says (the
-        memory model), with what capturing keys/values keeps from the forward (:func:`.memory_model.captured_bytes`)
-        on the device and, with offload, on the host; the LM head's gradient in ``head_form``."""
+    def estimate(
+        self, tokens: int, plan: StepPlan, head_form: HeadForm = HeadForm.TWO_NODE, rows: int = 1
+    ) -> tuple[int, int]:
+        """``(device activation bytes, pinned host bytes)`` of a step on ``tokens`` tokens (``rows`` x length) run as
+        ``plan`` says (the memory model), with what capturing keys/values keeps from the forward
+        (:func:`.memory_model.captured_bytes`) on the device and, with offload, on the host; the LM head's gradient
+        in ``head_form``."""
         activations = mm.estimate_activation_bytes(
-            self.shape, tokens, plan, self.trained, head_form=head_form, ranks=self.ranks
+            self.shape, tokens, plan, self.trained, head_form=head_form, ranks=self.ranks, rows=rows, masks=self.masks
         )
-        return activations, mm.estimate_host_bytes(self.shape, plan, tokens, self.trained.db)
+        return activations, mm.estimate_host_bytes(self.shape, plan, tokens, self.trained.db, rows)
 
     def choices_open(self, seq_len: int, rebuildable: bool, can_offload: bool) -> tuple[list, list, list[bool]]:
         """The chunks, layouts and offload settings open to a call of ``seq_len`` tokens per sequence (``rebuildable``:
@@ -151,7 +156,7 @@ class Planner:
         open_ = rebuildable and layout == Layout() and not offload and self.ranks == 1
         return list(range(self.shape.layers + 1)) if open_ else [0]
 
-    def most_kept(self, tokens: int, plan: StepPlan, limit: int, rebuildable: bool) -> StepPlan:
+    def most_kept(self, rows: int, seq_len: int, plan: StepPlan, limit: int, rebuildable: bool) -> StepPlan:
         """``plan`` with the most top layers keeping their activations open (:meth:`keeps_open`) whose predicted
         activations fit ``limit`` (the fewest open where none does): each kept layer saves its recompute, so the
         most that fit is the fastest. The peak grows with every layer kept, so the count is bisected."""
@@ -159,7 +164,8 @@ class Planner:
         low, high = 0, len(open_) - 1
         while low < high:
             mid = (low + high + 1) // 2
-            fits = self.estimate(tokens, dataclasses.replace(plan, keep_activations=open_[mid]))[0] <= limit
+            kept = dataclasses.replace(plan, keep_activations=open_[mid])
+            fits = self.estimate(rows * seq_len, kept, rows=rows)[0] <= limit
             low, high = (mid, high) if fits else (low, mid - 1)
         return dataclasses.replace(plan, keep_activations=open_[low])
 
@@ -182,8 +188,8 @@ class Planner:
                 ]
                 for chunk, kv_mode, attention in combinations:
                     plan = StepPlan(chunk, layout, offload, kv_mode=kv_mode, keep_attention=attention)
-                    plan = self.most_kept(rows * seq_len, plan, limit, rebuildable)
-                    activations, host = self.estimate(rows * seq_len, plan)
+                    plan = self.most_kept(rows, seq_len, plan, limit, rebuildable)
+                    activations, host = self.estimate(rows * seq_len, plan, rows=rows)
                     if activations > limit or (offload and (host_room is None or host > host_room)):
                         continue
                     time = predicted_time(plan, self.shape.layers, share)
@@ -192,7 +198,7 @@ class Planner:
                         key = (time, activations)
         if best is None:
             return None
-        fitting = (f for f in HEAD_FORMS if self.estimate(rows * seq_len, best, f)[0] <= limit)
+        fitting = (f for f in HEAD_FORMS if self.estimate(rows * seq_len, best, f, rows)[0] <= limit)
         return dataclasses.replace(best, head_forms=tuple(fitting))
 
     def longest(
@@ -215,7 +221,7 @@ class Planner:
                 plan = StepPlan(
                     chunk, layout, offload, kv_mode=kv_mode, keep_activations=kept, keep_attention=attention
                 )
-                activations, host = self.estimate(rows * tokens, plan)
+                activations, host = self.estimate(rows * tokens, plan, rows=rows)
                 return activations <= limit and (not offload or (host_room is not None and host <= host_room))
 
             return longest_fitting(fits, step) or longest_fitting(fits, step=1)

@@ -29,7 +29,7 @@ import math
 
 from ..logits.forms import HeadForm
 from . import optimizers
-from .choices import CHUNKS, KVMode, StepPlan, Trained
+from .choices import CHUNKS, NO_MASKS, KVMode, MaskBlocks, StepPlan, Trained
 from .layout import Layout
 from .model_shape import ModelShape
 
@@ -93,6 +93,13 @@ class StepSetup:
     def rows(self) -> int:
         """Sequences per micro-batch: DPO scores the chosen and the rejected completion together."""
         return 2 if self.objective == "dpo" else 1
+
+    @property
+    def masks(self) -> MaskBlocks:
+        """The attention mask blocks the step's layers build: DPO's over the whole prefix (the chosen and the rejected
+        completion are padded to the longer), none for one row of the other objectives (a Qwen3 shape has no
+        sliding-window layers)."""
+        return MaskBlocks(whole=True) if self.objective == "dpo" else NO_MASKS
 
     @property
     def offload(self) -> bool:

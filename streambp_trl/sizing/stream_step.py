@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable, Collection
 
 from ..logits.forms import HeadForm
-from .choices import KVMode, StepPlan, Trained
+from .choices import NO_MASKS, KVMode, MaskBlocks, StepPlan, Trained
 from .forward import forward_peak_bytes
 from .head_backward import head_backward_bytes
 from .layout import Layout
@@ -86,12 +86,14 @@ def kept_bytes(shape: ModelShape, n: int, kept: int, db: int = 2) -> tuple[int, 
     return tuple(held)
 
 
-def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2, kv_n: int | None = None) -> tuple[int, ...]:
+def captured_bytes(
+    shape: ModelShape, n: int, chunk: int, db: int = 2, kv_n: int | None = None, rows: int = 1
+) -> tuple[int, ...]:
     """What each layer (by index) keeps from its forward to its backward with ``kv_mode="capture"``, for ``n`` tokens
-    (rows x length) in chunks of ``chunk``: a softmax-attention layer its keys/values of every position ``2 kv db n``
-    and, with a sparse indexed attention, its indexer keys ``index_head_dim db n``; a state-carrying layer
-    (:func:`.mixers.recurrent_kinds`: Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short convolution) the
-    carry entering each chunk but the first, ``boundaries x carry`` (:func:`.mixers.boundaries`,
+    (``rows`` x length) in chunks of ``chunk`` positions: a softmax-attention layer its keys/values of every position
+    ``2 kv db n`` and, with a sparse indexed attention, its indexer keys ``index_head_dim db n``; a state-carrying
+    layer (:func:`.mixers.recurrent_kinds`: Gated DeltaNet, lightning attention, Mamba2, Mamba v1, short convolution)
+    the carry entering each chunk but the first, ``rows x boundaries x carry`` (:func:`.mixers.boundaries`,
     :meth:`.mixers.RecurrentKind.carry`), beside its attention's keys/values where it runs attention too (Falcon-H1,
     Zamba); a layer with no token mixer nothing. A recompute collects the same in each layer's backward, for that
     layer alone, where the backward's moments count it. ``kv_n``: the positions of the key/value store, where they
@@ -102,7 +104,7 @@ def captured_bytes(shape: ModelShape, n: int, chunk: int, db: int = 2, kv_n: int
         kept[i] = kv + (shape.index_head_dim * db * n if shape.index_heads else 0)
     for kind in recurrent_kinds(shape, db):
         for i in kind.layers:
-            kept[i] = boundaries(n, chunk) * kind.carry(db) + (kv if kind.with_attention else 0)
+            kept[i] = rows * boundaries(-(-n // rows), chunk) * kind.carry(db) + (kv if kind.with_attention else 0)
     return tuple(kept)
 
 
@@ -145,10 +147,13 @@ def estimate_activation_bytes(
     logits_chunk: int | None = None,
     head_form: HeadForm = HeadForm.TWO_NODE,
     ranks: int = 1,
+    rows: int = 1,
+    masks: MaskBlocks = NO_MASKS,
 ) -> int:
-    """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (rows x
-    length) run as ``plan`` says (its chunk, the layer inputs its layout keeps, offload, key/value mode) with logit
-    tiles of ``logits_chunk`` rows (``None``: the plan's chunk), for what ``trained`` says is trained. With
+    """Peak bytes of a streamed forward+backward above weights and parameter gradients, for ``n`` tokens (``rows`` x
+    length; a chunk takes its positions of every row) run as ``plan`` says (its chunk, the layer inputs its layout
+    keeps, offload, key/value mode) with logit tiles of ``logits_chunk`` rows (``None``: the plan's chunk), for what
+    ``trained`` says is trained. With
     ``trained.pending_grads`` (no parameter gradient allocated when the step starts) the peak is above the weights
     alone and counts each gradient from the moment the backward forms it: none in the forward, the head's from its
     backward on, a layer's from its own backward on (beside the inputs still kept below it), every one and the
@@ -168,8 +173,11 @@ def estimate_activation_bytes(
     (``ranks x n`` positions): the store, its gradient sums and the attention's prefix gradients at that length, the
     forward's exchange of keys/values (a share each way), the input gradient beside the kept input (the returned
     gradients' pass reads it again) and the exchange of the returned gradients as a moment of its own
-    (:meth:`StreamStep.split_exchange`)."""
-    step = StreamStep(shape, n, plan, trained, ranks)
+    (:meth:`StreamStep.split_exchange`).
+
+    ``masks``: the attention mask blocks the call's layers build (:class:`~.choices.MaskBlocks`), each held from a
+    chunk's recompute through its backward (and in the forward, with the bool block it is built from)."""
+    step = StreamStep(shape, n, plan, trained, ranks, rows, masks)
     logits_chunk = plan.chunk if logits_chunk is None else logits_chunk
     return max(*step.layer_backwards(), step.head_backward(logits_chunk, head_form), step.forward())
 
@@ -186,10 +194,30 @@ class StreamStep:
     plan: StepPlan
     trained: Trained
     ranks: int = 1  # the rows are the last rank's share of rows split across this many (see estimate_activation_bytes)
+    rows: int = 1  # the sequences the n tokens are, each chunk taking its positions of every one
+    masks: MaskBlocks = NO_MASKS
 
     @functools.cached_property
-    def chunk_rows(self) -> int:
-        return min(self.plan.chunk, self.n)
+    def length(self) -> int:
+        """Positions per row of the call."""
+        return -(-self.n // self.rows)
+
+    @functools.cached_property
+    def chunk(self) -> int:
+        """Positions per chunk: the plan's chunk, at most the row."""
+        return min(self.plan.chunk, self.length)
+
+    @functools.cached_property
+    def chunk_tokens(self) -> int:
+        """Tokens of one chunk: its positions of every row."""
+        return self.rows * self.chunk
+
+    @functools.cached_property
+    def mask_block(self) -> int:
+        """The widest attention mask block a softmax-attention layer's chunk holds from its recompute through its
+        backward (:meth:`.choices.MaskBlocks.block_bytes`; its keys span the whole rows' prefix under a split)."""
+        length = self.kv_n // self.rows
+        return self.masks.block_bytes(self.rows, self.chunk, length, self.trained.db)
 
     @functools.cached_property
     def kv_n(self) -> int:
@@ -217,14 +245,18 @@ class StreamStep:
         layer that keeps its activations captures nothing: :attr:`activations`)."""
         if self.plan.kv_mode != KVMode.CAPTURE:
             return (0,) * self.shape.layers
-        captured = captured_bytes(self.shape, self.n, self.chunk_rows, self.trained.db, self.kv_n)
+        captured = captured_bytes(self.shape, self.n, self.chunk, self.trained.db, self.kv_n, self.rows)
         return tuple(0 if held else c for c, held in zip(captured, self.activations, strict=True))
 
     @functools.cached_property
     def activations(self) -> tuple[int, ...]:
         """What each of the top ``keep_activations`` layers holds from its forward to its backward
-        (:func:`kept_bytes`), 0 for the others."""
-        return kept_bytes(self.shape, self.n, self.plan.keep_activations, self.trained.db)
+        (:func:`kept_bytes`), a softmax-attention one also every chunk's mask block (its kernels saved them), 0 for
+        the others."""
+        held = kept_bytes(self.shape, self.n, self.plan.keep_activations, self.trained.db)
+        blocks = self.masks.every_block_bytes(self.rows, self.chunk, self.kv_n // self.rows, self.trained.db)
+        plain = set(self.shape.plain_attention_layers)
+        return tuple(h + blocks if h and i in plain else h for i, h in enumerate(held))
 
     @functools.cached_property
     def attention_kept(self) -> tuple[int, ...]:
@@ -278,7 +310,7 @@ class StreamStep:
     @functools.cached_property
     def mlp(self) -> int:
         """One chunk's MLP backward, beside one weight's fresh gradient."""
-        return self.chunk_rows * _chunk_token_bytes(self.shape, self.trained.db) + self.fresh_grad
+        return self.chunk_tokens * _chunk_token_bytes(self.shape, self.trained.db) + self.fresh_grad
 
     def layer_backwards(self) -> list[int]:
         """The worst backward of each kind of decoder layer the model has, and the end of the backward."""
@@ -291,19 +323,20 @@ class StreamStep:
 
     def attention_backward(self) -> int:
         """A softmax-attention layer's backward: dY, the keys/values and their gradient sums, the layer's parameter
-        gradient sums, and either one chunk's MLP backward or its attention backward, whose key/value gradients span
+        gradient sums, the chunk's mask block, and either one chunk's MLP backward or its attention backward, whose
+        key/value gradients span
         the prefix (the whole sequence at the last chunk): one head group's dK/dV and flash's expanded workspace, the
         prefix part added into the sums group by group (grouped heads), or all heads' dK/dV at once (as many
         key/value heads as query heads)."""
-        shape, db, n, rows, kv_n = self.shape, self.trained.db, self.n, self.chunk_rows, self.kv_n
+        shape, db, tokens, kv_n = self.shape, self.trained.db, self.chunk_tokens, self.kv_n
         kv, d, h = shape.kv_dim, shape.head_dim, shape.hidden
         grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
         layer = self.common(shape.plain_attention_layers) + self._dy_dx + 4 * kv * db * kv_n
-        layer += grads * self.sum_bytes + max(self.attention_kept)  # (its own kept attention outputs too)
+        layer += grads * self.sum_bytes + max(self.attention_kept) + self.mask_block  # (its kept attention too)
         group = shape.heads // shape.kv_heads
         attention = (2 * d + 2 * group * d if group > 1 else 2 * kv + 2 * d) * db * kv_n
-        attention += rows * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
-        return layer + max(self.mlp, attention, indexer_scores_bytes(shape, n, rows))
+        attention += tokens * (6 * shape.heads * d * db + 4 * shape.heads * d + 8 * h)
+        return layer + max(self.mlp, attention, indexer_scores_bytes(shape, self.n, self.chunk))
 
     @functools.cached_property
     def _dy_dx(self) -> int:
@@ -329,7 +362,7 @@ class StreamStep:
         grads = shape.layer_params if self.trained.layer_params is None else self.trained.layer_params
         own = self.common(None) + self.head_grad + self.layer_grad + sum(self.activations)
         # one chunk's backward beside its kept activations (counted above): its gradients and one weight's fresh one
-        chunk = max(self.mlp - self.chunk_rows * kept_token_bytes(shape, db), self.fresh_grad)
+        chunk = max(self.mlp - self.chunk_tokens * kept_token_bytes(shape, db), self.fresh_grad)
         return own + 2 * shape.residual * db * n + grads * self.sum_bytes + chunk
 
     def recurrent_backwards(self) -> list[int]:
@@ -338,14 +371,15 @@ class StreamStep:
         attention beside it: its keys/values and their gradient sums too), and either the no-grad chunked forward
         that collects those carries (its full-length output beside them) or one chunk's backward (its activations
         and its incoming carry's gradient)."""
-        shape, db, n, rows = self.shape, self.trained.db, self.n, self.chunk_rows
+        shape, db, n, rows, chunk = self.shape, self.trained.db, self.n, self.rows, self.chunk
         r = shape.residual
         peaks = []
         for kind in recurrent_kinds(shape, db):
             grads = kind.params if self.trained.layer_params is None else self.trained.layer_params
             layer = self.common(kind.layers) + r * db * n + grads * self.sum_bytes
-            layer += boundaries(n, rows) * kind.carry(db) + (4 * shape.kv_dim * db * n if kind.with_attention else 0)
-            backward = rows * kind.token_bytes + self.fresh_grad + kind.carry_grad(rows, db)
+            carries = rows * boundaries(self.length, chunk) * kind.carry(db)
+            layer += carries + (4 * shape.kv_dim * db * n + self.mask_block if kind.with_attention else 0)
+            backward = rows * (chunk * kind.token_bytes + kind.carry_grad(chunk, db)) + self.fresh_grad
             peaks.append(layer + max(r * db * n, backward))
         return peaks
 
@@ -390,9 +424,11 @@ class StreamStep:
         """The forward's peak (:func:`.forward.forward_peak_bytes`) beside the token bookkeeping."""
         shape, db, n, plan = self.shape, self.trained.db, self.n, self.plan
         peak = forward_peak_bytes(
-            shape, n, self.chunk_rows, db, lora=self.trained.adapters, layout=plan.layout, offload=plan.offload,
-            captured=self.captured, kv_n=self.kv_n,
+            shape, n, self.chunk, db, lora=self.trained.adapters, layout=plan.layout, offload=plan.offload,
+            captured=self.captured, kv_n=self.kv_n, rows=self.rows,
         )  # fmt: skip
+        if shape.plain_attention_layers:  # the last chunk's mask block and the bool block it is built from
+            peak += self.masks.block_bytes(self.rows, self.chunk, self.kv_n // self.rows, db, built=True)
         # with a sequence split, the exchange of the keys' (then the values') shares beside the store: its own, and
         # one received at a time
         gathered = 2 * shape.kv_dim * db * n if self.ranks > 1 and shape.plain_attention_layers else 0

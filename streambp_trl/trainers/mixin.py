@@ -337,13 +337,15 @@ class StreamTrainerMixin:
     def _check_longest_batch(self) -> None:
         """Refuse at construction a config whose longest batch (:meth:`_longest_batch`) fits no way of running within
         the memory_budget (or the CUDA device's free memory), rather than at the first step that reaches it. Not under
-        DeepSpeed or FSDP, whose partitioned state the plan counts only once allocated."""
+        DeepSpeed or FSDP, whose partitioned state the plan counts only once allocated. A batch of several rows is
+        sized padded, as TRL's collators pad them to the longest, and a padding-free one packed: their attention
+        builds mask blocks over the whole prefix."""
         longest = self._longest_batch()
         if longest is None or getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False):
             return
         (rows, tokens), why = longest
         try:
-            check_fits(self.model, rows, tokens)
+            check_fits(self.model, rows, tokens, padded=rows > 1 or bool(getattr(self, "padding_free", False)))
         except NoPlanFits as error:
             raise NoPlanFits(f"{type(self).__name__}, the longest batch of this config ({why}): {error}") from None
 
