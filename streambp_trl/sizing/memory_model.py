@@ -69,6 +69,7 @@ from __future__ import annotations
 from ..logits.forms import HEAD_FORMS
 from .choices import CHUNKS, KVMode, StepPlan
 from .head_backward import head_backward_bytes
+from .held import attention_output_bytes, captured_bytes, kept_bytes, kept_token_bytes
 from .mixers import lightning_chunk_token_bytes, linear_chunk_token_bytes, ssm_chunk_token_bytes
 from .model_shape import ModelShape
 from .setup import (
@@ -84,14 +85,7 @@ from .setup import (
     trained_params,
     weight_bytes,
 )
-from .stream_step import (
-    attention_output_bytes,
-    captured_bytes,
-    estimate_activation_bytes,
-    kept_bytes,
-    kept_token_bytes,
-    per_token_bytes,
-)
+from .stream_step import estimate_activation_bytes, per_token_bytes
 from .units import UNITS, GiB, gib, parse_budget, parse_size
 
 __all__ = [
