@@ -15,6 +15,7 @@ UNCOUNTED: dict[str, str] = {
     "doge": "its dynamic mask's blocks",
     "gemma3n_text": "its per-layer inputs and the keys/values its last layers share",
     "gemma4_text": "its per-layer inputs and the keys/values its last layers share (where it has them)",
+    "gpt_oss": "its attention sinks' keys/values, copied to the query heads in each chunk's attention",
     "inkling2_text": "its relative-position bias and attention sinks",
     "zaya": "its float32 residual stream, its router stream and its CCA convolutions",
     "xlstm": "its mLSTM layers (their chunk backward and carried states)",

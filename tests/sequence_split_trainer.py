@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument(
         "--any-length", action="store_true", help="SFT rows not padded to a multiple of the split (pad_to_multiple_of)"
     )
+    parser.add_argument("--window", type=int, help="the causal LM's every layer a sliding window of this many keys")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -103,6 +104,17 @@ def main() -> None:
         torch.manual_seed(0)
         AutoModelForSequenceClassification.from_config(config).save_pretrained(saved)
 
+    def causal_lm():  # the tiny Qwen3, or (--window) the same weights with sliding-window attention in every layer
+        if not args.window:
+            return load_model()
+        from helpers import MODEL
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        layers = AutoConfig.from_pretrained(MODEL).num_hidden_layers
+        windowed = dict(use_sliding_window=True, sliding_window=args.window, max_window_layers=0)
+        windowed["layer_types"] = ["sliding_attention"] * layers
+        return AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32, **windowed)
+
     def built():  # the model trained: the causal LM, or the reward model's classifier, loaded alike everywhere
         if args.qlora:  # (float32 storage: FSDP2 and ZeRO-3 shard the 4-bit weights as float32 tensors)
             from helpers import MODEL
@@ -115,9 +127,7 @@ def main() -> None:
                 bnb_4bit_quant_storage=torch.float32,
             )
             return AutoModelForCausalLM.from_pretrained(MODEL, quantization_config=quantized, dtype=torch.float32)
-        return (
-            load_model() if args.objective != "reward" else AutoModelForSequenceClassification.from_pretrained(saved)
-        )
+        return causal_lm() if args.objective != "reward" else AutoModelForSequenceClassification.from_pretrained(saved)
 
     extra: dict = {}
     if not args.world_one and args.cp:
@@ -210,7 +220,7 @@ def main() -> None:
     decoder_forward._call_split = recorded
     model = built()  # after the config: under ZeRO-3 transformers builds it partitioned (zero.Init)
     # (ZeRO-3: a reference passed in)
-    reference = {"ref_model": load_model()} if args.objective in ("dpo", "kto") and not args.peft else {}
+    reference = {"ref_model": causal_lm()} if args.objective in ("dpo", "kto") and not args.peft else {}
     if args.peft:
         from peft import LoraConfig
 

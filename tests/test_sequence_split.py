@@ -197,6 +197,23 @@ def test_stream_trainers_under_fsdp2_context_parallelism_train_as_one_process(tm
     assert _rounding(one["after"], split["after"]) < 4
 
 
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_a_sliding_window_model_under_context_parallelism_trains_as_one_process(tmp_path, objective):
+    """The tiny Qwen3 with a sliding window of 4 keys in every layer (``--window 4``), SFT and DPO (padded chosen and
+    rejected rows) under FSDP2 with cp_size=2: accelerate refuses sliding-window models in its own context-parallel
+    preparation, which the trainers do not attach; each rank's first queries attend across the share boundary within
+    the window. The losses and weights are one process's with the same window (seen: losses to 8e-8, weights 2.8 and
+    1.0 epsilons of each tensor's largest), which the window changes (the update without it is far from both)."""
+    flags = ("--objective", objective, "--window", "4")
+    split = _trained(tmp_path, "split", "--cp", *flags)
+    one = _trained(tmp_path, "one", *flags, "--world-one", ranks=1)
+    full = _trained(tmp_path, "full", "--objective", objective, "--world-one", ranks=1)
+    assert split["splits"] == [(0, 2, split["splits"][0][2], grad) for grad in SPLIT_CALLS[objective]]
+    assert split["attention_hooks"] == 0
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-6, abs=1e-12)
+    assert _rounding(one["after"], split["after"]) < 4 < 100 < _rounding(full["after"], one["after"])
+
+
 def test_stream_sft_under_context_parallelism_pads_the_rows_and_evaluates_as_one_process(tmp_path):
     """SFT rows of an odd length (no pad_to_multiple_of) under cp_size=2: the trainer pads them with masked, unscored
     positions before cutting the shares; evaluation (TRL's own prediction step) streams each rank's rows whole. The
