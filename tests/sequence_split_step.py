@@ -154,6 +154,15 @@ def refusals(rank: int) -> dict[str, str]:
     cases["labels"] = lambda: model(input_ids=ids, labels=ids).loss
     mine = ids[:, : 4 + 2 * rank]  # rank 0: 4 tokens, rank 1: 6
     cases["lengths"] = lambda: model(input_ids=mine, shift_labels=shift[:, : mine.shape[1]]).loss
+    rows = ids[: 1 + rank]  # rank 0: one row, rank 1: two
+    cases["rows"] = lambda: model(input_ids=rows, shift_labels=shift[: rows.shape[0]]).loss
+    own = torch.arange(6 * rank, 6 * rank + 6).expand(2, -1)  # rank 0 gives its global positions, rank 1 none
+    cases["positions"] = lambda: model(input_ids=ids, position_ids=own if rank == 0 else None, shift_labels=shift)
+    padded = torch.ones_like(ids)
+    padded[1, :2] = 0  # rank 0's share padded, rank 1's given no mask: its rows joined with all ones
+    cases["a mask on one rank"] = lambda: float(
+        model(input_ids=ids, attention_mask=padded if rank == 0 else None, shift_labels=shift).loss
+    )
     starts = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])  # this rank's share of packed rows: restarts
     cuts = torch.tensor([0, 3, 6], dtype=torch.int32)
     cases["descriptors"] = lambda: model(input_ids=ids, position_ids=starts, cu_seq_lens_q=cuts, shift_labels=shift)

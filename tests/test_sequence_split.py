@@ -123,6 +123,9 @@ def test_split_refusals_name_the_problem_and_the_fix(tmp_path):
     assert "4D attention mask" in said["4D mask"] and "without the sequence split" in said["4D mask"]
     assert "shift_labels" in said["labels"] and "num_items_in_batch" in said["labels"]
     assert "different lengths (4 to 6 tokens)" in said["lengths"] and "pad_to_multiple_of" in said["lengths"]
+    assert "different numbers of rows (1 to 2)" in said["rows"] and "per_device_train_batch_size" in said["rows"]
+    assert "position_ids are given on some" in said["positions"] and "or on none" in said["positions"]
+    assert said["a mask on one rank"] == "accepted"  # (its padding joined with the other rank's rows, all ones)
     assert "cu_seq_lens_q" in said["descriptors"] and "global position_ids alone" in said["descriptors"]
     assert "start at different positions" in said["rows apart"] and "padding_free=True" in said["rows apart"]
     flash = said["flash, a mask"]

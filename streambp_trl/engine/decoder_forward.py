@@ -118,8 +118,9 @@ def _call_split(state: EngineState, inputs: torch.Tensor | None, kwargs: dict) -
         mask = None  # (a 4D mask: refused by the layers)
     positions = kwargs.get("position_ids")
     return SequenceSplit.of(
-        state.sequence_group(), inputs.shape[1], mask, state.split_draws, positions, state.kernel_apart
-    )
+        state.sequence_group(), inputs.shape[1], mask, state.split_draws, positions, state.kernel_apart,
+        inputs.shape[0],
+    )  # fmt: skip
 
 
 def _check_undescribed(kwargs: dict) -> None:

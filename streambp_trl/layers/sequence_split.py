@@ -80,9 +80,11 @@ class SequenceSplit:
         draws: Iterator[int],
         positions: torch.Tensor | None,
         kernel_apart: bool,
+        rows: int = 1,
     ) -> SequenceSplit:
-        """The split of a call whose rows hold ``length`` tokens on this rank, checked to be the same on every rank of
-        ``group`` (one four-element ``all_reduce``); ``mask``: this rank's (batch, length) 2D attention mask, if the
+        """The split of a call whose ``rows`` rows hold ``length`` tokens on this rank, checked to be the same on every
+        rank of ``group``, and its ``position_ids`` given on every rank or none (one eight-element ``all_reduce``);
+        ``mask``: this rank's (batch, length) 2D attention mask, if the
         call has one, gathered from every rank where one has padding (an ``all_gather``), so that each rank's queries
         are masked against the whole rows' padding, wherever it is; ``positions``: this rank's share of the call's
         ``position_ids``, if given, gathered where some rank's do not run on from its offset (an ``all_gather``) for
@@ -91,7 +93,9 @@ class SequenceSplit:
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         padded = mask is not None and not bool(mask.all())
         restarts = positions is not None and _restarts(positions, rank * length)
-        facts = torch.tensor([length, -length, int(padded), int(restarts)], dtype=torch.int64, device=_device(group))
+        given = int(positions is not None)
+        facts = [length, -length, rows, -rows, given, -given, int(padded), int(restarts)]
+        facts = torch.tensor(facts, dtype=torch.int64, device=_device(group))
         dist.all_reduce(facts, op=dist.ReduceOp.MAX, group=group)
         if int(facts[0]) != length or int(-facts[1]) != length:
             raise ValueError(
@@ -99,11 +103,22 @@ class SequenceSplit:
                 f"({int(-facts[1])} to {int(facts[0])} tokens): split every row into equal shares (pad the "
                 "sequence to a multiple of the split, e.g. pad_to_multiple_of)."
             )
+        if int(facts[2]) != rows or int(-facts[3]) != rows:
+            raise ValueError(
+                f"StreamBP: the sequence split across {size} ranks gives them different numbers of rows "
+                f"({int(-facts[3])} to {int(facts[2])}): every rank holds its share of the same rows (the same "
+                "per_device_train_batch_size on every rank of the group)."
+            )
+        if int(facts[4]) != int(-facts[5]):
+            raise ValueError(
+                f"StreamBP: position_ids are given on some of the {size} ranks of the sequence split and not on "
+                "others: pass each rank's share of the global position ids on every rank, or on none."
+            )
         whole = None
-        if int(facts[2]):
-            whole = _joined((mask if mask is not None else torch.ones(1, length)).bool(), group)
+        if int(facts[6]):
+            whole = _joined((mask if mask is not None else torch.ones(rows, length)).bool(), group)
         documents = ()
-        if int(facts[3]):
+        if int(facts[7]):
             documents = packed_documents(_joined(positions, group), mask is not None, whole is not None, kernel_apart)
         return cls(group, rank, size, length, whole, documents, draws)
 
